@@ -1,0 +1,1 @@
+"""The draft process: owns the draft model, answers SpecRequests, keeps the SSD tree cache."""

@@ -1,0 +1,37 @@
+"""`python -m draft_proc --control ADDR`: started by spec_runtime's launcher."""
+
+from __future__ import annotations
+
+import os
+
+import zmq
+
+from protocol.messages import PROTOCOL_VERSION, Ready, SpecLinkToDraft
+from protocol.transport import Channel
+from spec_runtime.child import run_child
+from draft_proc.worker import DraftWorker
+
+
+def build(cfg, init):
+    from draft_proc.factory import make_speculators
+
+    speculator, ssd, vocab_size, info = make_speculators(cfg)
+    chan = Channel(zmq.PAIR, SpecLinkToDraft)
+    chan.bind(init.spec_addr)
+    num_slots = cfg.sched.max_draft_seqs or cfg.sched.max_batch_size
+    worker = DraftWorker(cfg, chan, speculator, vocab_size, num_slots, ssd=ssd)
+    ready = Ready(
+        protocol_version=PROTOCOL_VERSION,
+        role="draft",
+        pid=os.getpid(),
+        vocab_size=vocab_size,
+        kv_capacity=info.get("kv_capacity", 0),
+        max_batch_size=num_slots,
+        max_model_len=cfg.sched.max_model_len,
+        model_name=info.get("model_name", "ngram"),
+    )
+    return ready, worker.run_forever
+
+
+if __name__ == "__main__":
+    run_child("draft", build)

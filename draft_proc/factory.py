@@ -1,0 +1,61 @@
+"""Build the draft process's speculators from the config."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from draft_proc.ngram import NgramSpeculator
+
+# The n-gram speculator never indexes by token id; the target validates ids anyway.
+NGRAM_VOCAB_BOUND = 2**31 - 1
+
+
+def make_oracle_transform(spec_cfg):
+    """The draft half of the synthetic acceptance oracle (benchmarks only), or None."""
+    if spec_cfg.synthetic_acceptance is None:
+        return None
+    import torch
+
+    from spec_runtime.oracle import draft_oracle_logits
+
+    def transform(logits, seqs, positions: np.ndarray):
+        seeds = torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=logits.device)
+        pos = torch.from_numpy(np.asarray(positions, dtype=np.int64)).to(logits.device)
+        return draft_oracle_logits(logits, seeds, pos, spec_cfg.synthetic_acceptance, tuple(spec_cfg.synthetic_ranks))
+
+    return transform
+
+
+def make_speculators(cfg):
+    """-> (speculator, ssd engine or None, vocab size for validation, info for Ready)."""
+    spec = cfg.spec
+    max_len = cfg.sched.max_model_len
+    if cfg.draft_name == "ngram":
+        if spec.mode == "ssd":
+            raise ValueError("--mode ssd needs a draft model (--draft PATH); the n-gram speculator has no tree to build")
+        return NgramSpeculator(spec.ngram_min, spec.ngram_max, max_len), None, NGRAM_VOCAB_BOUND, {"model_name": "ngram"}
+
+    from draft_proc.drafter import ModelDrafter
+    from spec_runtime.model.forward_batch import SlotLayout
+    from spec_runtime.model.runner import ModelRunner
+
+    num_slots = cfg.sched.max_draft_seqs or cfg.sched.max_batch_size
+    scratch = 0
+    if spec.mode == "ssd":
+        from draft_proc.ssd import scratch_rows_needed
+
+        scratch = scratch_rows_needed(spec, num_slots)
+    runner = ModelRunner(cfg.draft, num_slots=num_slots, max_model_len=max_len, num_scratch_rows=scratch)
+    drafter = ModelDrafter(runner, spec, logits_transform=make_oracle_transform(spec))
+    ssd = None
+    if spec.mode == "ssd":
+        from draft_proc.ssd import SSDEngine
+
+        backup = {
+            "jit": drafter,
+            "ngram": NgramSpeculator(spec.ngram_min, spec.ngram_max, max_len),
+            "none": None,
+        }[spec.backup]
+        ssd = SSDEngine(drafter, backup, spec)
+    info = {"kv_capacity": runner.layout.num_rows, "model_name": runner.model_name}
+    return drafter, ssd, runner.vocab_size, info

@@ -1,0 +1,54 @@
+"""Prompt-lookup speculation: no model, just the sequence's own history.
+
+For the longest suffix of length n in [ngram_min, ngram_max] that occurred earlier in
+the sequence, propose the tokens that followed its most recent earlier occurrence. The
+proposal is deterministic, so q is a point mass on each proposed token: verification
+accepts d with probability p(d) and, on rejection, samples from p with d removed,
+which keeps sampling exact.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from draft_proc.speculator import Proposal, Speculator
+from draft_proc.state import DraftSeq
+
+
+def ngram_propose(token_ids: list[int] | np.ndarray, k: int, ngram_min: int, ngram_max: int) -> list[int]:
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    n_tok = len(tokens)
+    for n in range(min(ngram_max, n_tok - 1), ngram_min - 1, -1):
+        suffix = tokens[n_tok - n :]
+        # Windows of length n starting at i, for i < n_tok - n (earlier occurrences only).
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[: n_tok - 1], n)
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if len(hits):
+            start = int(hits[-1]) + n
+            return tokens[start : start + k].tolist()
+    return []
+
+
+class NgramSpeculator(Speculator):
+    def __init__(self, ngram_min: int, ngram_max: int, max_model_len: int):
+        self.ngram_min = ngram_min
+        self.ngram_max = ngram_max
+        self.max_model_len = max_model_len
+
+    def propose(self, seqs: list[DraftSeq], k: int) -> Proposal:
+        prop = Proposal.empty(len(seqs), k)
+        any_sampled = any(s.temperature > 0 for s in seqs)
+        if any_sampled:
+            prop.q_token_ids = np.zeros((len(seqs), k, 1), dtype=np.int64)
+            prop.q_probs = np.zeros((len(seqs), k, 1), dtype=np.float32)
+        for b, seq in enumerate(seqs):
+            k_eff = max(0, min(k, self.max_model_len - seq.num_tokens))
+            tokens = ngram_propose(seq.token_ids, k_eff, self.ngram_min, self.ngram_max) if k_eff else []
+            m = len(tokens)
+            prop.draft_token_ids[b, :m] = tokens
+            prop.num_draft_tokens[b] = m
+            if any_sampled:
+                prop.q_token_ids[b, :m, 0] = tokens
+                prop.q_probs[b, :m, 0] = 1.0
+            seq.set_speculation(tokens, num_cached=0)
+        return prop

@@ -1,0 +1,162 @@
+"""draft_proc main loop: answer SpecRequests, and in SSD mode work ahead between them.
+
+Every message is checked before it touches state. A malformed frame gets an ErrorReply
+and the loop goes on; an outcome that does not fit a sequence's state (unknown seq_id,
+wrong length, more accepted tokens than were proposed, a token id outside the
+vocabulary) gets an ErrorReply for that sequence only, whose state is dropped so the
+target re-adds it. The rest of the batch is answered as usual.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from draft_proc.speculator import Proposal, Speculator
+from draft_proc.state import DraftSeq, OutcomeError
+from protocol.codec import ProtocolError
+from protocol.messages import (
+    AddSequence,
+    DraftStats,
+    DraftStatsRequest,
+    ErrorReply,
+    Release,
+    Shutdown,
+    SpecRequest,
+    SpecResponse,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class DraftWorker:
+    def __init__(self, cfg, channel, speculator: Speculator, vocab_size: int, num_slots: int, ssd=None):
+        self.cfg = cfg
+        self.channel = channel
+        self.speculator = speculator
+        self.vocab_size = vocab_size
+        self.ssd = ssd  # draft_proc.ssd.SSDEngine in SSD mode
+        self.free_slots = list(range(num_slots))[::-1]
+        self.seqs: dict[int, DraftSeq] = {}
+        self.num_requests = 0
+        self.running = True
+
+    def run_forever(self) -> None:
+        while self.running:
+            try:
+                msg = self.channel.recv(timeout_s=0.5)
+            except ProtocolError as e:
+                logger.warning("rejected a malformed message: %s", e)
+                self.channel.send_error(e.code, str(e))
+                continue
+            if msg is not None:
+                self.handle(msg)
+
+    def handle(self, msg) -> None:
+        if isinstance(msg, SpecRequest):
+            self.on_spec_request(msg)
+        elif isinstance(msg, AddSequence):
+            self.on_add(msg)
+        elif isinstance(msg, Release):
+            for sid in np.asarray(msg.seq_ids).tolist():
+                self.drop(int(sid))
+        elif isinstance(msg, DraftStatsRequest):
+            self.channel.send(self.stats())
+        elif isinstance(msg, Shutdown):
+            self.running = False
+        elif isinstance(msg, ErrorReply):
+            logger.warning("target reported %s: %s", msg.code, msg.message)
+
+    # ---------------------------------------------------------------- messages
+
+    def on_add(self, msg: AddSequence) -> None:
+        sid = msg.seq_id
+        prompt = np.asarray(msg.prompt_token_ids)
+        err = None
+        if prompt.ndim != 1 or prompt.size == 0:
+            err = "prompt_token_ids must be a non-empty 1-D array"
+        elif prompt.min() < 0 or prompt.max() >= self.vocab_size:
+            err = f"prompt token ids must be in [0, {self.vocab_size})"
+        elif msg.temperature < 0 or not 0 < msg.top_p <= 1 or msg.top_k < 0:
+            err = "bad sampling parameters"
+        if err is None and sid in self.seqs:
+            self.drop(sid)  # a re-add replaces the old state
+        if err is None and not self.free_slots:
+            err = f"no free draft slot ({len(self.seqs)} sequences held)"
+        if err is not None:
+            self.channel.send(ErrorReply(code="bad_request", message=err, seq_id=sid))
+            return
+        seq = DraftSeq(sid, self.free_slots.pop(), prompt.astype(np.int64).tolist(), msg.temperature, msg.top_k,
+                       msg.top_p, msg.seed)
+        self.seqs[sid] = seq
+        self.speculator.add(seq)
+
+    def drop(self, sid: int) -> None:
+        seq = self.seqs.pop(sid, None)
+        if seq is not None:
+            self.speculator.release(seq)
+            if self.ssd is not None:
+                self.ssd.release(seq)
+            self.free_slots.append(seq.slot)
+
+    def on_spec_request(self, req: SpecRequest) -> None:
+        self.num_requests += 1
+        b = len(req.seq_ids)
+        arrays = (req.rounds, req.num_accepted, req.token_ids, req.seq_lens)
+        if any(np.asarray(a).shape != (b,) for a in arrays) or not 1 <= req.k <= self.cfg.spec.k:
+            self.channel.send(ErrorReply(code="bad_request",
+                                         message=f"SpecRequest arrays must all be [{b}] and 1 <= k <= {self.cfg.spec.k}"))
+            return
+        ok: list[DraftSeq] = []
+        for i in range(b):
+            sid = int(req.seq_ids[i])
+            seq = self.seqs.get(sid)
+            token = int(req.token_ids[i])
+            try:
+                if seq is None:
+                    raise OutcomeError(f"unknown seq_id {sid}")
+                if not 0 <= token < self.vocab_size:
+                    raise OutcomeError(f"token id {token} is outside [0, {self.vocab_size})")
+                if self.ssd is not None:
+                    self.ssd.note_outcome(seq, int(req.num_accepted[i]), token)
+                seq.apply_outcome(int(req.num_accepted[i]), token, int(req.seq_lens[i]), int(req.rounds[i]))
+            except OutcomeError as e:
+                self.channel.send(ErrorReply(code="desync", message=str(e), seq_id=sid))
+                self.drop(sid)
+                continue
+            ok.append(seq)
+        if not ok:
+            return
+        if self.ssd is not None:
+            prop, hits, hits_by_depth = self.ssd.propose(ok, req.k)
+        else:
+            prop, hits, hits_by_depth = self.speculator.propose(ok, req.k), np.zeros(len(ok), bool), []
+        self.channel.send(self._response(req.step, ok, prop, hits, hits_by_depth))
+        if self.ssd is not None:
+            # Answer first, then work ahead for the outcomes expected next round.
+            self.ssd.work_ahead(ok, req.k)
+
+    def _response(self, step: int, seqs: list[DraftSeq], prop: Proposal, hits: np.ndarray, hits_by_depth) -> SpecResponse:
+        return SpecResponse(
+            step=step,
+            seq_ids=np.fromiter((s.seq_id for s in seqs), np.int64, len(seqs)),
+            rounds=np.fromiter((s.round for s in seqs), np.int64, len(seqs)),
+            draft_token_ids=prop.draft_token_ids,
+            num_draft_tokens=prop.num_draft_tokens,
+            cache_hit=np.asarray(hits, dtype=bool),
+            q_token_ids=prop.q_token_ids,
+            q_probs=prop.q_probs,
+            draft_work_s=self.ssd.last_work_s if self.ssd is not None else 0.0,
+            hits_by_depth=list(hits_by_depth),
+        )
+
+    def stats(self) -> DraftStats:
+        return DraftStats(
+            num_seqs=len(self.seqs),
+            num_cache_entries=self.ssd.num_entries() if self.ssd is not None else 0,
+            num_requests=self.num_requests,
+            num_hits=self.ssd.num_hits if self.ssd is not None else 0,
+            num_misses=self.ssd.num_misses if self.ssd is not None else 0,
+        )

@@ -1,0 +1,252 @@
+"""Messages of both links, as msgspec Structs.
+
+Vocabulary (used the same way everywhere):
+  - draft_token_ids: the K tokens the draft proposes for one sequence.
+  - draft_probs:     q, the distribution each draft token was sampled from, sent
+                     sparse as its top-k (q_token_ids, q_probs) so a SpecResponse
+                     does not grow with the vocabulary.
+  - num_accepted:    j, how many draft tokens the target accepted (0..K).
+  - recovery/bonus:  the token the target sampled after the accepted prefix; a
+                     recovery token at the first rejection (j < K), a bonus token
+                     when all K were accepted (j == K). Both travel as `token_id`.
+  - round:           per-sequence counter; a response whose round does not match
+                     the target's current round for that sequence is stale.
+
+Arrays (token ids, probabilities) are numpy arrays inside the Structs; the codec
+(`protocol.codec`) sends each as an extra zero-copy frame. Every message is
+array_like=True (positional msgpack arrays, tag first); hot ones are also gc=False,
+as vLLM's engine core does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+# Placeholder for "no token" in fixed-shape arrays.
+PLACEHOLDER_TOKEN_ID = -1
+
+
+class _Hot(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, forbid_unknown_fields=True):
+    pass
+
+
+# Cold messages are array_like too: msgspec refuses a tagged union that mixes
+# array_like and map-encoded Structs, and ErrorReply sits in unions with hot
+# messages. They differ from _Hot only in staying gc-tracked.
+class _Cold(msgspec.Struct, array_like=True, omit_defaults=True, forbid_unknown_fields=True):
+    pass
+
+
+# ---------------------------------------------------------------- handshake
+
+
+class Hello(_Cold, tag="hello"):
+    """Child -> parent, first message after connecting."""
+
+    protocol_version: int
+    role: str  # "target" | "draft"
+    pid: int
+
+
+class Init(_Cold, tag="init"):
+    """Parent -> child: the config. `config` is a RuntimeConfig encoded as a dict."""
+
+    protocol_version: int
+    config: dict
+    # Address the target connects to for the spec link (target only).
+    spec_addr: str = ""
+    # Address the target binds for the client link (target only).
+    client_addr: str = ""
+
+
+class Ready(_Cold, tag="ready"):
+    """Child -> parent: what the child learned while loading."""
+
+    protocol_version: int
+    role: str
+    pid: int
+    vocab_size: int
+    # Tokens of KV capacity (all slots together).
+    kv_capacity: int
+    max_batch_size: int
+    max_model_len: int
+    eos_token_ids: list[int] = []
+    # Batch sizes with captured CUDA graphs (empty on CPU).
+    graph_batch_sizes: list[int] = []
+    model_name: str = ""
+
+
+# ---------------------------------------------------------------- client link
+
+
+class SamplingParams(_Cold):
+    """Per-request sampling and stop rules. Validated by `validate_sampling`."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+
+class GenerateRequest(_Hot, tag="gen"):
+    request_id: str
+    prompt_token_ids: np.ndarray  # [num_prompt_tokens] int64
+    sampling: SamplingParams
+
+
+class AbortRequest(_Hot, tag="abort"):
+    request_id: str
+
+
+class RequestStats(_Cold):
+    """Per-request speculation stats, sent with the final output."""
+
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_rounds: int = 0  # verify rounds (AR steps count as rounds with 0 drafts)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    # accepted_per_position[i]: rounds in which draft token i+1 was accepted.
+    accepted_per_position: list[int] = []
+    # drafted_per_position[i]: rounds in which a draft token at i+1 was proposed.
+    drafted_per_position: list[int] = []
+    num_cache_hits: int = 0
+    num_cache_misses: int = 0
+    num_ar_fallback_rounds: int = 0
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+
+
+class RequestOutput(_Hot):
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str = ""
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    logprobs: list[float] = []
+    stats: RequestStats | None = None
+    error: str | None = None
+
+
+class TokenOutputs(_Hot, tag="out"):
+    """Target -> client: every request that advanced in one step."""
+
+    step: int
+    outputs: list[RequestOutput]
+
+
+class StatsRequest(_Cold, tag="stats?"):
+    pass
+
+
+class EngineStats(_Cold, tag="stats"):
+    """Live state of target_proc (and of the draft as last reported)."""
+
+    num_running: int
+    num_waiting: int
+    num_free_slots: int
+    draft_alive: bool
+    mode: str
+    totals: RequestStats
+    draft_num_seqs: int = -1
+    draft_num_cache_entries: int = -1
+
+
+class ErrorReply(_Cold, tag="error"):
+    """Either link: a message that could not be accepted. The sender keeps serving."""
+
+    code: str  # "bad_message" | "bad_request" | "version" | "internal" | ...
+    message: str
+    request_id: str = ""
+    seq_id: int = -1
+
+
+# ---------------------------------------------------------------- spec link
+
+
+class AddSequence(_Hot, tag="add"):
+    """Target -> draft: a new (or re-synced) sequence; the draft prefills all of
+    prompt_token_ids. The next SpecRequest for it carries (0, the token after them)."""
+
+    seq_id: int
+    prompt_token_ids: np.ndarray  # [num_prompt_tokens] int64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+class SpecRequest(_Hot, tag="req"):
+    """Target -> draft: the outcomes of one verify step for a batch.
+
+    For sequence i: num_accepted[i] of its last speculation were accepted, then
+    token_ids[i] (recovery or bonus) was sampled. For a fresh sequence the
+    outcome is (0, first token sampled after prefill).
+    """
+
+    step: int
+    seq_ids: np.ndarray  # [B] int64
+    rounds: np.ndarray  # [B] int64
+    num_accepted: np.ndarray  # [B] int32
+    token_ids: np.ndarray  # [B] int64, recovery or bonus token
+    # Confirmed length of each sequence including token_ids[i]; the draft checks it
+    # against its own bookkeeping and answers ErrorReply(code="desync") on mismatch,
+    # after which the target re-adds the sequence.
+    seq_lens: np.ndarray  # [B] int64
+    # The K the target wants this round (<= configured K).
+    k: int
+
+
+class SpecResponse(_Hot, tag="resp"):
+    """Draft -> target: the next speculation for each sequence of a SpecRequest."""
+
+    step: int
+    seq_ids: np.ndarray  # [B] int64
+    rounds: np.ndarray  # [B] int64
+    draft_token_ids: np.ndarray  # [B, K] int64, PLACEHOLDER_TOKEN_ID past num_draft_tokens
+    num_draft_tokens: np.ndarray  # [B] int32 (a miss with backup=none gives 0)
+    cache_hit: np.ndarray  # [B] bool (SD mode: all False)
+    # Sparse q: for draft token i of sequence b, q is zero outside q_token_ids[b, i].
+    # Absent (empty) when every sequence is greedy.
+    q_token_ids: np.ndarray | None = None  # [B, K, top_k] int64
+    q_probs: np.ndarray | None = None  # [B, K, top_k] float32
+    # Seconds the draft spent working ahead since the previous request (SSD).
+    draft_work_s: float = 0.0
+    hits_by_depth: list[int] = []
+
+
+class Release(_Hot, tag="rel"):
+    """Target -> draft: free the KV and tree cache of these sequences."""
+
+    seq_ids: np.ndarray  # [N] int64
+
+
+class DraftStatsRequest(_Cold, tag="dstats?"):
+    pass
+
+
+class DraftStats(_Cold, tag="dstats"):
+    num_seqs: int
+    num_cache_entries: int
+    num_requests: int
+    num_hits: int
+    num_misses: int
+
+
+class Shutdown(_Cold, tag="bye"):
+    pass
+
+
+HandshakeMessage = Hello | Init | Ready | ErrorReply
+ClientMessage = GenerateRequest | AbortRequest | StatsRequest | Shutdown
+TargetToClientMessage = TokenOutputs | EngineStats | ErrorReply
+SpecLinkToDraft = AddSequence | SpecRequest | Release | DraftStatsRequest | Shutdown
+SpecLinkToTarget = SpecResponse | DraftStats | ErrorReply

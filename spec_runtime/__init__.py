@@ -1,0 +1,21 @@
+"""spec-runtime: exact speculative decoding with the draft model in its own process.
+
+    from spec_runtime import Client, RuntimeConfig, SamplingParams
+    with Client(RuntimeConfig()) as client:
+        print(client.generate("Hello", max_tokens=32).text)
+"""
+
+from protocol.messages import SamplingParams
+from spec_runtime.config import ModelConfig, RuntimeConfig, SchedulerConfig, SpeculativeConfig
+
+__all__ = ["Client", "GenerationResult", "ModelConfig", "RuntimeConfig", "SamplingParams", "SchedulerConfig",
+           "SpeculativeConfig"]
+
+
+def __getattr__(name):
+    # The client pulls in zmq threads and the launcher; import it only when asked for.
+    if name in ("Client", "GenerationResult"):
+        from spec_runtime import client
+
+        return getattr(client, name)
+    raise AttributeError(name)

@@ -1,0 +1,166 @@
+"""The `spec-runtime` command.
+
+Flags are generated from the config dataclasses (spec_runtime.config), so `--help`
+always matches what the runtime accepts:
+  ModelConfig fields      -> --target, --target-device, ... and --draft, --draft-device, ...
+  SpeculativeConfig       -> --mode, --k, --fan-out, --backup, ...
+  SchedulerConfig         -> --max-batch-size, --max-model-len, ...
+  RuntimeConfig (scalars) -> --seed, --startup-timeout-s, --log-level
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import typing
+from typing import Any, get_args, get_origin
+
+from spec_runtime.config import ModelConfig, RuntimeConfig, SchedulerConfig, SpeculativeConfig
+
+
+def _parse_tuple(kind):
+    def parse(text: str) -> tuple:
+        text = text.strip()
+        if not text:
+            return ()
+        try:
+            return tuple(kind(x) for x in text.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {kind.__name__}s, got {text!r}") from None
+
+    return parse
+
+
+def _add_field(group, flag: str, dest: str, f: dataclasses.Field, hint: Any) -> None:
+    help_text = f.metadata.get("help", "")
+    default = f.default
+    kw: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS, "help": f"{help_text} (default: {default!r})"}
+    origin, args = get_origin(hint), get_args(hint)
+    if hint is bool:
+        kw["action"] = argparse.BooleanOptionalAction
+    elif origin is typing.Literal:
+        kw["choices"] = list(args)
+    elif origin is tuple:
+        kw["type"] = _parse_tuple(args[0])
+        kw["metavar"] = "A,B,..."
+    elif hint in (int, float, str):
+        kw["type"] = hint
+    elif type(None) in args:  # X | None
+        inner = next(a for a in args if a is not type(None))
+        kw["type"] = inner
+    else:
+        kw["type"] = str
+    group.add_argument(flag, **kw)
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    def fields(cls):
+        hints = typing.get_type_hints(cls)
+        return [(f, hints[f.name]) for f in dataclasses.fields(cls)]
+
+    for role in ("target", "draft"):
+        g = parser.add_argument_group(f"{role} model")
+        for f, hint in fields(ModelConfig):
+            flag = f"--{role}" if f.name == "path" else f"--{role}-{f.name.replace('_', '-')}"
+            _add_field(g, flag, f"{role}.{f.name}", f, hint)
+    for cls, section, title in ((SpeculativeConfig, "spec", "speculation"), (SchedulerConfig, "sched", "scheduler")):
+        g = parser.add_argument_group(title)
+        for f, hint in fields(cls):
+            _add_field(g, f"--{f.name.replace('_', '-')}", f"{section}.{f.name}", f, hint)
+    g = parser.add_argument_group("runtime")
+    for f, hint in fields(RuntimeConfig):
+        if f.name not in ("target", "draft", "spec", "sched"):
+            _add_field(g, f"--{f.name.replace('_', '-')}", f"runtime.{f.name}", f, hint)
+
+
+def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
+    """Build the frozen config tree from the flags that were given; ValueError if invalid."""
+    given: dict[str, dict[str, Any]] = {"target": {}, "draft": {}, "spec": {}, "sched": {}, "runtime": {}}
+    for dest, value in vars(args).items():
+        if "." in dest:
+            section, name = dest.split(".", 1)
+            given[section][name] = value
+    return RuntimeConfig(
+        target=ModelConfig(**given["target"]),
+        draft=ModelConfig(**given["draft"]),
+        spec=SpeculativeConfig(**given["spec"]),
+        sched=SchedulerConfig(**given["sched"]),
+        **given["runtime"],
+    )
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from protocol.messages import SamplingParams
+    from spec_runtime.client import Client
+    from spec_runtime.launcher import StartupError
+
+    cfg = config_from_args(args)
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                        top_p=args.top_p, seed=args.request_seed, stop=args.stop or [])
+    try:
+        client = Client(cfg)
+    except StartupError as e:
+        print(f"spec-runtime: start-up failed: {e}", file=sys.stderr)
+        return 1
+    with client:
+        chat = not args.raw and bool(getattr(client.tokenizer, "chat_template", None))
+        prompt_ids = client.encode_prompt(args.prompt, chat=chat)
+        if args.json:
+            res = client.generate(prompt_ids, sp)
+            print(json.dumps({"text": res.text, "token_ids": res.token_ids, "finish_reason": res.finish_reason,
+                              "mode": cfg.spec.mode, "draft": cfg.draft_name if cfg.spec.mode != "ar" else None,
+                              "k": cfg.spec.k, "stats": res.stats_dict()}))
+            return 0
+        final = None
+        for out in client.stream(prompt_ids, sp):
+            sys.stdout.write(out.text_delta)
+            sys.stdout.flush()
+            final = out
+        sys.stdout.write("\n")
+        if final is not None and final.stats is not None:
+            from spec_runtime.client import GenerationResult
+
+            st = GenerationResult("", [], final.finish_reason, final.stats).stats_dict()
+            draft = f", draft {cfg.draft_name}" if cfg.spec.mode != "ar" else ""
+            print(
+                f"[{cfg.spec.mode}{draft}, K={cfg.spec.k}] {st['num_generated_tokens']} tokens in {st['e2e_s']:.2f} s, "
+                f"{st['num_rounds']} rounds, {st['mean_accepted_tokens_per_round']:.2f} tokens/round, "
+                f"acceptance {st['acceptance_rate']:.2f} per position {st['acceptance_per_position']}, "
+                f"finish: {final.finish_reason}",
+                file=sys.stderr,
+            )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="spec-runtime", description="Exact speculative decoding (AR / SD / SSD).")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for one prompt and print it with speculation stats")
+    gen.add_argument("prompt", help="the prompt (chat-templated when the model has a template, unless --raw)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--request-seed", type=int, default=None, help="seed of this request's sampling")
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    gen.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids and stats")
+    add_config_flags(gen)
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"spec-runtime: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,258 @@
+"""Python client of the runtime: `generate`, `stream`, `chat`, `generate_batch`.
+
+`Client(config)` starts target_proc (and draft_proc) in the background and talks to the
+target over the client link (a DEALER socket; the target's end is a ROUTER). One I/O
+thread owns the socket: it sends what callers queue and routes each TokenOutputs entry
+to the queue of its request, so any number of threads may generate at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+import zmq
+
+from protocol.codec import ProtocolError
+from protocol.messages import (
+    AbortRequest,
+    EngineStats,
+    ErrorReply,
+    GenerateRequest,
+    RequestOutput,
+    RequestStats,
+    SamplingParams,
+    StatsRequest,
+    TargetToClientMessage,
+    TokenOutputs,
+)
+from protocol.transport import Channel
+from spec_runtime.config import RuntimeConfig
+from spec_runtime.launcher import Launcher
+
+logger = logging.getLogger(__name__)
+
+
+class RequestFailed(RuntimeError):
+    """The runtime rejected or could not finish a request."""
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stats: RequestStats
+    logprobs: list[float] = field(default_factory=list)
+
+    def stats_dict(self) -> dict:
+        s = self.stats
+        spec_rounds = s.num_rounds - 1  # the first token comes from prefill, not a round
+        mean_accepted = 1.0 + s.num_accepted_tokens / spec_rounds if spec_rounds > 0 else 0.0
+        return {
+            "num_prompt_tokens": s.num_prompt_tokens,
+            "num_generated_tokens": s.num_generated_tokens,
+            "num_rounds": s.num_rounds,
+            "num_draft_tokens": s.num_draft_tokens,
+            "num_accepted_tokens": s.num_accepted_tokens,
+            "mean_accepted_tokens_per_round": round(mean_accepted, 4),
+            "acceptance_rate": round(s.num_accepted_tokens / s.num_draft_tokens, 4) if s.num_draft_tokens else 0.0,
+            "acceptance_per_position": [
+                round(a / d, 4) if d else 0.0 for a, d in zip(s.accepted_per_position, s.drafted_per_position)
+            ],
+            "num_cache_hits": s.num_cache_hits,
+            "num_cache_misses": s.num_cache_misses,
+            "num_ar_fallback_rounds": s.num_ar_fallback_rounds,
+            "ttft_s": round(s.ttft_s, 4),
+            "e2e_s": round(s.e2e_s, 4),
+        }
+
+
+_DONE = object()
+
+
+class Client:
+    def __init__(self, config: RuntimeConfig | None = None, *, tokenizer=None):
+        self.config = config or RuntimeConfig()
+        self.launcher = Launcher(self.config)
+        self.ready = self.launcher.ready["target"]
+        self._tokenizer = tokenizer
+        self._ids = itertools.count()
+        self._queues: dict[str, queue.Queue] = {}
+        self._outbox: queue.Queue = queue.Queue()
+        self._stats_waiters: list[queue.Queue] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self._chan = Channel(zmq.DEALER, TargetToClientMessage)
+        self._chan.connect(self.launcher.client_addr)
+        self._io = threading.Thread(target=self._io_loop, name="client-io", daemon=True)
+        self._io.start()
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from spec_runtime.model.loader import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.config.target.path)
+        return self._tokenizer
+
+    def encode_prompt(self, prompt: str | list[int], chat: bool = False) -> list[int]:
+        if not isinstance(prompt, str):
+            return [int(t) for t in prompt]
+        if chat:
+            return self.encode_chat([{"role": "user", "content": prompt}])
+        return list(self.tokenizer.encode(prompt))
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        tok = self.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; pass a plain prompt")
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+
+    def submit(self, prompt_token_ids: list[int], sampling: SamplingParams) -> str:
+        request_id = f"req-{next(self._ids)}"
+        q: queue.Queue = queue.Queue()
+        with self._lock:
+            if self._closed:
+                raise RequestFailed("the client is closed")
+            self._queues[request_id] = q
+        self._outbox.put(GenerateRequest(request_id, np.asarray(prompt_token_ids, dtype=np.int64), sampling))
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        self._outbox.put(AbortRequest(request_id))
+
+    def stream_outputs(self, request_id: str, timeout_s: float | None = None) -> Iterator[RequestOutput]:
+        """RequestOutput chunks of one request as the target accepts them."""
+        q = self._queues[request_id]
+        try:
+            while True:
+                item = q.get(timeout=timeout_s)
+                if item is _DONE:
+                    return
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        except queue.Empty:
+            raise RequestFailed(f"no output for {request_id} within {timeout_s} s") from None
+        finally:
+            with self._lock:
+                self._queues.pop(request_id, None)
+
+    def stream(self, prompt: str | list[int], sampling: SamplingParams | None = None, *, chat: bool = False,
+               **kw) -> Iterator[RequestOutput]:
+        sp = sampling or SamplingParams(**kw)
+        return self.stream_outputs(self.submit(self.encode_prompt(prompt, chat), sp))
+
+    def generate(self, prompt: str | list[int], sampling: SamplingParams | None = None, *, chat: bool = False,
+                 **kw) -> GenerationResult:
+        return self.generate_batch([prompt], sampling, chat=chat, **kw)[0]
+
+    def generate_batch(self, prompts: list[str | list[int]], sampling: SamplingParams | None = None, *,
+                       chat: bool = False, **kw) -> list[GenerationResult]:
+        """Submit all prompts at once (they are batched together) and wait for all."""
+        sp = sampling or SamplingParams(**kw)
+        ids = [self.submit(self.encode_prompt(p, chat), sp) for p in prompts]
+        return [self._collect(rid) for rid in ids]
+
+    def chat(self, messages: list[dict], sampling: SamplingParams | None = None, **kw) -> GenerationResult:
+        sp = sampling or SamplingParams(**kw)
+        return self._collect(self.submit(self.encode_chat(messages), sp))
+
+    def engine_stats(self, timeout_s: float = 5.0) -> EngineStats:
+        q: queue.Queue = queue.Queue()
+        with self._lock:
+            self._stats_waiters.append(q)
+        self._outbox.put(StatsRequest())
+        try:
+            return q.get(timeout=timeout_s)
+        except queue.Empty:
+            raise RequestFailed("no stats from the target") from None
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._io.join(timeout=2.0)
+        self._chan.close()
+        self.launcher.shutdown()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _collect(self, request_id: str) -> GenerationResult:
+        ids: list[int] = []
+        text: list[str] = []
+        logprobs: list[float] = []
+        last = None
+        for out in self.stream_outputs(request_id):
+            ids.extend(out.new_token_ids)
+            text.append(out.text_delta)
+            logprobs.extend(out.logprobs)
+            last = out
+        if last is None or last.stats is None:
+            raise RequestFailed(f"{request_id} ended without a final output")
+        return GenerationResult("".join(text), ids, last.finish_reason, last.stats, logprobs)
+
+    def _io_loop(self) -> None:
+        while not self._closed:
+            while True:
+                try:
+                    self._chan.send(self._outbox.get_nowait())
+                except queue.Empty:
+                    break
+            dead = self.launcher.dead_child()
+            if dead == "target":
+                self._fail_all(RequestFailed("the target process died; the runtime cannot serve requests"))
+            try:
+                msg = self._chan.recv(timeout_s=0.002)
+            except ProtocolError as e:
+                logger.warning("dropping a malformed message from the target: %s", e)
+                continue
+            if msg is not None:
+                self._route(msg)
+
+    def _route(self, msg) -> None:
+        if isinstance(msg, TokenOutputs):
+            for out in msg.outputs:
+                q = self._queues.get(out.request_id)
+                if q is not None:
+                    q.put(out)
+        elif isinstance(msg, ErrorReply):
+            q = self._queues.get(msg.request_id)
+            err = RequestFailed(f"{msg.code}: {msg.message}")
+            if q is not None:
+                q.put(err)
+            else:
+                logger.warning("target error: %s", err)
+        elif isinstance(msg, EngineStats):
+            with self._lock:
+                waiters, self._stats_waiters = self._stats_waiters, []
+            for w in waiters:
+                w.put(msg)
+
+    def _fail_all(self, err: Exception) -> None:
+        with self._lock:
+            queues = list(self._queues.values())
+        for q in queues:
+            q.put(err)
+        time.sleep(0.05)

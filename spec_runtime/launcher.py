@@ -1,0 +1,181 @@
+"""Start target_proc and draft_proc, run the handshake, watch them, tear them down.
+
+The handshake (Hello -> Init -> Ready) polls each child's control socket *and* its
+process, so a child that dies while loading is reported with its exit code instead of
+hung on; a child that sends ErrorReply(code="startup") is reported with its own words.
+Either way every child is stopped before the error reaches the caller: no orphans.
+Teardown is registered with weakref.finalize, so it also runs if the owner forgets.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+
+import zmq
+
+from protocol.codec import ProtocolError, encode_config
+from protocol.messages import PROTOCOL_VERSION, ErrorReply, HandshakeMessage, Hello, Init, Ready
+from protocol.transport import Channel, ipc_address, private_ipc_dir
+from spec_runtime.config import RuntimeConfig
+
+logger = logging.getLogger(__name__)
+
+_PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class StartupError(RuntimeError):
+    """A child process failed to start; the message names the process and the cause."""
+
+
+@dataclass
+class _Child:
+    role: str
+    proc: subprocess.Popen
+    ctl: Channel
+    init: Init
+    ready: Ready | None = None
+    hello: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.role} process (pid {self.proc.pid})"
+
+
+def _spawn(role: str, control_addr: str, cfg: RuntimeConfig) -> subprocess.Popen:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = _PROJECT_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["SPEC_RUNTIME_LOG_LEVEL"] = cfg.log_level
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return subprocess.Popen(
+        [sys.executable, "-m", f"{role}_proc", "--control", control_addr],
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def _stop_processes(procs: list[subprocess.Popen], ipc_dir: str | None, grace_s: float = 3.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    if ipc_dir:
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+class Launcher:
+    """Owns the child processes of one runtime.
+
+    After construction: `client_addr` is where clients connect, `ready` maps role to the
+    child's Ready message, and `dead_child()` names a child that has exited.
+    """
+
+    def __init__(self, cfg: RuntimeConfig):
+        self.cfg = cfg
+        self.ipc_dir = private_ipc_dir()
+        self.client_addr = ipc_address(self.ipc_dir, "client")
+        self.spec_addr = ipc_address(self.ipc_dir, "spec")
+        self.children: dict[str, _Child] = {}
+        self._finalizer = weakref.finalize(self, _stop_processes, [], self.ipc_dir)
+        roles = ["draft", "target"] if cfg.spec.uses_draft_process else ["target"]
+        try:
+            for role in roles:
+                self._start(role)
+            self._handshake()
+        except BaseException:
+            self.shutdown()
+            raise
+        self.ready = {role: c.ready for role, c in self.children.items()}
+        self._dead: str | None = None
+        self._monitor = threading.Thread(target=self._watch, name="child-monitor", daemon=True)
+        self._monitor.start()
+
+    def _start(self, role: str) -> None:
+        ctl = Channel(zmq.PAIR, HandshakeMessage)
+        addr = ipc_address(self.ipc_dir, f"{role}-ctl")
+        ctl.bind(addr)
+        init = Init(
+            protocol_version=PROTOCOL_VERSION,
+            config=encode_config(self.cfg),
+            spec_addr=self.spec_addr,
+            client_addr=self.client_addr if role == "target" else "",
+        )
+        proc = _spawn(role, addr, self.cfg)
+        self.children[role] = _Child(role, proc, ctl, init)
+        self._finalizer.detach()
+        self._finalizer = weakref.finalize(
+            self, _stop_processes, [c.proc for c in self.children.values()], self.ipc_dir
+        )
+
+    def _handshake(self) -> None:
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        pending = dict(self.children)
+        while pending:
+            for role, child in list(pending.items()):
+                code = child.proc.poll()
+                if code is not None:
+                    # It may have said why before exiting.
+                    msg = self._recv(child, 0.2)
+                    if isinstance(msg, ErrorReply):
+                        raise StartupError(msg.message)
+                    raise StartupError(f"{child.name} exited with code {code} during start-up")
+                msg = self._recv(child, 0.05)
+                if msg is None:
+                    continue
+                if isinstance(msg, Hello) and not child.hello:
+                    if msg.protocol_version != PROTOCOL_VERSION:
+                        raise StartupError(f"{child.name} speaks protocol {msg.protocol_version}, expected {PROTOCOL_VERSION}")
+                    child.hello = True
+                    child.ctl.send(child.init)
+                elif isinstance(msg, Ready) and child.hello:
+                    child.ready = msg
+                    del pending[role]
+                    logger.info("%s ready: %s", child.name, msg.model_name)
+                elif isinstance(msg, ErrorReply):
+                    raise StartupError(msg.message)
+                else:
+                    raise StartupError(f"{child.name} sent {type(msg).__name__} out of order during start-up")
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(c.name for c in pending.values())
+                raise StartupError(f"{names} did not become ready within {self.cfg.startup_timeout_s:.0f} s")
+
+    @staticmethod
+    def _recv(child: _Child, timeout_s: float):
+        try:
+            return child.ctl.recv(timeout_s=timeout_s)
+        except ProtocolError as e:
+            raise StartupError(f"{child.name} sent a malformed handshake message: {e}") from e
+
+    def _watch(self) -> None:
+        while self._finalizer.alive:
+            for role, child in self.children.items():
+                code = child.proc.poll()
+                if code is not None and self._dead is None:
+                    self._dead = role
+                    logger.error("%s exited with code %s", child.name, code)
+            time.sleep(0.2)
+
+    def dead_child(self) -> str | None:
+        """'target' or 'draft' once that child has exited unexpectedly, else None."""
+        return self._dead
+
+    def pids(self) -> dict[str, int]:
+        return {role: c.proc.pid for role, c in self.children.items()}
+
+    def shutdown(self) -> None:
+        for child in self.children.values():
+            child.ctl.close()
+        self._finalizer()

@@ -1,0 +1,161 @@
+"""CUDA graphs for the fixed-shape forwards: decode (q_len 1) and verify (q_len K+1).
+
+One graph per (batch size, q_len): batch sizes 1, 2, 4, 8, 16, ... up to the maximum,
+each q_len of `q_lens`. Graphs are captured largest first into one memory pool, so
+the smaller ones reuse the largest one's activation memory. A graph replays the whole
+model forward (embedding to final norm, cuda_ops.cuda_forward); the LM head runs after
+it on the rows the caller asked for, which keeps the graphs' outputs small.
+
+Static inputs: input_ids, positions and kv_write_rows live in buffers sized for the
+largest graph (every graph reads a prefix of them); attention metadata lives in each
+graph's flashinfer wrapper (flashinfer_backend.GraphAttention) and is refilled by its
+plan before replay. A batch of b requests runs on the smallest captured size B >= b;
+the B - b padding requests write their K/V to `dummy_row`, a pool row no sequence
+owns, and attend to it only. Shapes without a graph (ragged q_len, prefill, more
+requests or kv rows than captured) return None and the caller runs eagerly.
+
+No host sync on this path: inputs are copied device to device, the padded indptr is
+built on the host from the batch's host copies, and planning is host work.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from spec_runtime.model.flashinfer_backend import FlashInferBackend, GraphAttention
+from spec_runtime.model.forward_batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+ForwardFn = Callable[[torch.Tensor, torch.Tensor, ForwardBatch], torch.Tensor]
+
+
+def graph_batch_sizes(max_batch_size: int) -> list[int]:
+    """1, 2, 4, 8, 16, ... and max_batch_size itself, ascending."""
+    if max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+    sizes, b = [], 1
+    while b < max_batch_size:
+        sizes.append(b)
+        b *= 2
+    sizes.append(max_batch_size)
+    return sizes
+
+
+@dataclass
+class _Graph:
+    batch_size: int
+    q_len: int
+    graph: torch.cuda.CUDAGraph
+    attn: GraphAttention
+    batch: ForwardBatch  # static: views of the shared input buffers
+    hidden: torch.Tensor  # [B * q_len, H] output, written by every replay
+
+
+class CudaGraphRunner:
+    """Captures and replays fixed-shape forwards; `run` returns None for shapes it lacks."""
+
+    def __init__(self, forward_fn: ForwardFn, backend: FlashInferBackend, *, max_batch_size: int,
+                 q_lens: Sequence[int], max_kv_len: int, dummy_row: int, device: torch.device) -> None:
+        if any(q < 1 for q in q_lens) or not q_lens:
+            raise ValueError(f"q_lens must be >= 1 and non-empty, got {tuple(q_lens)}")
+        if max_kv_len < max(q_lens):
+            raise ValueError(f"max_kv_len {max_kv_len} is shorter than q_len {max(q_lens)}")
+        self.forward_fn = forward_fn
+        self.backend = backend
+        self.batch_sizes = graph_batch_sizes(max_batch_size)
+        self.q_lens = tuple(sorted(set(q_lens)))
+        self.max_kv_len = max_kv_len  # kv rows one request may attend to
+        self.dummy_row = dummy_row
+        self.device = device
+        max_tokens = max(self.batch_sizes) * max(self.q_lens)
+        self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)  # [T_max]
+        self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)  # [T_max]
+        self.kv_write_rows = torch.full((max_tokens,), dummy_row, dtype=torch.int64, device=device)
+        # Staging for the padded page table: the batch's kv_indices, then dummy rows.
+        max_rows = max(self.batch_sizes) * max_kv_len
+        self.kv_indices = torch.full((max_rows,), dummy_row, dtype=torch.int32, device=device)
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.pool = None
+
+    def _static_batch(self, b: int, q: int) -> ForwardBatch:
+        n = b * q
+        qo = np.arange(0, (b + 1) * q, q, dtype=np.int32)
+        return ForwardBatch(
+            input_ids=self.input_ids[:n], positions=self.positions[:n], kv_write_rows=self.kv_write_rows[:n],
+            qo_indptr=torch.from_numpy(qo).to(self.device), kv_indptr=torch.from_numpy(qo).to(self.device),
+            kv_indices=self.kv_indices[:n], logits_indices=torch.arange(n, device=self.device),
+            qo_indptr_cpu=qo, kv_indptr_cpu=qo.copy(), max_q_len=q,
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every (batch size, q_len), largest first, sharing one memory pool."""
+        shapes = [(b, q) for b in reversed(self.batch_sizes) for q in reversed(self.q_lens)]
+        self.pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        for b, q in tqdm(shapes, desc="capturing CUDA graphs", unit="graph", leave=False):
+            attn = self.backend.make_graph_attention(b, q, b * self.max_kv_len)
+            batch = self._static_batch(b, q)
+            # Each padding-only request attends to q dummy rows (kv_len = q_len).
+            self.kv_write_rows[: b * q].fill_(self.dummy_row)
+            self.backend.begin_graph(attn, batch.kv_indptr_cpu, self.kv_indices[: b * q], batch)
+            # Warm up on a side stream (torch.compile and cuBLAS pick their kernels
+            # and workspaces here, not during capture).
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self.forward_fn(batch.input_ids, batch.positions, batch)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                hidden = self.forward_fn(batch.input_ids, batch.positions, batch)
+            self.graphs[(b, q)] = _Graph(b, q, graph, attn, batch, hidden)
+        torch.cuda.synchronize(self.device)  # sync: capture is start-up work, done once
+        logger.info("captured %d CUDA graphs: batch sizes %s x q_len %s",
+                    len(self.graphs), self.batch_sizes, self.q_lens)
+
+    def graph_for(self, batch: ForwardBatch) -> _Graph | None:
+        """The graph that can run `batch` (padded), or None."""
+        q = batch.max_q_len
+        if q not in self.q_lens:
+            return None
+        r = batch.num_requests
+        if batch.input_ids.shape[0] != r * q:  # ragged q_len
+            return None
+        b = next((s for s in self.batch_sizes if s >= r), None)
+        if b is None or (b, q) not in self.graphs:
+            return None
+        if int(np.diff(batch.kv_indptr_cpu).max()) > self.max_kv_len:
+            return None
+        return self.graphs[(b, q)]
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """Replay the graph for `batch`: final hidden [T, H] of its tokens, or None if none fits."""
+        g = self.graph_for(batch)
+        if g is None:
+            return None
+        r, q, b = batch.num_requests, g.q_len, g.batch_size
+        n, n_pad = r * q, b * q
+        self.input_ids[:n].copy_(batch.input_ids)
+        self.positions[:n].copy_(batch.positions)
+        self.kv_write_rows[:n].copy_(batch.kv_write_rows)
+        if n_pad > n:
+            # Earlier, larger batches left live rows here: padding must write the dummy row.
+            self.kv_write_rows[n:n_pad].fill_(self.dummy_row)
+        nnz = int(batch.kv_indptr_cpu[-1])
+        self.kv_indices[:nnz].copy_(batch.kv_indices)
+        kv_indptr = np.empty(b + 1, dtype=np.int64)
+        kv_indptr[: r + 1] = batch.kv_indptr_cpu
+        kv_indptr[r + 1:] = nnz + q * np.arange(1, b - r + 1)
+        if b > r:
+            self.kv_indices[nnz: int(kv_indptr[-1])].fill_(self.dummy_row)
+        self.backend.begin_graph(g.attn, kv_indptr, self.kv_indices[: int(kv_indptr[-1])], g.batch)
+        g.graph.replay()
+        return g.hidden[:n]

@@ -1,0 +1,71 @@
+"""Sizing the KV pool on a GPU: what the weights and a warm-up forward leave.
+
+`fit_num_slots` runs one prefill of `warmup_tokens` tokens over a temporary pool
+(this also JIT-builds flashinfer's kernel and compiles the fused ops for T > 1),
+reads the allocator's peak, and returns how many sequence slots of max_model_len
+rows fit in `gpu_memory_utilization` of the device, capped at what was asked.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from spec_runtime.model.attention import AttentionBackend
+from spec_runtime.model.cuda_ops import cuda_forward
+from spec_runtime.model.forward_batch import ForwardItem, build_forward_batch
+from spec_runtime.model.kv_cache import KVCache, kv_bytes_per_token
+
+logger = logging.getLogger(__name__)
+
+# Left free for what comes after sizing: CUDA graphs' pool and flashinfer's
+# per-graph index buffers and int workspaces (8 MiB each), cuBLAS workspaces.
+GRAPH_RESERVE_BYTES = 1 << 30
+
+
+@torch.inference_mode()
+def fit_num_slots(model, backend: AttentionBackend, *, gpu_memory_utilization: float, num_slots: int,
+                  max_model_len: int, num_scratch_rows: int, warmup_tokens: int) -> int:
+    """Slots of max_model_len rows that fit after the weights and a warm-up forward."""
+    device = model.embed_tokens.weight.device
+    arch, dtype = model.arch, model.embed_tokens.weight.dtype
+    n = max(1, min(warmup_tokens, max_model_len))
+    tmp_kv = KVCache(arch.num_layers, n + 1, arch.num_kv_heads, arch.head_dim, dtype, device)
+    model.bind(backend, tmp_kv)
+    torch.cuda.synchronize(device)  # sync: start-up sizing, before the peak is read
+    torch.cuda.reset_peak_memory_stats(device)
+    rng = np.random.default_rng(0)
+    item = ForwardItem(token_ids=rng.integers(0, arch.vocab_size, n), start_pos=0,
+                       kv_rows=np.arange(n, dtype=np.int64), logits="last")
+    batch = build_forward_batch([item], device)
+    backend.begin(batch)
+    hidden = cuda_forward(model, batch.input_ids, batch.positions, batch)
+    model.compute_logits(hidden[batch.logits_indices])
+    torch.cuda.synchronize(device)  # sync: start-up sizing
+    peak = torch.cuda.max_memory_allocated(device)
+    model.kv_cache = None  # unbind the temporary pool; the runner binds the real one
+    del tmp_kv, hidden, batch
+    torch.cuda.empty_cache()
+
+    total = torch.cuda.get_device_properties(device).total_memory
+    tmp_bytes = kv_bytes_per_token(arch, dtype) * (n + 1)
+    used = peak - tmp_bytes  # weights + activations + workspaces
+    budget = int(total * gpu_memory_utilization) - used - GRAPH_RESERVE_BYTES
+    per_token = kv_bytes_per_token(arch, dtype)
+    fixed = per_token * (num_scratch_rows + 1)  # scratch rows + the dummy row
+    fit = (budget - fixed) // (per_token * max_model_len)
+    logger.info("GPU memory: total %.1f GiB, weights+activations %.2f GiB, KV budget %.2f GiB -> %d slots fit",
+                total / 2**30, used / 2**30, budget / 2**30, fit)
+    if fit < 1:
+        raise ValueError(
+            f"no KV slot of {max_model_len} rows fits: {budget / 2**30:.2f} GiB left of "
+            f"{gpu_memory_utilization:.2f} x {total / 2**30:.1f} GiB after "
+            f"{used / 2**30:.2f} GiB of weights and activations; lower max_model_len or raise "
+            "gpu_memory_utilization"
+        )
+    if fit < num_slots:
+        logger.warning("only %d of %d KV slots fit in gpu_memory_utilization=%.2f",
+                       fit, num_slots, gpu_memory_utilization)
+    return int(min(num_slots, fit))

@@ -1,0 +1,154 @@
+"""The CUDA forward of LlamaForCausalLM: the same math as llama.py with fused small ops.
+
+At batch 1 a decode step of an 8B model is ~13 GEMVs per layer worth of bandwidth,
+but llama.py's eager RMSNorm (7 kernels), RoPE (5 per tensor) and SiLU-and-mul
+(2) add ~30 tiny kernels per layer, each costing 2-3 us even inside a CUDA graph:
+~3 ms per step, half the bandwidth floor. Here each of those is one Triton kernel
+made by torch.compile:
+
+    add_rmsnorm     residual add + RMSNorm (2 per layer)
+    qk_rope         split of the fused qkv output + optional q/k RMSNorm (Qwen3) + RoPE
+    silu_mul        SiLU(gate) * up
+    rope_cos_sin    cos/sin of the step's positions (once per forward)
+
+so a layer is ~11 kernels: 2 norms, 3 GEMMs + down, rope, 2 KV writes, attention.
+`cuda_forward` reads the parameters of a LlamaForCausalLM, so weights are loaded
+once by llama.py's loader; the CPU path (model.forward) is untouched. Numerics
+follow llama.py (float32 norm statistics, bf16 residual stream); the fused
+kernels round at fewer points, which tests/test_gpu.py bounds against the CPU path.
+
+`set_fused_ops(False)` (or SPEC_RUNTIME_FUSED_OPS=0) runs the same function with eager
+torch ops instead; the benchmark measures both. Compile cost is paid once per process
+and shape class (T = 1 and T > 1).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+
+from spec_runtime.model.forward_batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+
+def _rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def _add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rmsnorm(x + residual), x + residual); the residual stream stays in x's dtype."""
+    s = x + residual
+    return _rmsnorm(s, weight, eps), s
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _qk_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+             head_dim: int, q_norm_w: torch.Tensor | None, k_norm_w: torch.Tensor | None,
+             eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv [T, (Hq + 2 Hkv) D] -> q [T, Hq, D], k [T, Hkv, D] rotated, v [T, Hkv, D]."""
+    t = qkv.shape[0]
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q = q.reshape(t, num_heads, head_dim)
+    k = k.reshape(t, num_kv_heads, head_dim)
+    v = v.reshape(t, num_kv_heads, head_dim)
+    if q_norm_w is not None:
+        q = _rmsnorm(q, q_norm_w, eps)
+        k = _rmsnorm(k, k_norm_w, eps)
+    return _rope(q, cos, sin), _rope(k, cos, sin), v.contiguous()
+
+
+def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2] fp32
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class _Ops:
+    """The op table cuda_forward calls: eager functions or their compiled versions."""
+
+    def __init__(self) -> None:
+        self.fused = False
+        # Compilation is lazy (first call), so enabling it here costs nothing on a CPU host.
+        self.set(os.environ.get("SPEC_RUNTIME_FUSED_OPS", "1") != "0")
+
+    def set(self, fused: bool) -> None:
+        if fused:
+            # dynamic=True: one kernel per op for every token count (T) and every model
+            # width, instead of a recompile per captured batch size.
+            opts = dict(dynamic=True, fullgraph=True)
+            self.rmsnorm = torch.compile(_rmsnorm, **opts)
+            self.add_rmsnorm = torch.compile(_add_rmsnorm, **opts)
+            self.qk_rope = torch.compile(_qk_rope, **opts)
+            self.silu_mul = torch.compile(_silu_mul, **opts)
+            self.rope_cos_sin = torch.compile(_rope_cos_sin, **opts)
+        else:
+            self.rmsnorm, self.add_rmsnorm, self.qk_rope = _rmsnorm, _add_rmsnorm, _qk_rope
+            self.silu_mul, self.rope_cos_sin = _silu_mul, _rope_cos_sin
+        self.fused = fused
+
+
+OPS = _Ops()
+
+
+def set_fused_ops(fused: bool) -> None:
+    """Use torch.compile'd fused small ops (True) or eager torch ops (False), process-wide."""
+    if fused != OPS.fused:
+        OPS.set(fused)
+        logger.info("fused small ops: %s", "torch.compile" if fused else "eager")
+
+
+def fused_ops_enabled() -> bool:
+    return OPS.fused
+
+
+def cuda_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    """input_ids/positions [T] -> final-normed hidden [T, H], as model.forward computes it.
+
+    `model` is a bound LlamaForCausalLM; the caller has run backend.begin(batch).
+    """
+    if model.backend is None or model.kv_cache is None or model.inv_freq is None:
+        raise ValueError("call init_rope() and bind(backend, kv) before forward")
+    arch, backend, kv, ops = model.arch, model.backend, model.kv_cache, OPS
+    x = model.embed_tokens(input_ids)  # [T, H]
+    t = x.shape[0]
+    cos, sin = ops.rope_cos_sin(positions, model.inv_freq, x.dtype)  # [T, 1, D] each
+    residual = None
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        ln1 = layer.input_layernorm
+        if residual is None:
+            residual = x
+            h = ops.rmsnorm(x, ln1.weight, ln1.eps)
+        else:
+            h, residual = ops.add_rmsnorm(x, residual, ln1.weight, ln1.eps)
+        qkv = attn.qkv_proj(h)  # [T, (Hq + 2 Hkv) D]
+        qn = attn.q_norm.weight if attn.q_norm is not None else None
+        kn = attn.k_norm.weight if attn.k_norm is not None else None
+        q, k, v = ops.qk_rope(qkv, cos, sin, arch.num_heads, arch.num_kv_heads, arch.head_dim,
+                              qn, kn, arch.rms_norm_eps)
+        o = backend.forward(attn.layer_idx, q, k, v, kv, batch)  # [T, Hq, D]
+        x = attn.o_proj(o.reshape(t, arch.q_size))  # [T, H]
+        ln2 = layer.post_attention_layernorm
+        h, residual = ops.add_rmsnorm(x, residual, ln2.weight, ln2.eps)
+        x = mlp.down_proj(ops.silu_mul(mlp.gate_up_proj(h)))  # [T, H]
+    hidden, _ = ops.add_rmsnorm(x, residual, model.norm.weight, model.norm.eps)
+    return hidden

@@ -1,0 +1,198 @@
+"""CUDA attention over the token-granular KV pool with flashinfer 0.5.2 (page_size 1).
+
+The pool's per-layer [num_rows, H, D] tensors are viewed as NHD pages of one token,
+[num_rows, 1, H, D], so a ForwardBatch's kv_indices *is* the page table and every
+page is full (kv_last_page_len = 1). Two flashinfer wrappers cover every forward:
+
+- q_len 1 for every request (decode, a tree-decode step): BatchDecodeWithPagedKVCacheWrapper
+  with tensor cores, which runs the fa2 prefill kernel underneath, so decode and
+  verify share one JIT-compiled module;
+- anything else (verify of K+1 tokens, glue, prefill): BatchPrefillWithPagedKVCacheWrapper
+  with causal=True. flashinfer aligns the causal mask bottom-right when q_len < kv_len
+  (query i of a request sees kv [0, kv_len - q_len + i]), which is forward_batch.py's
+  rule; tests/test_gpu.py checks it against SDPA.
+
+`plan()` is host work (it reads the host indptr arrays and fills flashinfer's
+int workspace with an async copy), so `begin()` runs it once per forward, before
+the first layer's kernels are queued. CUDA graphs (cuda_graphs.py) get their own
+wrappers in flashinfer's use_cuda_graph mode through `make_graph_attention`; the
+plan then writes into preallocated buffers the captured kernels read.
+
+flashinfer's plan reuses one pinned host buffer per wrapper, so a wrapper must not
+be planned again while its previous plan's copy is still queued behind older work;
+the callers meet that because every step ends with one host sync (sampled tokens).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from spec_runtime.model.attention import AttentionBackend
+from spec_runtime.model.forward_batch import ForwardBatch
+from spec_runtime.model.kv_cache import KVCache
+
+logger = logging.getLogger(__name__)
+
+# flashinfer's recommended split-kv scratch size; shared by every wrapper of a backend,
+# which is safe because all of them run on one stream, one forward at a time.
+WORKSPACE_BYTES = 128 * 1024 * 1024
+# fa2 explicitly: "auto" picks fa3 on Hopper, which for page_size 1 adds a
+# sparse-index conversion kernel and a second, slower JIT build.
+FI_BACKEND = "fa2"
+
+
+def _flashinfer():
+    try:
+        import flashinfer  # noqa: PLC0415 (optional GPU dependency)
+    except ImportError as e:  # pragma: no cover - only on a CUDA host without the wheel
+        raise ImportError(
+            "the CUDA backend needs flashinfer-python==0.5.2 (see ../shared/BENCH.md for the wheels)"
+        ) from e
+    return flashinfer
+
+
+def _host_i32(a: np.ndarray) -> torch.Tensor:
+    # Pageable host memory on purpose: flashinfer's plan copies these with
+    # non_blocking=True, and a pageable source is staged at once, so reusing the
+    # numpy array next step cannot race with a copy still in the queue.
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
+
+
+@dataclass
+class GraphAttention:
+    """A flashinfer wrapper in CUDA-graph mode for one (batch_size, q_len) shape.
+
+    The captured kernels read `wrapper`'s preallocated index buffers; `plan` refills
+    them (and flashinfer's int workspace) before each replay.
+    """
+
+    batch_size: int
+    q_len: int
+    max_kv_rows: int  # total kv rows over the batch the index buffer holds
+    wrapper: object
+    kv_indices_buf: torch.Tensor  # [max_kv_rows] int32, owned by the wrapper
+    last_page_len_cpu: torch.Tensor  # [batch_size] int32 ones (page_size 1: every page full)
+    qo_indptr_cpu: torch.Tensor  # [batch_size + 1] int32, fixed: q_len tokens per request
+
+
+class FlashInferBackend(AttentionBackend):
+    """Paged flashinfer attention; page_size 1 over KVCache rows (NHD)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"flashinfer attention needs bfloat16 or float16, got {dtype}")
+        self.fi = _flashinfer()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self._decode = self.fi.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=True, backend=FI_BACKEND)
+        self._prefill = self.fi.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend=FI_BACKEND)
+        self._active: object | None = None
+        self._active_batch: ForwardBatch | None = None
+
+    # ---- planning -------------------------------------------------------------
+
+    def _plan_decode(self, wrapper, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                     last_page_len: torch.Tensor) -> None:
+        wrapper.plan(
+            kv_indptr, kv_indices, last_page_len,
+            self.num_heads, self.num_kv_heads, self.head_dim, 1,
+            pos_encoding_mode="NONE", q_data_type=self.dtype, kv_data_type=self.dtype,
+            non_blocking=True,
+        )
+
+    def _plan_prefill(self, wrapper, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
+                      kv_indices: torch.Tensor, last_page_len: torch.Tensor) -> None:
+        wrapper.plan(
+            qo_indptr, kv_indptr, kv_indices, last_page_len,
+            self.num_heads, self.num_kv_heads, self.head_dim, 1,
+            causal=True, pos_encoding_mode="NONE", q_data_type=self.dtype, kv_data_type=self.dtype,
+            non_blocking=True,
+        )
+
+    def begin(self, batch: ForwardBatch) -> None:
+        """Plan the eager wrappers for `batch` (host work; no device sync)."""
+        r = batch.num_requests
+        kv_indptr = _host_i32(batch.kv_indptr_cpu)  # [R+1]
+        last_page_len = torch.ones(r, dtype=torch.int32)  # [R]
+        if batch.is_decode:
+            self._plan_decode(self._decode, kv_indptr, batch.kv_indices, last_page_len)
+            self._active = self._decode
+        else:
+            qo_indptr = _host_i32(batch.qo_indptr_cpu)  # [R+1]
+            self._plan_prefill(self._prefill, qo_indptr, kv_indptr, batch.kv_indices, last_page_len)
+            self._active = self._prefill
+        self._active_batch = batch
+
+    def make_graph_attention(self, batch_size: int, q_len: int, max_kv_rows: int) -> GraphAttention:
+        """A CUDA-graph-mode wrapper for `batch_size` requests of `q_len` tokens each."""
+        dev = self.device
+        indptr_buf = torch.zeros(batch_size + 1, dtype=torch.int32, device=dev)
+        indices_buf = torch.zeros(max_kv_rows, dtype=torch.int32, device=dev)
+        last_buf = torch.ones(batch_size, dtype=torch.int32, device=dev)
+        if q_len == 1:
+            wrapper = self.fi.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
+                paged_kv_indptr_buffer=indptr_buf, paged_kv_indices_buffer=indices_buf,
+                paged_kv_last_page_len_buffer=last_buf, backend=FI_BACKEND)
+        else:
+            qo_buf = torch.zeros(batch_size + 1, dtype=torch.int32, device=dev)
+            wrapper = self.fi.BatchPrefillWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=qo_buf,
+                paged_kv_indptr_buf=indptr_buf, paged_kv_indices_buf=indices_buf,
+                paged_kv_last_page_len_buf=last_buf, backend=FI_BACKEND)
+        return GraphAttention(
+            batch_size=batch_size, q_len=q_len, max_kv_rows=max_kv_rows, wrapper=wrapper,
+            kv_indices_buf=indices_buf,
+            last_page_len_cpu=torch.ones(batch_size, dtype=torch.int32),
+            qo_indptr_cpu=torch.arange(0, (batch_size + 1) * q_len, q_len, dtype=torch.int32),
+        )
+
+    def begin_graph(self, ga: GraphAttention, kv_indptr_cpu: np.ndarray, kv_indices: torch.Tensor,
+                    batch: ForwardBatch) -> None:
+        """Plan a graph wrapper: kv_indptr_cpu [B+1] (padded), kv_indices [nnz] on the device.
+
+        `batch` is the static ForwardBatch the captured forward reads kv_write_rows from.
+        """
+        if int(kv_indptr_cpu[-1]) > ga.max_kv_rows:
+            raise ValueError(f"{int(kv_indptr_cpu[-1])} kv rows exceed the graph's {ga.max_kv_rows}")
+        kv_indptr = _host_i32(kv_indptr_cpu)
+        if ga.q_len == 1:
+            self._plan_decode(ga.wrapper, kv_indptr, kv_indices, ga.last_page_len_cpu)
+        else:
+            self._plan_prefill(ga.wrapper, ga.qo_indptr_cpu, kv_indptr, kv_indices, ga.last_page_len_cpu)
+        self._active = ga.wrapper
+        self._active_batch = batch
+
+    # ---- per layer ------------------------------------------------------------
+
+    def forward(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        kv: KVCache,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        if self._active is None or self._active_batch is not batch:
+            raise ValueError("FlashInferBackend.begin(batch) must be called before forward for that batch")
+        k_cache = kv.k_cache[layer_idx]  # [rows, Hkv, D]
+        v_cache = kv.v_cache[layer_idx]
+        # index_copy_ with a device index: no host sync, one kernel per tensor.
+        k_cache.index_copy_(0, batch.kv_write_rows, k)
+        v_cache.index_copy_(0, batch.kv_write_rows, v)
+        paged = (k_cache.unsqueeze(1), v_cache.unsqueeze(1))  # NHD pages of one row: [rows, 1, Hkv, D]
+        return self._active.run(q.contiguous(), paged)

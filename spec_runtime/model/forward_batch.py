@@ -1,0 +1,140 @@
+"""Per-forward metadata: ragged queries over a token-granular KV pool.
+
+Every forward either process runs (prefill, decode, K+1-token verify, the SSD glue,
+and one step of SSD tree decode) is the same thing: R requests, request r brings
+q_r new tokens and attends to an explicit list of KV-pool rows (its own new tokens
+included, last). The attention rule is causal, aligned bottom-right:
+
+    query i of request r (q_len q, kv_len n) sees kv rows [0, n - q + i]
+
+so prefill (q = n), decode (q = 1), verify (q = K+1) and a tree branch (q = 1, its
+rows = the sequence's prefix rows up to its fork point + its own scratch rows) need
+no other mask. On CUDA this is flashinfer's paged attention with page_size 1 (the
+row list is the page table); on the CPU it is SDPA over gathered rows.
+
+The KV pool is laid out by `SlotLayout`: sequence slot s owns rows
+[s * max_model_len, (s + 1) * max_model_len), so the row of position p is
+s * max_model_len + p and a rejected token is undone by moving the length, never
+by copying. Scratch rows (SSD branches) follow the slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    num_slots: int
+    max_model_len: int
+    num_scratch_rows: int = 0
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_slots * self.max_model_len + self.num_scratch_rows
+
+    @property
+    def scratch_base(self) -> int:
+        return self.num_slots * self.max_model_len
+
+    def slot_rows(self, slot: int, length: int) -> np.ndarray:
+        """Rows of positions [0, length) of a slot."""
+        base = slot * self.max_model_len
+        return np.arange(base, base + length, dtype=np.int64)
+
+
+@dataclass
+class ForwardItem:
+    """One request of a forward, described on the host.
+
+    token_ids are placed at positions [start_pos, start_pos + len(token_ids)).
+    kv_rows lists the pool rows of positions [0, start_pos + len(token_ids)) as this
+    request sees them, in position order; its last len(token_ids) entries are where
+    the new tokens' K/V are written.
+    logits: "last" (one row), "all" (one row per new token) or "none".
+    """
+
+    token_ids: Sequence[int] | np.ndarray
+    start_pos: int
+    kv_rows: np.ndarray
+    logits: str = "last"
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    kv_write_rows: torch.Tensor  # [T] int64: pool row of each new token's K/V
+    qo_indptr: torch.Tensor  # [R+1] int32: request r's tokens are [qo_indptr[r], qo_indptr[r+1])
+    kv_indptr: torch.Tensor  # [R+1] int32
+    kv_indices: torch.Tensor  # [nnz] int32: rows request r attends to, position order
+    logits_indices: torch.Tensor  # [N] int64: token indices whose logits are returned
+    # Host copies, for backends that plan on the CPU (flashinfer) and for the SDPA loop.
+    qo_indptr_cpu: np.ndarray
+    kv_indptr_cpu: np.ndarray
+    max_q_len: int
+    # Optional logits transform of the synthetic acceptance oracle (benchmarks only):
+    # the absolute position and oracle seed of each logits row.
+    logits_positions_cpu: np.ndarray | None = None
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.qo_indptr_cpu) - 1
+
+    @property
+    def is_decode(self) -> bool:
+        return self.max_q_len == 1
+
+
+def build_forward_batch(items: Sequence[ForwardItem], device: torch.device | str) -> ForwardBatch:
+    """Flatten items into one ForwardBatch; one host-to-device copy per array."""
+    if not items:
+        raise ValueError("a forward needs at least one request")
+    q_lens = np.fromiter((len(it.token_ids) for it in items), dtype=np.int64, count=len(items))
+    kv_lens = np.fromiter((len(it.kv_rows) for it in items), dtype=np.int64, count=len(items))
+    if (q_lens < 1).any():
+        raise ValueError("every request needs at least one new token")
+    starts = np.fromiter((it.start_pos for it in items), dtype=np.int64, count=len(items))
+    if (kv_lens != starts + q_lens).any():
+        raise ValueError("kv_rows must cover positions [0, start_pos + len(token_ids))")
+
+    qo_indptr = np.zeros(len(items) + 1, dtype=np.int32)
+    np.cumsum(q_lens, out=qo_indptr[1:])
+    kv_indptr = np.zeros(len(items) + 1, dtype=np.int32)
+    np.cumsum(kv_lens, out=kv_indptr[1:])
+
+    input_ids = np.concatenate([np.asarray(it.token_ids, dtype=np.int64) for it in items])
+    positions = np.concatenate([np.arange(s, s + q, dtype=np.int64) for s, q in zip(starts, q_lens)])
+    kv_indices = np.concatenate([np.asarray(it.kv_rows, dtype=np.int64) for it in items])
+    write_rows = np.concatenate([np.asarray(it.kv_rows[-q:], dtype=np.int64) for it, q in zip(items, q_lens)])
+
+    logit_idx: list[np.ndarray] = []
+    for it, lo, hi in zip(items, qo_indptr[:-1], qo_indptr[1:]):
+        if it.logits == "last":
+            logit_idx.append(np.array([hi - 1], dtype=np.int64))
+        elif it.logits == "all":
+            logit_idx.append(np.arange(lo, hi, dtype=np.int64))
+        elif it.logits != "none":
+            raise ValueError(f"logits must be last, all or none, got {it.logits!r}")
+    logits_indices = np.concatenate(logit_idx) if logit_idx else np.zeros(0, dtype=np.int64)
+
+    def dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return torch.from_numpy(a).to(device=device, dtype=dtype, non_blocking=True)
+
+    return ForwardBatch(
+        input_ids=dev(input_ids, torch.int64),
+        positions=dev(positions, torch.int64),
+        kv_write_rows=dev(write_rows, torch.int64),
+        qo_indptr=dev(qo_indptr, torch.int32),
+        kv_indptr=dev(kv_indptr, torch.int32),
+        kv_indices=dev(kv_indices, torch.int32),
+        logits_indices=dev(logits_indices, torch.int64),
+        qo_indptr_cpu=qo_indptr,
+        kv_indptr_cpu=kv_indptr,
+        max_q_len=int(q_lens.max()),
+        logits_positions_cpu=positions[logits_indices] if len(logits_indices) else positions[:0],
+    )

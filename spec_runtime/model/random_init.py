@@ -1,0 +1,67 @@
+"""Real-size Llama-family models with random bf16 weights, built directly on the GPU.
+
+The GPU machine has no checkpoints (../shared/BENCH.md), so benchmarks time the real
+architectures with random weights. `BENCH_ARCHS` holds the four shapes of BENCH.md
+as ModelArch values; `random_model` allocates on the device (no host copy) and fills
+the weights in place.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spec_runtime.model.hf_config import Llama3RopeScaling, ModelArch
+from spec_runtime.model.llama import LlamaForCausalLM
+
+_LLAMA3_ROPE = Llama3RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                 original_max_position_embeddings=8192)
+
+
+def _arch(model_type: str, hidden: int, layers: int, inter: int, heads: int, kv_heads: int, head_dim: int,
+          vocab: int, theta: float, tied: bool, eps: float, rope: Llama3RopeScaling | None) -> ModelArch:
+    return ModelArch(
+        model_type=model_type, hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=head_dim, intermediate_size=inter, vocab_size=vocab, rms_norm_eps=eps, rope_theta=theta,
+        rope_scaling=rope, tie_word_embeddings=tied, attention_bias=False, o_proj_bias=False,
+        qk_norm=model_type == "qwen3", max_position_embeddings=32768,
+    )
+
+
+# Shapes of the HF configs named in ../shared/BENCH.md (tie_word_embeddings as in those configs).
+BENCH_ARCHS: dict[str, ModelArch] = {
+    "target-8b": _arch("llama", 4096, 32, 14336, 32, 8, 128, 128256, 500000.0, False, 1e-5, None),
+    "target-32b": _arch("qwen3", 5120, 64, 25600, 64, 8, 128, 151936, 1000000.0, False, 1e-6, None),
+    "draft-1b": _arch("llama", 2048, 16, 8192, 32, 8, 64, 128256, 500000.0, True, 1e-5, _LLAMA3_ROPE),
+    "draft-0.6b": _arch("qwen3", 1024, 28, 3072, 16, 8, 128, 151936, 1000000.0, True, 1e-6, None),
+}
+
+
+@torch.no_grad()
+def random_model(arch: ModelArch, device: torch.device | str, dtype: torch.dtype = torch.bfloat16,
+                 seed: int = 0, std: float = 0.02) -> LlamaForCausalLM:
+    """A LlamaForCausalLM of `arch` with N(0, std) matrices and norms near 1, on `device`."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(arch, dtype)
+    model.to_empty(device=device)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.normal_(1.0, 0.05, generator=gen)
+        else:
+            p.normal_(0.0, std, generator=gen)
+    model.init_rope()
+    model.eval()
+    return model
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def decode_read_bytes(model: LlamaForCausalLM) -> int:
+    """Bytes a decode step must read: every weight but an untied embedding table (one row is read)."""
+    total = weight_bytes(model)
+    if model.lm_head is not None:
+        total -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    return total

@@ -1,0 +1,123 @@
+"""Synthetic acceptance oracle: benchmark-only replacement of the two LM heads' outputs.
+
+Random-weight models agree on nothing, so GPU benchmarks (../shared/BENCH.md, "Models on
+the GPU machine") replace the numbers that come out of each LM head, after its real
+forward, so that acceptance follows configured rates through the real machinery:
+
+  o_t        the oracle token at position t: hash(request seed, t) mod vocab. It depends
+             on (seed, t) only, never on the tokens before t.
+  target     its logits at t become a distribution peaked on o_t: logit 0 on o_t and
+             -1e4 elsewhere (one-hot at every temperature, so the target's text is the
+             oracle stream), or, with peak_mass < 1, mass peak_mass on o_t at temperature
+             1 and the rest spread evenly.
+  draft      its logits at t put o_t at rank 1 with probability alpha, at rank r = 2, 3, ...
+             with probabilities ranks[r - 2], and outside its top slots otherwise. The
+             top slots have logits top_logit, top_logit - gap, ... (a clear top-1, so a
+             greedy draft takes rank 1); every other token gets -1e4. The tokens in the
+             slots o_t does not take are pseudo-random: consecutive ids (mod vocab) after
+             a hashed offset, all distinct from o_t and from each other.
+
+Every choice is a pure function of (request seed, t), through the counter-based hash of
+`spec_runtime.sampling` on streams of its own, so every SSD branch that shares the true
+prefix sees the same draft prediction at t. t is the position of the token the logits
+predict (the same convention as sampling). The input logits only supply shape, dtype
+and device: their values are discarded. Never on by default.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from spec_runtime.sampling import hash32, uniform
+
+STREAM_ORACLE_TOKEN = 101
+STREAM_ORACLE_RANK = 102
+STREAM_ORACLE_FILL = 103
+# Far below any top slot, and representable in float16/bfloat16.
+MASKED_LOGIT = -1e4
+# The draft always shows at least this many top slots, so forks have candidates.
+MIN_DRAFT_SLOTS = 4
+
+
+def _index0(like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(1, dtype=torch.int64, device=like.device)  # [1]
+
+
+def oracle_token(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """o_t: [*N] seeds, [*N] positions -> [*N] int64 in [0, vocab)."""
+    if vocab < 1:
+        raise ValueError(f"vocab must be >= 1, got {vocab}")
+    h = hash32(seeds, positions, STREAM_ORACLE_TOKEN, _index0(seeds)).squeeze(-1)  # [*N]
+    return h % vocab
+
+
+def target_oracle_logits(
+    logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, peak_mass: float = 1.0
+) -> torch.Tensor:
+    """Target logits [*N, V] -> logits of the same shape and dtype peaked on o_t.
+
+    peak_mass 1.0 (default): 0 on o_t, -1e4 elsewhere, one-hot after any temperature;
+    peak_mass < 1: p(o_t) = peak_mass at temperature 1, the rest uniform. Greedy
+    rows take o_t either way.
+    """
+    if not 0.0 < peak_mass <= 1.0:
+        raise ValueError(f"peak_mass must be in (0, 1], got {peak_mass}")
+    vocab = logits.shape[-1]
+    o = oracle_token(seeds, positions, vocab)  # [*N]
+    if peak_mass >= 1.0 or vocab == 1:
+        rest = MASKED_LOGIT
+    else:
+        # 1 / (1 + (V-1) e^rest) = peak_mass
+        rest = max(math.log((1.0 - peak_mass) / (peak_mass * (vocab - 1))), MASKED_LOGIT)
+    out = torch.full_like(logits, rest)
+    return out.scatter_(-1, o.unsqueeze(-1), 0.0)
+
+
+def draft_oracle_rank(
+    seeds: torch.Tensor, positions: torch.Tensor, alpha: float, ranks: tuple[float, ...]
+) -> torch.Tensor:
+    """0-based rank of o_t in the draft at (seed, t): [*N] -> [*N] int64.
+
+    0 with probability alpha, r - 1 with probability ranks[r - 2], and 1 + len(ranks)
+    ("absent") with the remaining probability.
+    """
+    if not 0.0 <= alpha <= 1.0 or any(r < 0 for r in ranks) or alpha + sum(ranks) > 1.0 + 1e-9:
+        raise ValueError(f"need alpha in [0, 1], ranks >= 0, alpha + sum(ranks) <= 1; got {alpha}, {ranks}")
+    u = uniform(seeds, positions, STREAM_ORACLE_RANK, _index0(seeds)).squeeze(-1)  # [*N]
+    bounds = torch.tensor(
+        [alpha + sum(ranks[:i]) for i in range(len(ranks) + 1)], dtype=torch.float64, device=seeds.device
+    )  # [R] cumulative: alpha, alpha + ranks[0], ...
+    return (u.unsqueeze(-1) >= bounds).sum(-1)  # [*N]
+
+
+def draft_oracle_logits(
+    logits: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    alpha: float,
+    ranks: tuple[float, ...] = (),
+    top_logit: float = 10.0,
+    gap: float = 1.0,
+) -> torch.Tensor:
+    """Draft logits [*N, V] -> logits of the same shape and dtype (module docstring)."""
+    vocab = logits.shape[-1]
+    num_slots = min(max(MIN_DRAFT_SLOTS, len(ranks) + 2), vocab - 1)
+    if num_slots < len(ranks) + 1:
+        raise ValueError(f"vocab {vocab} too small for {len(ranks) + 1} ranks")
+    if not gap > 0.0:
+        raise ValueError(f"gap must be > 0, got {gap}")
+    o = oracle_token(seeds, positions, vocab).unsqueeze(-1)  # [*N, 1]
+    r0 = draft_oracle_rank(seeds, positions, alpha, ranks).unsqueeze(-1)  # [*N, 1]
+    r0 = torch.where(r0 > len(ranks), num_slots, r0)  # absent: past every slot
+    slot = torch.arange(num_slots, device=logits.device)  # [S]
+    # Fillers: vocab - 1 ids other than o_t, walked from a hashed offset, so the first
+    # num_slots of them are distinct.
+    offset = hash32(seeds, positions, STREAM_ORACLE_FILL, _index0(seeds)) % (vocab - 1)  # [*N, 1]
+    fill_idx = torch.where(slot < r0, slot, slot - 1).clamp(min=0)  # [*N, S]
+    fillers = (o + 1 + (offset + fill_idx) % (vocab - 1)) % vocab  # [*N, S]
+    slot_tokens = torch.where(slot == r0, o, fillers)  # [*N, S]
+    slot_logits = (top_logit - gap * slot.to(torch.float32)).to(logits.dtype)  # [S]
+    out = torch.full_like(logits, MASKED_LOGIT)
+    return out.scatter_(-1, slot_tokens, slot_logits.expand(slot_tokens.shape).contiguous())

@@ -1,0 +1,410 @@
+"""Exact sampling for speculative decoding: pure, vectorized, sync-free torch functions.
+
+Vocabulary (used the same way in the whole runtime):
+  p          the target's distribution at one position: its logits after the request's
+             temperature, then top-k, then top-p, renormalized; one-hot on the argmax of
+             the raw logits for greedy rows (temperature 0).
+  q          the distribution a draft token was *actually* sampled from: the draft's
+             logits after its temperature/top-k/top-p, truncated to its top `top_k_q`
+             tokens, renormalized, optionally Saguaro-rescaled. It travels sparse as
+             (q_token_ids, q_probs). q = None means the draft tokens were chosen
+             deterministically (greedy draft, n-gram lookup): q is one-hot on each token.
+  accepted   draft token d_i is accepted with probability min(1, p_i(d_i) / q_i(d_i));
+             the first rejection ends the round. num_accepted = j (0..n, n =
+             num_draft_tokens of the row) is the length of the accepted prefix.
+  recovered  at the first rejection (j < n) the target samples the recovery token from
+             norm(max(0, p_j - q_j)), or from p_j where that is all zero (p == q).
+  bonus      when all n draft tokens are accepted (j == n) the target samples the bonus
+             token from p_n. n = 0 is plain autoregressive decoding of one token.
+  A round outputs j + 1 tokens: the accepted draft tokens, then the recovery/bonus token.
+  Greedy rows accept while d_i == argmax and then emit the argmax: the same tokens,
+  bit for bit, as greedy decoding without a draft.
+
+Positions: a token's position is its index in the sequence, prompt included. In a
+verify, slot i of target_logits [B, K+1, V] is the distribution of the token at
+positions + i, where positions [B] is the position of draft token d_1.
+
+Randomness is counter-based: every uniform is a pure function of (request seed,
+position, stream, index), hashed with integer ops on int64 tensors. So output depends
+on the seed alone (not on batch composition, nor on whether a speculation came from a
+cache), there is no per-request torch.Generator, and nothing syncs with the host.
+Streams keep the three uses independent: STREAM_DRAFT (the draft's sample at that
+position, index = token id), STREAM_ACCEPT (the accept test, index 0) and STREAM_TARGET
+(the target's own sample: AR, recovery and bonus tokens, index = token id). The token
+at position t depends only on the uniforms at t and on the tokens before it, which
+is why exactness survives rounds that revisit a position (what a round computes past
+its first rejection never reaches the output).
+
+Sampling a token from weights w >= 0 (need not sum to 1) is an exponential race:
+argmax_v w_v / E_v with E_v = -log(u_v) i.i.d. Exp(1) picks v with probability
+w_v / sum(w) exactly; it is order-free and needs no normalization or host sync.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+STREAM_DRAFT = 1
+STREAM_ACCEPT = 2
+STREAM_TARGET = 3
+PLACEHOLDER_TOKEN_ID = -1
+# Temperatures below this are greedy (dividing by them would overflow the logits).
+GREEDY_TEMPERATURE = 1e-5
+
+_M32 = 0xFFFFFFFF
+# Multipliers stay below 2**31: for x < 2**32 every product is < 2**63, so the int64
+# arithmetic never overflows and CPU and CUDA give identical bits.
+_MUL = 0x045D9F3B
+_WEYL = 0x61C88647  # 2**32 / golden ratio, odd: a Weyl step over the index.
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective 32-bit integer mixer on int64 values in [0, 2**32)."""
+    x = (((x >> 16) ^ x) * _MUL) & _M32
+    x = (((x >> 16) ^ x) * _MUL) & _M32
+    return (x >> 16) ^ x
+
+
+def hash32(
+    seeds: torch.Tensor, positions: torch.Tensor, stream: int, index: torch.Tensor
+) -> torch.Tensor:
+    """32-bit hash of (seed, position, stream, index) as int64 in [0, 2**32).
+
+    seeds, positions: [*R] int64 (any int64 seed; positions < 2**32).
+    index: [*R, M] or [M] int64. Returns [*R, M] int64.
+    """
+    lo = seeds & _M32  # [*R] two's-complement low word, well defined for negatives
+    hi = (seeds >> 32) & _M32  # [*R]
+    key = _mix32(lo ^ 0x2545F491)
+    key = _mix32(key ^ hi)
+    key = _mix32(key ^ (((stream + 1) * _WEYL) & _M32))
+    key = _mix32(key ^ (positions & _M32))  # [*R]
+    # Two keys, so two rows collide only if both words of their keys line up.
+    key_a = _mix32(key ^ 0x68E31DA4).unsqueeze(-1)  # [*R, 1]
+    key_b = _mix32(key ^ 0x1B56C4E9).unsqueeze(-1)  # [*R, 1]
+    x = _mix32((key_a + (index & _M32) * _WEYL) & _M32)  # [*R, M]
+    return _mix32(x ^ key_b)
+
+
+def uniform(
+    seeds: torch.Tensor, positions: torch.Tensor, stream: int, index: torch.Tensor
+) -> torch.Tensor:
+    """Uniforms in the open interval (0, 1): [*R] x [*R, M] -> [*R, M] float64."""
+    h = hash32(seeds, positions, stream, index)
+    # float64 holds (2**32 - 0.5) / 2**32 exactly, so u < 1 and -log(u) > 0.
+    return (h.to(torch.float64) + 0.5) * (1.0 / 4294967296.0)
+
+
+def _exponential(seeds, positions, stream: int, index: torch.Tensor) -> torch.Tensor:
+    """E = -log(u) ~ Exp(1): [*R] x [*R, M] -> [*R, M] float32 (>= 1.1e-10)."""
+    return torch.log(uniform(seeds, positions, stream, index)).neg_().to(torch.float32)
+
+
+def sample(
+    weights: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    stream: int = STREAM_TARGET,
+    is_logits: bool = False,
+) -> torch.Tensor:
+    """Sample one token per row by exponential race: [B, V] -> [B] int64.
+
+    weights: probabilities or any nonnegative weights (rows need not sum to 1), or
+    logits when is_logits (then argmax(logits - log E) = argmax(softmax / E)).
+    The race at (seed, position, stream) uses index = token id.
+    """
+    if weights.dim() != 2:
+        raise ValueError(f"sample expects [B, V], got {tuple(weights.shape)}")
+    vocab_ids = torch.arange(weights.shape[-1], device=weights.device)  # [V]
+    e = _exponential(seeds, positions, stream, vocab_ids)  # [B, V]
+    if is_logits:
+        return torch.argmax(weights.float() - torch.log(e), dim=-1)
+    return torch.argmax(weights.float() / e, dim=-1)
+
+
+@dataclass(frozen=True)
+class SamplingTensors:
+    """Per-row sampling parameters on the device, plus host-side flags.
+
+    The flags come from the Python params, so kernels a batch does not need (sorting
+    for top-k/top-p, softmax for an all-greedy batch) are skipped without a sync.
+    """
+
+    temperature: torch.Tensor  # [B] float32 (0 for greedy rows)
+    top_k: torch.Tensor  # [B] int64, 0 = off
+    top_p: torch.Tensor  # [B] float32, 1.0 = off
+    seed: torch.Tensor  # [B] int64
+    is_greedy: torch.Tensor  # [B] bool
+    all_greedy: bool
+    any_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+
+    @classmethod
+    def from_params(
+        cls, params: Sequence[tuple[float, int, float, int]], device: torch.device | str = "cpu"
+    ) -> "SamplingTensors":
+        """params: one (temperature, top_k, top_p, seed) per row."""
+        if not params:
+            raise ValueError("from_params needs at least one row")
+        temps, top_ks, top_ps, seeds = [], [], [], []
+        for temperature, top_k, top_p, seed in params:
+            if not temperature >= 0.0:
+                raise ValueError(f"temperature must be >= 0, got {temperature}")
+            if top_k < 0:
+                raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
+            if not 0.0 < top_p <= 1.0:
+                raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+            temps.append(float(temperature))
+            top_ks.append(int(top_k))
+            top_ps.append(float(top_p))
+            # Any Python int seed, folded into the signed int64 range.
+            s = int(seed) & 0xFFFFFFFFFFFFFFFF
+            seeds.append(s - (1 << 64) if s >= (1 << 63) else s)
+        greedy = [t < GREEDY_TEMPERATURE for t in temps]
+        return cls(
+            temperature=torch.tensor(temps, dtype=torch.float32, device=device),
+            top_k=torch.tensor(top_ks, dtype=torch.int64, device=device),
+            top_p=torch.tensor(top_ps, dtype=torch.float32, device=device),
+            seed=torch.tensor(seeds, dtype=torch.int64, device=device),
+            is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            all_greedy=all(greedy),
+            any_greedy=any(greedy),
+            any_top_k=any(k > 0 and not g for k, g in zip(top_ks, greedy)),
+            any_top_p=any(p < 1.0 and not g for p, g in zip(top_ps, greedy)),
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return self.temperature.shape[0]
+
+    def repeat_rows(self, n: int) -> "SamplingTensors":
+        """Each row n times in a row: the params of a flattened [B, n, V] -> [B * n, V]."""
+        rep = lambda t: t.repeat_interleave(n, dim=0)  # noqa: E731
+        return SamplingTensors(
+            rep(self.temperature), rep(self.top_k), rep(self.top_p), rep(self.seed),
+            rep(self.is_greedy), self.all_greedy, self.any_greedy, self.any_top_k, self.any_top_p,
+        )
+
+
+def _mask_top_k_top_p(scaled: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """Set logits outside each row's top-k, then outside its top-p nucleus, to -inf.
+
+    scaled: [B, V] temperature-scaled logits. Ties are broken by token id (stable sort),
+    so the kept set of a row does not depend on the rest of the batch.
+    """
+    vocab = scaled.shape[-1]
+    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)  # [B, V]
+    rank = torch.arange(vocab, device=scaled.device)  # [V]
+    if st.any_top_k:
+        k = torch.where(st.top_k > 0, st.top_k, vocab)  # [B]
+        sorted_logits = sorted_logits.masked_fill(rank >= k.unsqueeze(-1), float("-inf"))
+    if st.any_top_p:
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)  # [B, V]
+        # Keep a token iff the mass ranked strictly above it is < top_p: the smallest
+        # set with mass >= top_p; rank 0 (mass 0 above it) always stays.
+        mass_above = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # [B, V]
+        drop = (mass_above >= st.top_p.unsqueeze(-1)) & (st.top_p < 1.0).unsqueeze(-1)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
+
+
+def target_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """p: [B, V] or [B, S, V] logits -> float32 probabilities of the same shape.
+
+    Temperature, then top-k, then top-p, renormalized; greedy rows are one-hot on the
+    argmax of the raw logits. Row b of a [B, S, V] input uses the params of row b.
+    """
+    if logits.dim() == 3:
+        b, s, v = logits.shape
+        return target_probs(logits.reshape(b * s, v), st.repeat_rows(s)).view(b, s, v)
+    if logits.dim() != 2 or logits.shape[0] != st.batch_size:
+        raise ValueError(f"logits {tuple(logits.shape)} do not match batch {st.batch_size}")
+    vocab = logits.shape[-1]
+    if st.all_greedy:
+        return _one_hot(torch.argmax(logits, dim=-1), vocab)
+    temperature = torch.where(st.is_greedy, 1.0, st.temperature)  # [B]
+    scaled = logits.float() / temperature.unsqueeze(-1)  # [B, V]
+    if st.any_top_k or st.any_top_p:
+        scaled = _mask_top_k_top_p(scaled, st)
+    probs = torch.softmax(scaled, dim=-1)  # [B, V]
+    if st.any_greedy:
+        greedy = _one_hot(torch.argmax(logits, dim=-1), vocab)
+        probs = torch.where(st.is_greedy.unsqueeze(-1), greedy, probs)
+    return probs
+
+
+def _one_hot(token_ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[*] int64 -> [*, V] float32."""
+    out = torch.zeros(*token_ids.shape, vocab, dtype=torch.float32, device=token_ids.device)
+    return out.scatter_(-1, token_ids.unsqueeze(-1), 1.0)
+
+
+def saguaro_rescale(
+    q_probs: torch.Tensor, fan_out_f: int | torch.Tensor, factor: float
+) -> torch.Tensor:
+    """Saguaro sampling (SSD paper): scale the draft's top-F probabilities by `factor`
+    and renormalize.
+
+    q_probs: [B, k] (or [B, K, k]) sorted descending, as draft_sample returns them.
+    fan_out_f: F, an int or a [B] tensor. factor < 1 moves draft mass toward the tail,
+    so the residual max(0, p - q) at a rejection concentrates on the top-F tokens the
+    tree cache has branches for. It is a deterministic transform of q: the draft samples
+    from the rescaled q and sends it, and verification uses the same q, so acceptance
+    stays exact. If all of q's mass lies in the top F, it is unchanged.
+    """
+    if not factor > 0.0:
+        raise ValueError(f"saguaro factor must be > 0, got {factor}")
+    k = q_probs.shape[-1]
+    rank = torch.arange(k, device=q_probs.device)  # [k]
+    if isinstance(fan_out_f, torch.Tensor):
+        f = fan_out_f.reshape(-1, *([1] * (q_probs.dim() - 1)))  # [B, 1(, 1)]
+    else:
+        f = fan_out_f
+    scaled = q_probs * torch.where(rank < f, factor, 1.0)  # [B, (K,) k]
+    return scaled / scaled.sum(-1, keepdim=True)
+
+
+def draft_sample(
+    logits: torch.Tensor,
+    st: SamplingTensors,
+    positions: torch.Tensor,
+    top_k_q: int,
+    rescale: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sample the draft's token and return the sparse q it was sampled from.
+
+    logits: [B, V] draft logits; st: the draft's params (its temperature may differ
+    from the request's, the seed must be the request's); positions: [B] position of
+    the token being sampled. rescale: e.g. partial(saguaro_rescale, fan_out_f=3,
+    factor=0.5), applied to the sorted truncated q before sampling.
+    Returns token_ids [B], q_token_ids [B, top_k_q] (descending q), q_probs [B, top_k_q].
+    Greedy rows: token = argmax, q one-hot on it.
+    """
+    if not 1 <= top_k_q <= logits.shape[-1]:
+        raise ValueError(f"top_k_q must be in [1, vocab={logits.shape[-1]}], got {top_k_q}")
+    probs = target_probs(logits, st)  # [B, V]
+    top_probs, q_token_ids = torch.topk(probs, top_k_q, dim=-1)  # [B, k]
+    q_probs = top_probs / top_probs.sum(-1, keepdim=True)  # [B, k]
+    if rescale is not None:
+        q_probs = rescale(q_probs)
+    # Race keyed by token id, so the draw does not depend on the order topk returns.
+    e = _exponential(st.seed, positions, STREAM_DRAFT, q_token_ids)  # [B, k]
+    choice = torch.argmax(q_probs / e, dim=-1, keepdim=True)  # [B, 1]
+    token_ids = q_token_ids.gather(-1, choice).squeeze(-1)  # [B]
+    if st.any_greedy:
+        token_ids = torch.where(st.is_greedy, q_token_ids[:, 0], token_ids)
+    return token_ids, q_token_ids, q_probs
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """The outcome of one verify step for a batch."""
+
+    num_accepted: torch.Tensor  # [B] int64, j
+    output_token_ids: torch.Tensor  # [B, K+1] int64: d_1..d_j, then recovery/bonus, then -1
+    num_output: torch.Tensor  # [B] int64, j + 1
+    # log p of each output token (greedy rows: the raw model's log-softmax, since their
+    # p is one-hot); 0.0 in padded slots.
+    target_logprobs: torch.Tensor  # [B, K+1] float32
+    last_token_ids: torch.Tensor  # [B] int64: the recovery or bonus token
+
+
+def rejection_sample(
+    target_logits: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    num_draft_tokens: torch.Tensor,
+    q_token_ids: torch.Tensor | None,
+    q_probs: torch.Tensor | None,
+    st: SamplingTensors,
+    positions: torch.Tensor,
+) -> VerifyResult:
+    """Verify a batch of draft chains against the target (see the module docstring).
+
+    target_logits: [B, K+1, V]; draft_token_ids: [B, K] (-1 past each row's drafts);
+    num_draft_tokens: [B] in 0..K; q_token_ids, q_probs: [B, K, top_k_q] or both None;
+    positions: [B] position of d_1 (slot i is position positions + i).
+    """
+    b, s, vocab = target_logits.shape
+    k = s - 1
+    if draft_token_ids.shape != (b, k):
+        raise ValueError(f"draft_token_ids {tuple(draft_token_ids.shape)} != {(b, k)}")
+    if (q_token_ids is None) != (q_probs is None):
+        raise ValueError("q_token_ids and q_probs must both be given or both be None")
+    if q_token_ids is not None and (
+        q_token_ids.shape[:2] != (b, k) or q_probs.shape != q_token_ids.shape
+    ):
+        raise ValueError(f"q shapes {tuple(q_token_ids.shape)}, {tuple(q_probs.shape)} != {(b, k)} + (top_k_q,)")
+    if st.batch_size != b:
+        raise ValueError(f"sampling params for {st.batch_size} rows, logits for {b}")
+    device = target_logits.device
+    slot = torch.arange(s, device=device)  # [K+1]
+    n = num_draft_tokens.clamp(0, k)  # [B]
+    draft = draft_token_ids.clamp(min=0)  # [B, K] padding -> 0, masked by has_draft
+    has_draft = slot[:k] < n.unsqueeze(-1)  # [B, K]
+    argmax = torch.argmax(target_logits, dim=-1)  # [B, K+1] greedy rows' tokens
+
+    accept = draft == argmax[:, :k]  # [B, K] greedy rule
+    probs = None
+    if not st.all_greedy:
+        probs = target_probs(target_logits, st)  # [B, K+1, V]
+        p_draft = probs[:, :k].gather(-1, draft.unsqueeze(-1)).squeeze(-1)  # [B, K]
+        if q_token_ids is None:
+            q_draft = torch.ones_like(p_draft)  # deterministic draft: q one-hot on d_i
+        else:
+            q_draft = ((q_token_ids == draft.unsqueeze(-1)) * q_probs).sum(-1)  # [B, K]
+        seeds_k = st.seed.unsqueeze(-1).expand(b, k)  # [B, K]
+        u = uniform(seeds_k, positions.unsqueeze(-1) + slot[:k], STREAM_ACCEPT,
+                    torch.zeros(1, dtype=torch.int64, device=device)).squeeze(-1)  # [B, K]
+        # u < p/q without dividing: q >= p always accepts (u < 1); p = 0 never does.
+        accept_sampled = u * q_draft < p_draft  # [B, K]
+        accept = torch.where(st.is_greedy.unsqueeze(-1), accept, accept_sampled)
+    accept = accept & has_draft
+    num_accepted = torch.cumprod(accept.long(), dim=-1).sum(-1)  # [B]
+
+    j = num_accepted  # [B] slot of the recovery/bonus token
+    last = argmax.gather(1, j.unsqueeze(-1)).squeeze(-1)  # [B]
+    if probs is not None:
+        p_j = probs.gather(1, j.view(b, 1, 1).expand(b, 1, vocab)).squeeze(1)  # [B, V]
+        rejected = (j < n).unsqueeze(-1)  # [B, 1] recovery (else bonus: q counts as 0)
+        jq = j.clamp(max=max(k - 1, 0)).view(b, 1, 1)  # [B, 1, 1]
+        if k == 0:
+            q_j = torch.zeros_like(p_j)
+        elif q_token_ids is None:
+            d_j = draft.gather(1, jq.view(b, 1))  # [B, 1]
+            q_j = torch.zeros_like(p_j).scatter_(-1, d_j, 1.0)
+        else:
+            top = q_token_ids.shape[-1]
+            ids_j = q_token_ids.gather(1, jq.expand(b, 1, top)).squeeze(1)  # [B, top_k_q]
+            qp_j = q_probs.gather(1, jq.expand(b, 1, top)).squeeze(1).float()  # [B, top_k_q]
+            # scatter_add: padded ids (-1) add 0 at id 0; repeated ids add up.
+            q_j = torch.zeros_like(p_j).scatter_add_(-1, ids_j.clamp(min=0), qp_j * (ids_j >= 0))
+        residual = torch.clamp(p_j - q_j * rejected, min=0.0)  # [B, V]
+        empty = residual.sum(-1, keepdim=True) <= 0.0  # [B, 1] p == q numerically
+        residual = torch.where(empty, p_j, residual)
+        sampled = sample(residual, st.seed, positions + j, STREAM_TARGET)  # [B]
+        last = torch.where(st.is_greedy, last, sampled)
+
+    draft_ext = torch.cat(
+        [draft_token_ids, torch.full((b, 1), PLACEHOLDER_TOKEN_ID, dtype=draft_token_ids.dtype, device=device)],
+        dim=1,
+    )  # [B, K+1]
+    j_col = j.unsqueeze(-1)  # [B, 1]
+    out = torch.where(slot < j_col, draft_ext, PLACEHOLDER_TOKEN_ID)
+    out = torch.where(slot == j_col, last.unsqueeze(-1), out).long()  # [B, K+1]
+    valid = slot <= j_col  # [B, K+1]
+
+    out_c = out.clamp(min=0).unsqueeze(-1)  # [B, K+1, 1]
+    raw = target_logits.float()
+    logprobs = raw.gather(-1, out_c).squeeze(-1) - torch.logsumexp(raw, dim=-1)  # [B, K+1]
+    if probs is not None:
+        p_lp = torch.log(probs.gather(-1, out_c).squeeze(-1))  # [B, K+1]
+        logprobs = torch.where(st.is_greedy.unsqueeze(-1), logprobs, p_lp)
+    logprobs = torch.where(valid, logprobs, 0.0)
+    return VerifyResult(num_accepted, out, j + 1, logprobs, last)

@@ -1,0 +1,1 @@
+"""The target process: owns the target model, verifies speculations, decides what text is final."""

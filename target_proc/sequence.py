@@ -1,0 +1,165 @@
+"""Per-request state in target_proc, and the stop rules applied inside an accepted chunk.
+
+Pure CPU bookkeeping: no torch, testable without a model.
+
+A sequence's tokens are x_1..x_n (prompt, then generated). The target's KV cache holds
+x_1..x_{n-1}: the last token x_n has been sampled but not yet fed, so the next forward
+(decode, or verify of [x_n, d_1..d_K]) starts at position n - 1.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from protocol.messages import RequestStats, SamplingParams
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    Decodes a short window before the new tokens so that tokens which only make sense
+    with their left context (byte-level BPE, sentencepiece spaces) come out right, and
+    holds back text that ends in an incomplete UTF-8 sequence ("\\ufffd").
+    """
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = list(prompt_token_ids[-6:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
+        full = self.tokenizer.decode(self.ids[self.prefix_offset :], skip_special_tokens=True)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            delta = full[len(prefix) :]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            self.text += delta
+            return delta
+        return ""
+
+
+@dataclass
+class Sequence:
+    """One request as target_proc tracks it."""
+
+    seq_id: int
+    request_id: str
+    client: bytes  # ROUTER identity of the client that sent it
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    seed: int
+    slot: int = -1
+    token_ids: list[int] = field(default_factory=list)  # prompt + generated
+    num_prompt_tokens: int = 0
+    # Spec-link bookkeeping: the round whose speculation we wait for, and whether the
+    # draft's view of this sequence is current (False after a round without it).
+    round: int = 0
+    draft_synced: bool = False
+    finished: bool = False
+    finish_reason: str | None = None
+    final_sent: bool = False
+    stats: RequestStats = field(default_factory=RequestStats)
+    arrival_s: float = field(default_factory=time.monotonic)
+    first_token_s: float = 0.0
+    detok: IncrementalDetokenizer | None = None
+    # Generated text so far, with any stop string cut off.
+    text: str = ""
+    # Characters of `text` already sent to the client.
+    num_text_sent: int = 0
+    # Unsent outputs of the current step.
+    pending_token_ids: list[int] = field(default_factory=list)
+    pending_logprobs: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+            self.num_prompt_tokens = len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    def take_text_delta(self) -> str:
+        """Text not yet sent. While unfinished, hold back the last (longest stop - 1)
+        characters: they might be the start of a stop string that the next token completes."""
+        end = len(self.text)
+        if not self.finished and self.sampling.stop:
+            end -= max(len(s) for s in self.sampling.stop) - 1
+        if end <= self.num_text_sent:
+            return ""
+        delta = self.text[self.num_text_sent : end]
+        self.num_text_sent = end
+        return delta
+
+
+class StopChecker:
+    """Applies EOS, stop token ids, stop strings and max_tokens one token at a time, so a
+    stop that falls inside an accepted chunk cuts the chunk exactly there."""
+
+    def __init__(self, eos_token_ids: list[int], max_model_len: int):
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+
+    def append(self, seq: Sequence, token_id: int, logprob: float | None = None) -> bool:
+        """Append one accepted token to seq; return True when seq is now finished.
+
+        Token ids after a stop are never appended. EOS and stop token ids are kept in
+        token_ids but contribute no text; a stop string is cut from the text (OpenAI
+        semantics) and the token that completed it ends the output.
+        """
+        sp = seq.sampling
+        seq.token_ids.append(token_id)
+        seq.pending_token_ids.append(token_id)
+        if logprob is not None and sp.logprobs:
+            seq.pending_logprobs.append(logprob)
+        if not seq.first_token_s:
+            seq.first_token_s = time.monotonic()
+
+        if (token_id in self.eos_token_ids and not sp.ignore_eos) or token_id in sp.stop_token_ids:
+            return self._finish(seq, "stop")
+
+        if seq.detok is not None:
+            delta = seq.detok.add(token_id)
+            if delta:
+                seq.text += delta
+                if sp.stop and self._cut_stop_string(seq, len(delta)):
+                    return self._finish(seq, "stop")
+
+        if seq.num_generated >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
+            return self._finish(seq, "length")
+        return False
+
+    @staticmethod
+    def _cut_stop_string(seq: Sequence, delta_len: int) -> bool:
+        # Only a stop string that ends inside the new delta can be new.
+        longest = max(len(s) for s in seq.sampling.stop)
+        window_start = max(0, len(seq.text) - delta_len - longest + 1)
+        window = seq.text[window_start:]
+        best = -1
+        for s in seq.sampling.stop:
+            i = window.find(s)
+            if i >= 0 and (best < 0 or i < best):
+                best = i
+        if best < 0:
+            return False
+        seq.text = seq.text[: window_start + best]
+        return True
+
+    @staticmethod
+    def _finish(seq: Sequence, reason: str) -> bool:
+        seq.finished = True
+        seq.finish_reason = reason
+        return True

@@ -1,0 +1,57 @@
+"""Checks on a GenerateRequest before it reaches the scheduler.
+
+A request that fails gets an ErrorReply(code="bad_request") naming the problem; nothing
+about it is scheduled, and every other request is unaffected.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from protocol.messages import GenerateRequest, SamplingParams
+
+
+class RequestError(ValueError):
+    pass
+
+
+def validate_sampling(sp: SamplingParams) -> None:
+    if sp.max_tokens < 1:
+        raise RequestError(f"max_tokens must be >= 1, got {sp.max_tokens}")
+    if not math.isfinite(sp.temperature) or sp.temperature < 0:
+        raise RequestError(f"temperature must be >= 0, got {sp.temperature}")
+    if sp.top_k < 0:
+        raise RequestError(f"top_k must be >= 0 (0 disables it), got {sp.top_k}")
+    if not (0.0 < sp.top_p <= 1.0):
+        raise RequestError(f"top_p must be in (0, 1], got {sp.top_p}")
+    if sp.seed is not None and not (0 <= sp.seed < 2**63):
+        raise RequestError(f"seed must be in [0, 2**63), got {sp.seed}")
+    if any(not s for s in sp.stop):
+        raise RequestError("stop strings must be non-empty")
+    if len(sp.stop) > 16 or any(len(s) > 256 for s in sp.stop):
+        raise RequestError("at most 16 stop strings of at most 256 characters")
+
+
+def validate_request(req: GenerateRequest, vocab_size: int, max_model_len: int) -> list[int]:
+    """Return the prompt as a list of ints, or raise RequestError."""
+    validate_sampling(req.sampling)
+    if not req.request_id:
+        raise RequestError("request_id must be non-empty")
+    ids = np.asarray(req.prompt_token_ids)
+    if ids.ndim != 1 or ids.size == 0:
+        raise RequestError("prompt_token_ids must be a non-empty 1-D array")
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise RequestError(f"prompt_token_ids must be integers, got {ids.dtype}")
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        raise RequestError(f"prompt token ids must be in [0, {vocab_size}), got range [{ids.min()}, {ids.max()}]")
+    for t in req.sampling.stop_token_ids:
+        if not 0 <= t < vocab_size:
+            raise RequestError(f"stop token id {t} is outside [0, {vocab_size})")
+    if ids.size + req.sampling.max_tokens > max_model_len:
+        raise RequestError(
+            f"prompt ({ids.size} tokens) + max_tokens ({req.sampling.max_tokens}) exceeds the context "
+            f"length {max_model_len}"
+        )
+    return ids.astype(np.int64).tolist()

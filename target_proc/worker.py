@@ -1,0 +1,425 @@
+"""target_proc main loop: continuous batching, chain verification, acceptance, streaming.
+
+One step:
+  1. collect the speculations the draft sent for the running sequences (SD/SSD);
+  2. one verify forward over [x_n, d_1..d_m] per sequence (m = 0 is a plain decode);
+  3. rejection-sample: accepted prefix j and a recovery/bonus token t per sequence;
+  4. send the outcomes (j, t) to the draft at once, before any host post-processing,
+     so the draft's next answer overlaps with 5 and 6 (overlap-scheduled acceptance);
+  5. apply stop rules token by token inside the accepted chunk, detokenize, stream;
+  6. admit waiting requests (prefill, first token) and release finished ones.
+AR mode is the same loop with m = 0 for every sequence.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import deque
+
+import numpy as np
+import torch
+
+from protocol.codec import ProtocolError
+from protocol.messages import (
+    AbortRequest,
+    EngineStats,
+    ErrorReply,
+    GenerateRequest,
+    RequestOutput,
+    RequestStats,
+    Shutdown,
+    StatsRequest,
+    TokenOutputs,
+)
+from spec_runtime.config import RuntimeConfig
+from spec_runtime.model.forward_batch import ForwardItem
+from spec_runtime.sampling import SamplingTensors, rejection_sample
+from target_proc.draft_link import DraftLink, Outcome, Speculation
+from target_proc.sequence import IncrementalDetokenizer, Sequence, StopChecker
+from target_proc.validate import RequestError, validate_request
+
+logger = logging.getLogger(__name__)
+
+
+class TargetWorker:
+    def __init__(self, cfg: RuntimeConfig, runner, client_channel, draft_link: DraftLink | None):
+        self.cfg = cfg
+        self.runner = runner
+        self.clients = client_channel
+        self.draft = draft_link
+        self.k = cfg.spec.k if cfg.spec.mode != "ar" else 0
+        self.max_model_len = runner.layout.max_model_len
+        self.stop_checker = StopChecker(runner.eos_token_ids, self.max_model_len)
+        self.free_slots = list(range(runner.layout.num_slots))[::-1]
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[int, Sequence] = {}
+        self.by_request: dict[tuple[bytes, str], Sequence] = {}
+        self.next_seq_id = 0
+        self.step_id = 0
+        self.rng = random.Random(cfg.seed)
+        self.totals = RequestStats(accepted_per_position=[0] * self.k, drafted_per_position=[0] * self.k)
+        self.outputs: dict[bytes, list[RequestOutput]] = {}
+        self.shutting_down = False
+
+    # ------------------------------------------------------------------ loop
+
+    def run_forever(self) -> None:
+        while not self.shutting_down:
+            self.poll_clients(block=not self.running and not self.waiting)
+            self.admit()
+            if self.running:
+                self.step()
+            self.flush_outputs()
+
+    def poll_clients(self, block: bool) -> None:
+        timeout = 0.05 if block else 0.0
+        while True:
+            try:
+                got = self.clients.recv(timeout_s=timeout)
+            except ProtocolError as e:
+                logger.warning("rejected a malformed client message: %s", e)
+                if e.peer is not None:
+                    self.clients.send_error_to(e.peer, e.code, str(e))
+                continue
+            if got is None:
+                return
+            timeout = 0.0
+            ident, msg = got
+            if isinstance(msg, GenerateRequest):
+                self.on_generate(ident, msg)
+            elif isinstance(msg, AbortRequest):
+                self.on_abort(ident, msg.request_id)
+            elif isinstance(msg, StatsRequest):
+                self.clients.send_to(ident, self.engine_stats())
+            elif isinstance(msg, Shutdown):
+                self.shutting_down = True
+                return
+
+    def on_generate(self, ident: bytes, req: GenerateRequest) -> None:
+        key = (ident, req.request_id)
+        try:
+            if key in self.by_request:
+                raise RequestError(f"request_id {req.request_id!r} is already in flight")
+            prompt = validate_request(req, self.runner.vocab_size, self.max_model_len)
+        except RequestError as e:
+            self.clients.send_to(ident, ErrorReply(code="bad_request", message=str(e), request_id=req.request_id))
+            return
+        sp = req.sampling
+        seq = Sequence(
+            seq_id=self.next_seq_id,
+            request_id=req.request_id,
+            client=ident,
+            prompt_token_ids=prompt,
+            sampling=sp,
+            seed=sp.seed if sp.seed is not None else self.rng.getrandbits(62),
+        )
+        seq.detok = IncrementalDetokenizer(self.runner.tokenizer, prompt)
+        seq.stats.num_prompt_tokens = len(prompt)
+        seq.stats.accepted_per_position = [0] * self.k
+        seq.stats.drafted_per_position = [0] * self.k
+        self.next_seq_id += 1
+        self.by_request[key] = seq
+        self.waiting.append(seq)
+
+    def on_abort(self, ident: bytes, request_id: str) -> None:
+        seq = self.by_request.get((ident, request_id))
+        if seq is None:
+            return
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.finished = True
+        seq.finish_reason = "abort"
+        self.finish(seq)
+
+    # ------------------------------------------------------------------ admission
+
+    def admit(self) -> None:
+        """Prefill waiting requests into free slots; sample their first token."""
+        new: list[Sequence] = []
+        while self.waiting and self.free_slots:
+            seq = self.waiting.popleft()
+            seq.slot = self.free_slots.pop()
+            new.append(seq)
+        if not new:
+            return
+        layout = self.runner.layout
+        items = [
+            ForwardItem(seq.token_ids, 0, layout.slot_rows(seq.slot, seq.num_tokens), "last") for seq in new
+        ]
+        logits = self._oracle(self.runner.run(items), [(s.seed, s.num_tokens, 0) for s in new])  # [B, V]
+        st = self._sampling_tensors(new)
+        positions = torch.tensor([s.num_tokens for s in new], dtype=torch.int64, device=logits.device)
+        res = rejection_sample(
+            logits[:, None, :],
+            torch.full((len(new), 0), -1, dtype=torch.int64, device=logits.device),
+            torch.zeros(len(new), dtype=torch.int64, device=logits.device),
+            None,
+            None,
+            st,
+            positions,
+        )
+        tokens = res.output_token_ids[:, 0].cpu().tolist()  # sync: the host streams the first token
+        logprobs = res.target_logprobs[:, 0].cpu().tolist()
+        now = time.monotonic()
+        outcomes = []
+        for seq, tok, lp in zip(new, tokens, logprobs):
+            self.running[seq.seq_id] = seq
+            seq.stats.num_rounds += 1
+            seq.stats.ttft_s = now - seq.arrival_s
+            if self.draft is not None and self.draft.alive and not self._will_finish(seq, 1):
+                self.draft.add(seq.seq_id, seq.token_ids, seq.sampling.temperature, seq.sampling.top_k,
+                               seq.sampling.top_p, seq.seed)
+                seq.draft_synced = True
+                seq.round += 1
+                outcomes.append(Outcome(seq.seq_id, seq.round, 0, tok, seq.num_tokens + 1))
+            if self.stop_checker.append(seq, tok, lp):
+                self.finish(seq)
+        if self.draft is not None:
+            self.draft.request(outcomes)
+        self._emit(new)
+
+    # ------------------------------------------------------------------ one round
+
+    def step(self) -> None:
+        self.step_id += 1
+        seqs = list(self.running.values())
+        specs = self._collect_speculations(seqs)
+        layout = self.runner.layout
+        k_max = max((len(specs[s.seq_id].draft_token_ids) for s in seqs if s.seq_id in specs), default=0)
+
+        items, num_draft = [], []
+        for seq in seqs:
+            spec = specs.get(seq.seq_id)
+            n = seq.num_tokens
+            # Never verify past the context or past max_tokens (the last token is free).
+            m = 0 if spec is None else len(spec.draft_token_ids)
+            m = min(m, self.max_model_len - n, seq.sampling.max_tokens - seq.num_generated - 1)
+            m = max(m, 0)
+            draft = spec.draft_token_ids[:m].tolist() if m else []
+            items.append(ForwardItem([seq.last_token_id] + draft, n - 1, layout.slot_rows(seq.slot, n + m), "all"))
+            num_draft.append(m)
+
+        flat_logits = self._oracle(self.runner.run(items), [(s.seed, s.num_tokens, m) for s, m in zip(seqs, num_draft)])
+        # flat_logits: [sum(m + 1), V]
+        res = self._verify(seqs, specs, num_draft, k_max, flat_logits)
+        num_accepted = res.num_accepted.cpu()  # sync: the accepted prefix decides what the host does next
+        out_tokens = res.output_token_ids.cpu()
+        logprobs = res.target_logprobs.cpu() if any(s.sampling.logprobs for s in seqs) else None
+        num_accepted_l = num_accepted.tolist()
+        out_l = out_tokens.tolist()
+
+        # Overlap-scheduled acceptance: tell the draft first, post-process after.
+        if self.draft is not None and self.draft.alive:
+            outcomes = []
+            for i, seq in enumerate(seqs):
+                j = num_accepted_l[i]
+                if seq.seq_id in specs and not self._will_finish(seq, j + 1) and seq.seq_id not in self.draft.desynced:
+                    seq.round += 1
+                    outcomes.append(Outcome(seq.seq_id, seq.round, j, out_l[i][j], seq.num_tokens + j + 1))
+            self.draft.request(outcomes)
+
+        for i, seq in enumerate(seqs):
+            j, m = num_accepted_l[i], num_draft[i]
+            st = seq.stats
+            st.num_rounds += 1
+            st.num_draft_tokens += m
+            st.num_accepted_tokens += j
+            for pos in range(m):
+                st.drafted_per_position[pos] += 1
+                if pos < j:
+                    st.accepted_per_position[pos] += 1
+            spec = specs.get(seq.seq_id)
+            if spec is not None:
+                if spec.cache_hit:
+                    st.num_cache_hits += 1
+                elif self.cfg.spec.mode == "ssd":
+                    st.num_cache_misses += 1
+            elif self.k:
+                st.num_ar_fallback_rounds += 1
+            for t in range(j + 1):
+                lp = float(logprobs[i, t]) if logprobs is not None else None
+                if self.stop_checker.append(seq, out_l[i][t], lp):
+                    break
+            if seq.finished:
+                self.finish(seq)
+        self._emit(seqs)
+
+    def _collect_speculations(self, seqs: list[Sequence]) -> dict[int, Speculation]:
+        if self.draft is None:
+            return {}
+        if not self.draft.alive:
+            for seq in seqs:
+                seq.draft_synced = False
+            return {}
+        self._resync([s for s in seqs if not s.draft_synced or s.seq_id in self.draft.desynced])
+        waiting = {s.seq_id: s.round for s in seqs if s.draft_synced}
+        specs = self.draft.collect(waiting)
+        for seq in seqs:
+            if seq.draft_synced and seq.seq_id not in specs:
+                # No answer in time (or a desync): this round decodes plainly; the draft's
+                # view of the sequence is now stale, so it is re-added next round.
+                seq.draft_synced = False
+                seq.round += 1
+        return specs
+
+    def _resync(self, seqs: list[Sequence]) -> None:
+        """Re-add sequences whose draft state may be stale; their speculation comes next round."""
+        if not seqs:
+            return
+        self.draft.release([s.seq_id for s in seqs])
+        outcomes = []
+        for seq in seqs:
+            self.draft.desynced.discard(seq.seq_id)
+            self.draft.add(seq.seq_id, seq.token_ids[:-1], seq.sampling.temperature, seq.sampling.top_k,
+                           seq.sampling.top_p, seq.seed)
+            seq.round += 1
+            seq.draft_synced = True
+            outcomes.append(Outcome(seq.seq_id, seq.round, 0, seq.last_token_id, seq.num_tokens))
+        self.draft.request(outcomes)
+
+    def _verify(self, seqs, specs, num_draft, k_max, flat_logits):
+        device = flat_logits.device
+        b = len(seqs)
+        q_lens = np.asarray(num_draft, dtype=np.int64) + 1
+        starts = np.concatenate([[0], np.cumsum(q_lens)[:-1]])
+        # [B, k_max + 1] row of flat_logits for each (sequence, verify position), clamped
+        # to the sequence's last row past its own m (those rows are masked by num_draft).
+        idx = starts[:, None] + np.minimum(np.arange(k_max + 1)[None, :], (q_lens - 1)[:, None])
+        target_logits = flat_logits[torch.from_numpy(idx).to(device)]  # [B, k_max + 1, V]
+        draft_ids = np.full((b, k_max), -1, dtype=np.int64)
+        with_q = [specs[s.seq_id].q_token_ids for i, s in enumerate(seqs)
+                  if num_draft[i] > 0 and specs[s.seq_id].q_token_ids is not None]
+        q_ids = q_probs = None
+        if with_q:
+            top = max(q.shape[-1] for q in with_q)
+            q_ids = np.zeros((b, k_max, top), dtype=np.int64)
+            q_probs = np.zeros((b, k_max, top), dtype=np.float32)
+        for i, seq in enumerate(seqs):
+            m = num_draft[i]
+            if m == 0:
+                continue
+            spec = specs[seq.seq_id]
+            draft_ids[i, :m] = spec.draft_token_ids[:m]
+            if q_ids is not None:
+                if spec.q_token_ids is None:  # greedy draft in a sampled batch: q is one-hot
+                    q_ids[i, :m, 0] = spec.draft_token_ids[:m]
+                    q_probs[i, :m, 0] = 1.0
+                else:
+                    w = spec.q_token_ids.shape[-1]
+                    q_ids[i, :m, :w] = spec.q_token_ids[:m]
+                    q_probs[i, :m, :w] = spec.q_probs[:m]
+        st = self._sampling_tensors(seqs)
+        positions = torch.tensor([s.num_tokens for s in seqs], dtype=torch.int64, device=device)
+
+        def dev(a):
+            return None if a is None else torch.from_numpy(a).to(device, non_blocking=True)
+
+        return rejection_sample(
+            target_logits,
+            dev(draft_ids),
+            torch.tensor(num_draft, dtype=torch.int64, device=device),
+            dev(q_ids),
+            dev(q_probs),
+            st,
+            positions,
+        )
+
+    # ------------------------------------------------------------------ helpers
+
+    def _oracle(self, logits: torch.Tensor, rows: list[tuple[int, int, int]]) -> torch.Tensor:
+        """Benchmark-only synthetic oracle: logits predicting position t become peaked on
+        o_t = hash(seed, t). rows: (seed, first predicted position, m) -> m + 1 rows each."""
+        if self.cfg.spec.synthetic_acceptance is None:
+            return logits
+        from spec_runtime.oracle import target_oracle_logits
+
+        seeds = np.concatenate([np.full(m + 1, seed, dtype=np.int64) for seed, _, m in rows])
+        pos = np.concatenate([np.arange(p, p + m + 1, dtype=np.int64) for _, p, m in rows])
+        dev = logits.device
+        return target_oracle_logits(logits, torch.from_numpy(seeds).to(dev), torch.from_numpy(pos).to(dev))
+
+    def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
+        return SamplingTensors.from_params(
+            [(s.sampling.temperature, s.sampling.top_k, s.sampling.top_p, s.seed) for s in seqs],
+            self.runner.device,
+        )
+
+    @staticmethod
+    def _will_finish(seq: Sequence, num_new: int) -> bool:
+        return seq.num_generated + num_new >= seq.sampling.max_tokens
+
+    def finish(self, seq: Sequence) -> None:
+        """Free the slot and the draft's state; the final output goes out with this step's."""
+        self.running.pop(seq.seq_id, None)
+        self.by_request.pop((seq.client, seq.request_id), None)
+        if seq.slot >= 0:
+            self.free_slots.append(seq.slot)
+            seq.slot = -1
+        if self.draft is not None and seq.draft_synced:
+            self.draft.release([seq.seq_id])
+        seq.stats.num_generated_tokens = seq.num_generated
+        seq.stats.e2e_s = time.monotonic() - seq.arrival_s
+        self._add_totals(seq.stats)
+        self._emit([seq])
+
+    def _add_totals(self, st: RequestStats) -> None:
+        t = self.totals
+        for name in ("num_prompt_tokens", "num_generated_tokens", "num_rounds", "num_draft_tokens",
+                     "num_accepted_tokens", "num_cache_hits", "num_cache_misses", "num_ar_fallback_rounds"):
+            setattr(t, name, getattr(t, name) + getattr(st, name))
+        for i in range(self.k):
+            t.accepted_per_position[i] += st.accepted_per_position[i]
+            t.drafted_per_position[i] += st.drafted_per_position[i]
+
+    def _emit(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            if seq.final_sent or (not seq.pending_token_ids and not seq.finished):
+                continue
+            out = RequestOutput(
+                request_id=seq.request_id,
+                new_token_ids=seq.pending_token_ids,
+                text_delta=seq.take_text_delta(),
+                finished=seq.finished,
+                finish_reason=seq.finish_reason,
+                logprobs=seq.pending_logprobs,
+                stats=seq.stats if seq.finished else None,
+            )
+            seq.pending_token_ids = []
+            seq.pending_logprobs = []
+            self.outputs.setdefault(seq.client, []).append(out)
+            seq.final_sent = seq.finished
+
+    def flush_outputs(self) -> None:
+        for ident, outs in self.outputs.items():
+            # One message per client per step; a finished request appears exactly once.
+            seen: dict[str, RequestOutput] = {}
+            merged: list[RequestOutput] = []
+            for o in outs:
+                prev = seen.get(o.request_id)
+                if prev is None:
+                    seen[o.request_id] = o
+                    merged.append(o)
+                else:
+                    prev.new_token_ids = prev.new_token_ids + o.new_token_ids
+                    prev.text_delta += o.text_delta
+                    prev.logprobs = prev.logprobs + o.logprobs
+                    prev.finished = prev.finished or o.finished
+                    prev.finish_reason = o.finish_reason or prev.finish_reason
+                    prev.stats = o.stats or prev.stats
+            self.clients.send_to(ident, TokenOutputs(step=self.step_id, outputs=merged))
+        self.outputs.clear()
+
+    def engine_stats(self) -> EngineStats:
+        ds = self.draft.last_stats if self.draft is not None else None
+        return EngineStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_free_slots=len(self.free_slots),
+            draft_alive=self.draft is not None and self.draft.alive,
+            mode=self.cfg.spec.mode,
+            totals=self.totals,
+            draft_num_seqs=ds.num_seqs if ds else -1,
+            draft_num_cache_entries=ds.num_cache_entries if ds else -1,
+        )

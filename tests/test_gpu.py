@@ -1,0 +1,171 @@
+"""GPU path (flashinfer + CUDA graphs + fused ops) against the CPU SDPA path and transformers.
+
+Skipped without CUDA. Models are random HF checkpoints saved with save_pretrained, with
+head_dim 128 (flashinfer's kernels are built per head_dim; 128 is what the benchmarked
+shapes use). One scenario of forwards runs on a bf16 CUDA runner with graphs, one
+without graphs, and a float32 CPU runner; logits must agree within bf16 tolerance
+(relative error, Frobenius norm, below 1e-2), and with transformers' float32 forward
+over the same token sequences:
+  ragged prefill -> padded decode steps (3 requests on the 4-graph) -> verify of K+1 = 5
+  tokens over the cache -> rollback and re-verify -> branch requests (prefix rows +
+  scratch rows) -> a lone decode.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import save_tiny_model
+from transformers import AutoModelForCausalLM
+
+from spec_runtime.config import ModelConfig
+from spec_runtime.model import ForwardItem, ModelRunner
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+TOL = 1e-2
+MAX_LEN = 128
+SCRATCH = 16
+VERIFY_Q = 5
+MODELS = {
+    # name: (model_type, overrides)
+    "tiny-llama": ("llama", dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=1,
+                                 intermediate_size=512, num_hidden_layers=2, initializer_range=0.05)),
+    "medium-llama": ("llama", dict(hidden_size=1024, num_attention_heads=8, num_key_value_heads=2,
+                                   intermediate_size=2048, num_hidden_layers=4, initializer_range=0.02)),
+    "medium-qwen3": ("qwen3", dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
+                                   intermediate_size=1024, num_hidden_layers=3, initializer_range=0.02)),
+}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float().cpu(), b.float().cpu()
+    return float((a - b).norm() / b.norm())
+
+
+def _runner(path: str, device: str, graphs: bool = True) -> ModelRunner:
+    cfg = ModelConfig(path=path, device=device, cuda_graphs=graphs, gpu_memory_utilization=0.5)
+    return ModelRunner(cfg, num_slots=4, max_model_len=MAX_LEN, num_scratch_rows=SCRATCH,
+                       max_batch_size=4, graph_q_lens=(1, VERIFY_Q))
+
+
+def scenario(runner: ModelRunner, vocab: int) -> tuple[list[torch.Tensor], dict[str, list[int]]]:
+    """Run the fixed list of forwards; return each forward's logits and each sequence's tokens."""
+    rng = np.random.default_rng(1)
+    tok = lambda n: [int(t) for t in rng.integers(3, vocab, n)]  # noqa: E731
+    lay = runner.layout
+    seqs = {s: tok(n) for s, n in zip(range(3), (20, 33, 7))}
+    out = [runner.run([ForwardItem(seqs[s], 0, lay.slot_rows(s, len(seqs[s]))) for s in seqs])]
+    for _ in range(2):  # decode: 3 requests on the batch-4 graph (one padding request)
+        items = []
+        for s in seqs:
+            seqs[s].append(tok(1)[0])
+            n = len(seqs[s])
+            items.append(ForwardItem(seqs[s][-1:], n - 1, lay.slot_rows(s, n)))
+        out.append(runner.run(items))
+    for accept in (None, 2):  # verify K+1 tokens; then roll back to 2 accepted and verify again
+        items = []
+        for s in seqs:
+            if accept is not None:
+                del seqs[s][-(VERIFY_Q - accept):]
+            start = len(seqs[s])
+            seqs[s] += tok(VERIFY_Q)
+            items.append(ForwardItem(seqs[s][start:], start, lay.slot_rows(s, len(seqs[s])), "all"))
+        out.append(runner.run(items))
+    # Branches of sequence 0 forked at position 15: prefix rows + their own scratch rows.
+    fork, branches = 15, {}
+    for step in range(2):
+        items = []
+        for i in range(2):
+            key = f"b{i}"
+            branches.setdefault(key, seqs[0][:fork])
+            branches[key].append(tok(1)[0])
+            n = len(branches[key])
+            scratch = lay.scratch_base + 4 * i + np.arange(step + 1)
+            rows = np.concatenate([lay.slot_rows(0, fork), scratch])
+            items.append(ForwardItem(branches[key][-1:], n - 1, rows))
+        out.append(runner.run(items))
+    seqs[1].append(tok(1)[0])  # a lone decode: the batch-1 graph, no padding
+    out.append(runner.run([ForwardItem(seqs[1][-1:], len(seqs[1]) - 1, lay.slot_rows(1, len(seqs[1])))]))
+    return out, {**{str(s): v for s, v in seqs.items()}, **branches}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def model_dir(request, tmp_path_factory) -> str:
+    model_type, overrides = MODELS[request.param]
+    return save_tiny_model(tmp_path_factory.mktemp(request.param), model_type, **overrides)
+
+
+def test_gpu_matches_cpu_graphs_and_transformers(model_dir: str) -> None:
+    gpu = _runner(model_dir, "cuda", graphs=True)
+    assert gpu.graphs is not None and len(gpu.graphs.graphs) == 3 * 2  # batch sizes 1, 2, 4 x q_len 1, 5
+    vocab = gpu.vocab_size
+    gpu_out, seqs = scenario(gpu, vocab)
+    # Padding requests wrote only the dummy row: slot 3 was never used and is still zero.
+    slot3 = gpu.layout.slot_rows(3, MAX_LEN)
+    assert all(float(k[slot3].abs().max()) == 0.0 for k in gpu.kv_cache.k_cache)
+    assert float(gpu.kv_cache.k_cache[0][gpu.dummy_row].abs().max()) > 0.0
+    del gpu
+    eager = _runner(model_dir, "cuda", graphs=False)
+    assert eager.graphs is None
+    eager_out, _ = scenario(eager, vocab)
+    del eager
+    cpu = _runner(model_dir, "cpu")
+    cpu_out, cpu_seqs = scenario(cpu, vocab)
+    assert cpu_seqs == seqs
+    for i, (g, e, c) in enumerate(zip(gpu_out, eager_out, cpu_out)):
+        assert g.shape == c.shape and g.dtype == torch.float32
+        assert rel_err(g, c) < TOL, f"forward {i}: graphs vs CPU {rel_err(g, c):.2e}"
+        assert rel_err(e, c) < TOL, f"forward {i}: eager GPU vs CPU {rel_err(e, c):.2e}"
+        assert rel_err(g, e) < TOL, f"forward {i}: graphs vs eager {rel_err(g, e):.2e}"
+    # transformers (float32, CPU) over the final sequences: the last verify's K+1 logits
+    # per sequence, and the last step of each branch.
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        verify = gpu_out[4].view(3, VERIFY_Q, -1)
+        for s in range(3):
+            seq = seqs[str(s)]
+            if s == 1:
+                seq = seq[:-1]  # the lone decode came after the verify
+            ref = hf(torch.tensor([seq])).logits[0, -VERIFY_Q:]
+            assert rel_err(verify[s], ref) < TOL, f"verify seq {s}: {rel_err(verify[s], ref):.2e}"
+        for i in range(2):
+            ref = hf(torch.tensor([seqs[f"b{i}"]])).logits[0, -1]
+            assert rel_err(gpu_out[7][i], ref) < TOL, f"branch {i}: {rel_err(gpu_out[7][i], ref):.2e}"
+
+
+def test_flashinfer_causal_is_bottom_right() -> None:
+    """flashinfer prefill with q_len < kv_len against SDPA with the bottom-right mask, per request."""
+    from spec_runtime.model.attention import SDPABackend
+    from spec_runtime.model.flashinfer_backend import FlashInferBackend
+    from spec_runtime.model.forward_batch import build_forward_batch
+    from spec_runtime.model.kv_cache import KVCache
+
+    hq, hkv, d, rows = 8, 2, 128, 256
+    torch.manual_seed(0)
+    kv = KVCache(1, rows, hkv, d, torch.bfloat16, "cuda")
+    kv.k_cache[0].normal_()
+    kv.v_cache[0].normal_()
+    # q_len 3 over 40 rows, q_len 6 over 6 rows (pure prefill), q_len 1 over 17 rows, scattered rows.
+    perm = torch.randperm(rows - 1).numpy()
+    items = [ForwardItem([1] * 3, 37, perm[:40]), ForwardItem([1] * 6, 0, perm[40:46]),
+             ForwardItem([1], 16, perm[46:63])]
+    batch = build_forward_batch(items, "cuda")
+    t = batch.input_ids.shape[0]
+    q = torch.randn(t, hq, d, device="cuda", dtype=torch.bfloat16)
+    k_new = torch.randn(t, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v_new = torch.randn(t, hkv, d, device="cuda", dtype=torch.bfloat16)
+    fi = FlashInferBackend(hq, hkv, d, torch.bfloat16, "cuda")
+    fi.begin(batch)
+    out = fi.forward(0, q, k_new, v_new, kv, batch)
+    ref_kv = KVCache(1, rows, hkv, d, torch.float32, "cuda")
+    ref_kv.k_cache[0].copy_(kv.k_cache[0])
+    ref_kv.v_cache[0].copy_(kv.v_cache[0])
+    sdpa = SDPABackend(hq, hkv, d)
+    sdpa.begin(batch)
+    ref = sdpa.forward(0, q.float(), k_new.float(), v_new.float(), ref_kv, batch)
+    assert rel_err(out, ref) < TOL, f"flashinfer vs SDPA: {rel_err(out, ref):.2e}"
