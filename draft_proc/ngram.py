@@ -50,5 +50,6 @@ class NgramSpeculator(Speculator):
             if any_sampled:
                 prop.q_token_ids[b, :m, 0] = tokens
                 prop.q_probs[b, :m, 0] = 1.0
-            seq.set_speculation(tokens, num_cached=0)
+            # No KV is written: the slot stays valid up to the token before the last.
+            seq.set_speculation(tokens, num_cached=min(seq.num_cached, seq.num_tokens - 1))
         return prop

@@ -81,6 +81,9 @@ def run_child(role: str, build: Callable[[object, Init], tuple[Ready, Callable[[
         check_version(init)
         cfg = decode_config(init.config)
         setup_logging(role, cfg.log_level)
+        if os.environ.get("SPEC_RUNTIME_FAULT") == f"{role}:exit_on_load":
+            # Fault injection for tests: die the way a crash during load would, silently.
+            os._exit(3)
         ready, main_loop = build(cfg, init)
     except (ProtocolError, Exception) as e:  # noqa: BLE001 - every start-up failure is reported
         logger.debug("start-up failed:\n%s", traceback.format_exc())

@@ -1,0 +1,235 @@
+"""SSD (Speculative Speculative Decoding, arXiv 2603.03251): the draft works ahead.
+
+On a SpecRequest the draft looks each outcome (j, t) up in its tree cache; a hit is
+answered with the cached speculation at once, a miss by the backup speculator (jit:
+draft K tokens now; ngram; none: no drafts, the target verifies only its own token).
+Then, while the target verifies what it was just sent, the draft works ahead:
+
+  glue:        one forward over [x_n, d_1..d_m] per sequence: writes their KV to the
+               slot and yields the draft's distribution at every depth 0..m;
+  fork:        the top-F_j tokens at depth j (excluding d_{j+1}), see tree_cache.py;
+  tree decode: K steps over all branches of all sequences in one batch; a branch
+               attends to its slot's rows [0, n + j) and its own scratch rows;
+  store:       the branches replace the sequence's cache entries.
+
+Sampling stays exact at any temperature: a branch's tokens are sampled with the same
+counter-based randomness (request seed, position) the chain drafter uses, and the q
+stored with them is exactly the distribution each was sampled from.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from draft_proc.speculator import Proposal, Speculator
+from draft_proc.state import DraftSeq
+from draft_proc.tree_cache import CachedSpeculation, Fork, TreeCache, select_forks
+from spec_runtime.model.forward_batch import ForwardItem
+
+logger = logging.getLogger(__name__)
+
+
+def max_branches(spec_cfg) -> int:
+    return max(sum(spec_cfg.fan_out_for(False)), sum(spec_cfg.fan_out_for(True)), 1)
+
+
+def scratch_rows_needed(spec_cfg, num_slots: int) -> int:
+    return num_slots * max_branches(spec_cfg) * spec_cfg.k
+
+
+class SSDEngine:
+    def __init__(self, drafter, backup: Speculator | None, spec_cfg):
+        self.drafter = drafter
+        self.runner = drafter.runner
+        self.layout = drafter.layout
+        self.backup = backup
+        self.cfg = spec_cfg
+        self.k = spec_cfg.k
+        self.cache = TreeCache(max_branches(spec_cfg), spec_cfg.k, self.layout.scratch_base)
+        self._pending: dict[int, CachedSpeculation | None] = {}
+        self._pending_depth: dict[int, int] = {}
+        self.num_hits = 0
+        self.num_misses = 0
+        self.last_work_s = 0.0
+
+    # ---------------------------------------------------------------- answer
+
+    def note_outcome(self, seq: DraftSeq, num_accepted: int, token_id: int) -> None:
+        """Look the outcome up before the sequence's state moves past it."""
+        self._pending[seq.seq_id] = self.cache.lookup(seq.seq_id, num_accepted, token_id)
+        self._pending_depth[seq.seq_id] = num_accepted
+
+    def propose(self, seqs: list[DraftSeq], k: int) -> tuple[Proposal, np.ndarray, list[int]]:
+        prop = Proposal.empty(len(seqs), k)
+        hits = np.zeros(len(seqs), dtype=bool)
+        hits_by_depth = [0] * (self.k + 1)
+        sampled = any(s.temperature > 0 for s in seqs)
+        top = self.cfg.draft_top_k
+        if sampled:
+            prop.q_token_ids = np.zeros((len(seqs), k, top), dtype=np.int64)
+            prop.q_probs = np.zeros((len(seqs), k, top), dtype=np.float32)
+        misses: list[int] = []
+        for b, seq in enumerate(seqs):
+            entry = self._pending.pop(seq.seq_id, None)
+            depth = self._pending_depth.pop(seq.seq_id, 0)
+            if entry is None:
+                misses.append(b)
+                continue
+            m = min(len(entry.draft_token_ids), k)
+            hits[b] = True
+            hits_by_depth[depth] += 1
+            prop.draft_token_ids[b, :m] = entry.draft_token_ids[:m]
+            prop.num_draft_tokens[b] = m
+            if sampled:
+                self._fill_q(prop, b, entry, m)
+            # The branch's KV is in scratch; the slot is valid up to the token before t.
+            seq.set_speculation(entry.draft_token_ids[:m].tolist(), num_cached=min(seq.num_cached, seq.num_tokens - 1))
+            seq.last_missed = False
+        self.num_hits += int(hits.sum())
+        self.num_misses += len(misses)
+        if misses:
+            miss_seqs = [seqs[b] for b in misses]
+            for s in miss_seqs:
+                s.last_missed = True
+            if self.backup is None:
+                for s in miss_seqs:
+                    s.set_speculation([], num_cached=min(s.num_cached, s.num_tokens - 1))
+            else:
+                sub = self.backup.propose(miss_seqs, k)
+                for r, b in enumerate(misses):
+                    prop.draft_token_ids[b] = sub.draft_token_ids[r]
+                    prop.num_draft_tokens[b] = sub.num_draft_tokens[r]
+                    if sampled and sub.q_token_ids is not None:
+                        w = sub.q_token_ids.shape[-1]
+                        prop.q_token_ids[b, :, :w] = sub.q_token_ids[r]
+                        prop.q_probs[b, :, :w] = sub.q_probs[r]
+                    elif sampled:  # a greedy row in a sampled batch: one-hot q
+                        m = int(sub.num_draft_tokens[r])
+                        prop.q_token_ids[b, :m, 0] = sub.draft_token_ids[r, :m]
+                        prop.q_probs[b, :m, 0] = 1.0
+        return prop, hits, hits_by_depth
+
+    @staticmethod
+    def _fill_q(prop: Proposal, b: int, entry: CachedSpeculation, m: int) -> None:
+        if entry.q_token_ids is None:
+            prop.q_token_ids[b, :m, 0] = entry.draft_token_ids[:m]
+            prop.q_probs[b, :m, 0] = 1.0
+        else:
+            w = entry.q_token_ids.shape[-1]
+            prop.q_token_ids[b, :m, :w] = entry.q_token_ids[:m]
+            prop.q_probs[b, :m, :w] = entry.q_probs[:m]
+
+    # ---------------------------------------------------------------- work ahead
+
+    def work_ahead(self, seqs: list[DraftSeq], k: int) -> None:
+        t0 = time.perf_counter()
+        seqs = [s for s in seqs if s.num_tokens < self.layout.max_model_len]
+        if seqs:
+            ranked = self._glue(seqs)
+            forks = self._fork(seqs, ranked)
+            if forks:
+                self._tree_decode(seqs, forks, k)
+            else:
+                for s in seqs:
+                    self.cache.replace(s.seq_id, {})
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)  # sync: measure the work, not its launch
+        self.last_work_s = time.perf_counter() - t0
+
+    def _glue(self, seqs: list[DraftSeq]) -> list[np.ndarray]:
+        """Forward [x_n, d_1..d_m]; return per sequence the ranked candidates [m + 1, R]."""
+        lagging = [s for s in seqs if s.num_cached < s.num_tokens - 1]
+        if lagging:
+            # The backup drafted nothing, so the prompt was never prefilled: do it now.
+            self.runner.run([
+                ForwardItem(s.token_ids[s.num_cached : s.num_tokens - 1], s.num_cached,
+                            self.layout.slot_rows(s.slot, s.num_tokens - 1), "none")
+                for s in lagging
+            ])
+        items = []
+        for s in seqs:
+            n, d = s.num_tokens, s.draft_token_ids
+            items.append(ForwardItem([s.token_ids[-1]] + list(d), n - 1, self.layout.slot_rows(s.slot, n + len(d)), "all"))
+        logits = self.runner.run(items)  # [sum(m + 1), V]
+        positions = np.concatenate([np.arange(s.num_tokens, s.num_tokens + len(s.draft_token_ids) + 1) for s in seqs])
+        row_seqs = [s for s in seqs for _ in range(len(s.draft_token_ids) + 1)]
+        if self.drafter.logits_transform is not None:
+            logits = self.drafter.logits_transform(logits, row_seqs, positions)
+        # Rank by logits: temperature keeps the order, and top-k/top-p only cut the tail
+        # (for greedy rows the sampling distribution is one-hot and would rank nothing).
+        width = max(max(self.cfg.fan_out_for(True)), max(self.cfg.fan_out_for(False))) + 1
+        ranked = torch.topk(logits, min(width, logits.shape[-1]), dim=-1).indices.cpu().numpy()  # sync: forks are chosen on the host
+        out, start = [], 0
+        for s in seqs:
+            m = len(s.draft_token_ids)
+            out.append(ranked[start : start + m + 1])
+            start += m + 1
+            s.num_cached = s.num_tokens + m
+        return out
+
+    def _fork(self, seqs: list[DraftSeq], ranked: list[np.ndarray]) -> list[Fork]:
+        forks: list[Fork] = []
+        for s, r in zip(seqs, ranked):
+            fan = self.cfg.fan_out_for(s.last_missed)
+            forks.extend(select_forks(s.seq_id, r, np.asarray(s.draft_token_ids, dtype=np.int64), fan,
+                                      self.cache.max_branches))
+        return forks
+
+    def _tree_decode(self, seqs: list[DraftSeq], forks: list[Fork], k: int) -> None:
+        by_id = {s.seq_id: s for s in seqs}
+        f_seqs = [by_id[f.seq_id] for f in forks]
+        max_len = self.layout.max_model_len
+        # Outcome (j, t) leaves the sequence with n + j + 1 tokens; its speculation is
+        # capped like the chain drafter's, at max_model_len - (n + j + 1).
+        lens = np.array([max(0, min(k, max_len - (s.num_tokens + f.depth + 1))) for s, f in zip(f_seqs, forks)])
+        sampled = any(s.temperature > 0 for s in seqs)
+        top = self.cfg.draft_top_k
+        tokens = np.full((len(forks), k), -1, dtype=np.int64)
+        q_ids = np.zeros((len(forks), k, top), dtype=np.int64) if sampled else None
+        q_probs = np.zeros((len(forks), k, top), dtype=np.float32) if sampled else None
+        last = np.array([f.token_id for f in forks], dtype=np.int64)
+        for i in range(k):
+            active = np.flatnonzero(lens > i)
+            if len(active) == 0:
+                break
+            items = []
+            for b in active:
+                s, f = f_seqs[b], forks[b]
+                prefix = s.num_tokens + f.depth  # slot rows [0, n + j): x_1..x_n, d_1..d_j
+                rows = np.concatenate([self.layout.slot_rows(s.slot, prefix),
+                                       self.cache.scratch_rows(s.slot, f.branch, i + 1)])
+                items.append(ForwardItem([int(last[b])], prefix + i, rows, "last"))
+            logits = self.runner.run(items)  # [len(active), V]
+            act_seqs = [f_seqs[b] for b in active]
+            positions = np.array([f_seqs[b].num_tokens + forks[b].depth + 1 + i for b in active], dtype=np.int64)
+            toks, qi, qp = self.drafter.sample(logits, act_seqs, positions, self.drafter.sampling_tensors(act_seqs))
+            tokens[active, i] = toks
+            last[active] = toks
+            if sampled:
+                w = qi.shape[-1]
+                q_ids[active, i, :w] = qi
+                q_probs[active, i, :w] = qp
+        entries: dict[int, dict[tuple[int, int], CachedSpeculation]] = {s.seq_id: {} for s in seqs}
+        for b, f in enumerate(forks):
+            m = int(lens[b])
+            entries[f.seq_id][(f.depth, f.token_id)] = CachedSpeculation(
+                tokens[b, :m].copy(),
+                q_ids[b, :m].copy() if sampled else None,
+                q_probs[b, :m].copy() if sampled else None,
+            )
+        for sid, e in entries.items():
+            self.cache.replace(sid, e)
+
+    # ---------------------------------------------------------------- bookkeeping
+
+    def release(self, seq: DraftSeq) -> None:
+        self.cache.clear(seq.seq_id)
+        self._pending.pop(seq.seq_id, None)
+        self._pending_depth.pop(seq.seq_id, None)
+
+    def num_entries(self) -> int:
+        return self.cache.num_entries()

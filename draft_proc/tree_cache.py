@@ -1,0 +1,114 @@
+"""The SSD tree cache: speculations pre-computed for the outcomes the draft expects.
+
+Pure CPU bookkeeping (numpy only), testable without a model.
+
+After returning speculation d_1..d_m for a sequence, the draft expects an outcome
+(j, t): j of the m tokens accepted, then token t. For each depth j in 0..m it forks the
+F_j tokens the target is most likely to produce there, ranked by the draft's own
+distribution at that depth, *excluding d_{j+1}* for j < m (that outcome would have been
+an accept, not a rejection at j). Each fork (j, t) becomes a branch whose next K
+tokens are tree-decoded; the cache maps the key (seq_id, j, t) to those tokens and to
+the q they were sampled from. A look-up that finds the key is a hit.
+
+Branch KV lives in scratch rows: branch i of the sequence in slot s owns rows
+scratch_base + (s * max_branches + i) * K + [0, K). The branch attends to its slot's
+rows [0, n + j) (the prefix and the accepted drafts) and to its own scratch rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from protocol.messages import PLACEHOLDER_TOKEN_ID
+
+
+@dataclass
+class CachedSpeculation:
+    draft_token_ids: np.ndarray  # [m] int64
+    q_token_ids: np.ndarray | None  # [m, top_k] int64 (None when greedy)
+    q_probs: np.ndarray | None  # [m, top_k] float32
+
+
+@dataclass(frozen=True)
+class Fork:
+    """One branch to tree-decode: outcome (depth, token_id) of one sequence."""
+
+    seq_id: int
+    depth: int  # j: draft tokens accepted before the outcome token
+    token_id: int  # t: the recovery (j < m) or bonus (j == m) token
+    branch: int  # index among the sequence's branches (scratch rows)
+
+
+def select_forks(
+    seq_id: int,
+    ranked_token_ids: np.ndarray,
+    draft_token_ids: np.ndarray,
+    fan_out: tuple[int, ...],
+    max_branches: int,
+) -> list[Fork]:
+    """Choose the branches of one sequence.
+
+    ranked_token_ids: [m + 1, R] the draft's most likely tokens at each depth, best first
+    (R >= max(fan_out) + 1, so exclusion still leaves F_j candidates).
+    draft_token_ids: [m] the speculation just returned.
+    fan_out: F_0..F_K; depths beyond m are not forked (the speculation was shorter).
+    At most max_branches forks in all (the budget that keeps shapes fixed); when the
+    budget binds, shallower depths win, since rejection is likeliest early.
+    """
+    m = len(draft_token_ids)
+    if ranked_token_ids.shape[0] != m + 1:
+        raise ValueError(f"need m + 1 = {m + 1} ranked rows, got {ranked_token_ids.shape[0]}")
+    forks: list[Fork] = []
+    for j in range(m + 1):
+        want = fan_out[j] if j < len(fan_out) else 0
+        if want <= 0:
+            continue
+        excluded = int(draft_token_ids[j]) if j < m else PLACEHOLDER_TOKEN_ID
+        taken = 0
+        for t in ranked_token_ids[j].tolist():
+            if taken == want or len(forks) == max_branches:
+                break
+            if t == excluded or t < 0:
+                continue
+            forks.append(Fork(seq_id, j, int(t), len(forks)))
+            taken += 1
+    return forks
+
+
+class TreeCache:
+    """Per-sequence maps from outcome (j, t) to a pre-computed speculation."""
+
+    def __init__(self, max_branches: int, k: int, scratch_base: int):
+        if max_branches < 1:
+            raise ValueError("max_branches must be >= 1")
+        self.max_branches = max_branches
+        self.k = k
+        self.scratch_base = scratch_base
+        self._entries: dict[int, dict[tuple[int, int], CachedSpeculation]] = {}
+
+    def scratch_rows(self, slot: int, branch: int, length: int) -> np.ndarray:
+        """Rows of the first `length` tokens of a branch."""
+        if not 0 <= branch < self.max_branches or not 0 <= length <= self.k:
+            raise ValueError(f"branch {branch} / length {length} outside the budget")
+        base = self.scratch_base + (slot * self.max_branches + branch) * self.k
+        return np.arange(base, base + length, dtype=np.int64)
+
+    def lookup(self, seq_id: int, depth: int, token_id: int) -> CachedSpeculation | None:
+        return self._entries.get(seq_id, {}).get((depth, token_id))
+
+    def replace(self, seq_id: int, entries: dict[tuple[int, int], CachedSpeculation]) -> None:
+        """The speculation changed: the old branches answer outcomes that can no longer come."""
+        if len(entries) > self.max_branches:
+            raise ValueError(f"{len(entries)} entries exceed the budget of {self.max_branches}")
+        self._entries[seq_id] = entries
+
+    def clear(self, seq_id: int) -> None:
+        self._entries.pop(seq_id, None)
+
+    def num_entries(self) -> int:
+        return sum(len(e) for e in self._entries.values())
+
+    def num_seqs(self) -> int:
+        return len(self._entries)

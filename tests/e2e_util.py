@@ -1,0 +1,59 @@
+"""Helpers shared by the end-to-end tests: runtimes over tiny models, and references."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+
+from spec_runtime.config import ModelConfig, RuntimeConfig, SchedulerConfig, SpeculativeConfig
+
+
+def make_config(target: str, draft: str = "", mode: str = "sd", k: int = 3, **spec) -> RuntimeConfig:
+    return RuntimeConfig(
+        target=ModelConfig(path=target),
+        draft=ModelConfig(path=draft),
+        spec=SpeculativeConfig(mode=mode, k=k, draft_timeout_s=30.0, **spec),
+        sched=SchedulerConfig(max_batch_size=4, max_model_len=256),
+        startup_timeout_s=240.0,
+    )
+
+
+def perturbed_copy(src: str, dst: str, noise: float, seed: int = 1) -> str:
+    """A draft that agrees with the target often but not always: its weights plus noise."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    g = torch.Generator().manual_seed(seed)
+    path = os.path.join(dst, "model.safetensors")
+    weights = load_file(path)
+    for name, w in weights.items():
+        weights[name] = w + noise * torch.randn(w.shape, generator=g) * w.std()
+    save_file(weights, path, metadata={"format": "pt"})
+    return dst
+
+
+def random_prompts(vocab: int, lengths=(5, 9, 17, 30), seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    # Skip the special ids 0..2 so no prompt contains EOS.
+    return [rng.integers(3, vocab, size=n).tolist() for n in lengths]
+
+
+def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int, gguf_file: str | None = None) -> list[list[int]]:
+    """transformers' own greedy decoding, one prompt at a time, never stopping at EOS."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    kw = {"gguf_file": gguf_file} if gguf_file else {}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kw)
+    model.generation_config.eos_token_id = None
+    outs = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=max_new_tokens, pad_token_id=0)
+            outs.append(out[0, len(p):].tolist())
+    return outs

@@ -1,0 +1,99 @@
+"""SSD engine against the chain drafter.
+
+A cached branch for outcome (j, t) must be what the draft would produce by drafting K
+tokens from scratch after that outcome: the same tokens and the same q. That checks
+the branch attention (a branch sees its slot's prefix up to its fork point and its own
+scratch rows, nothing else) and the premise of exactness under sampling (the q stored
+with a branch is the distribution its tokens were sampled from).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+from conftest import save_tiny_model
+from draft_proc.drafter import ModelDrafter
+from draft_proc.ssd import SSDEngine, scratch_rows_needed
+from draft_proc.state import DraftSeq
+from spec_runtime.config import ModelConfig, SpeculativeConfig
+from spec_runtime.model.runner import ModelRunner
+
+K = 3
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("ssd") / "m", "llama")
+
+
+def _engine(model_dir, spec):
+    runner = ModelRunner(ModelConfig(path=model_dir), num_slots=2, max_model_len=128,
+                         num_scratch_rows=scratch_rows_needed(spec, 2))
+    drafter = ModelDrafter(runner, spec)
+    return SSDEngine(drafter, drafter, spec), drafter
+
+
+def _seqs(temperature):
+    rng = np.random.default_rng(0)
+    return [DraftSeq(i, i, rng.integers(3, 384, size=n).tolist(), temperature=temperature, seed=100 + i)
+            for i, n in enumerate((7, 12))]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_cached_branches_equal_fresh_chain_drafts(model_dir, temperature):
+    spec = SpeculativeConfig(mode="ssd", k=K, fan_out=(3, 2, 2, 1), draft_top_k=16)
+    engine, _ = _engine(model_dir, spec)
+    _, reference = _engine(model_dir, spec)  # a second runner with its own, fresh KV
+    seqs = _seqs(temperature)
+    for s in seqs:  # the first outcome of a new sequence: (0, its first token)
+        engine.note_outcome(s, 0, 5)
+        s.apply_outcome(0, 5, s.num_tokens + 1, 1)
+    prop, hits, _ = engine.propose(seqs, K)
+    assert not hits.any()  # nothing cached yet: the jit backup answered
+    engine.work_ahead(seqs, K)
+    assert engine.num_entries() == 2 * sum(spec.fan_out)
+
+    checked = 0
+    for b, s in enumerate(seqs):
+        d = prop.draft_token_ids[b, : prop.num_draft_tokens[b]].tolist()
+        assert len(d) == K
+        for (j, t), entry in engine.cache._entries[s.seq_id].items():
+            assert j == K or t != d[j]  # fork exclusion
+            fresh = DraftSeq(9, 0, s.token_ids + d[:j] + [t], temperature=temperature, seed=s.seed)
+            ref = reference.propose([fresh], K)
+            assert entry.draft_token_ids.tolist() == ref.draft_token_ids[0].tolist()
+            if temperature > 0:
+                np.testing.assert_array_equal(entry.q_token_ids, ref.q_token_ids[0])
+                np.testing.assert_allclose(entry.q_probs, ref.q_probs[0], atol=1e-5)
+            checked += 1
+    assert checked == 2 * sum(spec.fan_out)
+
+
+def test_hit_returns_the_cached_speculation(model_dir):
+    spec = SpeculativeConfig(mode="ssd", k=K, fan_out=(2, 1, 1, 1))
+    engine, _ = _engine(model_dir, spec)
+    seqs = _seqs(0.0)
+    for s in seqs:
+        engine.note_outcome(s, 0, 5)
+        s.apply_outcome(0, 5, s.num_tokens + 1, 1)
+    prop, _, _ = engine.propose(seqs, K)
+    engine.work_ahead(seqs, K)
+    # Outcome: sequence 0 rejects at depth 1 with a forked token (hit), sequence 1
+    # gets a token nobody forked (miss).
+    s0, s1 = seqs
+    (j0, t0), want = next(((key, e) for key, e in engine.cache._entries[0].items() if key[0] == 1))
+    unforked = next(t for t in range(3, 384) if engine.cache.lookup(1, 0, t) is None and t != prop.draft_token_ids[1, 0])
+    engine.note_outcome(s0, j0, t0)
+    s0.apply_outcome(j0, t0, s0.num_tokens + j0 + 1, 2)
+    engine.note_outcome(s1, 0, unforked)
+    s1.apply_outcome(0, unforked, s1.num_tokens + 1, 2)
+    prop2, hits, by_depth = engine.propose(seqs, K)
+    assert hits.tolist() == [True, False]
+    assert by_depth[1] == 1 and sum(by_depth) == 1
+    assert prop2.draft_token_ids[0].tolist() == want.draft_token_ids.tolist()
+    assert engine.num_hits == 1 and engine.num_misses == 3
+    engine.release(s0)
+    assert engine.cache.lookup(0, j0, t0) is None
