@@ -158,6 +158,13 @@ class EngineStats(_Cold, tag="stats"):
     totals: RequestStats
     draft_num_seqs: int = -1
     draft_num_cache_entries: int = -1
+    # Timing totals since start (seconds) over num_steps decode/verify steps:
+    # target forward + acceptance, time blocked waiting for speculations, and the
+    # draft's own work-ahead time as it reported it (SSD).
+    num_steps: int = 0
+    verify_s: float = 0.0
+    draft_wait_s: float = 0.0
+    draft_work_s: float = 0.0
 
 
 class ErrorReply(_Cold, tag="error"):

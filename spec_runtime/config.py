@@ -62,7 +62,7 @@ class SpeculativeConfig:
     ngram_min: int = _f(1, "n-gram speculator: shortest suffix to match.")
     saguaro_rescale: float | None = _f(None, "Saguaro rescaling of the draft's top-F probabilities (SSD only): the sampled distribution and the q used in verification are both rescaled.")
     synthetic_acceptance: float | None = _f(None, "Benchmark-only synthetic acceptance oracle (../shared/BENCH.md). Off by default.")
-    synthetic_ranks: tuple[float, ...] = _f((), "Benchmark-only: probabilities that the oracle token is the draft's rank 2, 3, ... token.")
+    synthetic_ranks: tuple[float, ...] = _f((), "Benchmark-only: given that the oracle token is not the draft's top token, the probabilities that it is its rank 2, 3, ... token.")
     draft_timeout_s: float = _f(2.0, "Seconds the target waits for a SpecResponse before decoding that round without speculation (a stalled draft).")
 
     def __post_init__(self) -> None:
@@ -88,9 +88,9 @@ class SpeculativeConfig:
             raise ValueError("synthetic_acceptance must be in [0, 1]")
         if self.synthetic_ranks and (
             any(p < 0 for p in self.synthetic_ranks)
-            or sum(self.synthetic_ranks) + (self.synthetic_acceptance or 0.0) > 1.0 + 1e-9
+            or sum(self.synthetic_ranks) > 1.0 + 1e-9
         ):
-            raise ValueError("synthetic_ranks must be >= 0 and sum with alpha to at most 1")
+            raise ValueError("synthetic_ranks are probabilities given a top-1 miss: each >= 0, summing to at most 1")
         if self.draft_timeout_s <= 0:
             raise ValueError("draft_timeout_s must be > 0")
 

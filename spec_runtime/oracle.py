@@ -10,8 +10,10 @@ forward, so that acceptance follows configured rates through the real machinery:
              -1e4 elsewhere (one-hot at every temperature, so the target's text is the
              oracle stream), or, with peak_mass < 1, mass peak_mass on o_t at temperature
              1 and the rest spread evenly.
-  draft      its logits at t put o_t at rank 1 with probability alpha, at rank r = 2, 3, ...
-             with probabilities ranks[r - 2], and outside its top slots otherwise. The
+  draft      its logits at t put o_t at rank 1 with probability alpha; otherwise (with
+             probability 1 - alpha) at rank r = 2, 3, ... with conditional probability
+             ranks[r - 2], and outside its top slots with what is left. So BENCH.md's
+             alpha 0.8 with ranks 0.5,0.2,0.1 puts o_t at rank 2 with probability 0.1. The
              top slots have logits top_logit, top_logit - gap, ... (a clear top-1, so a
              greedy draft takes rank 1); every other token gets -1e4. The tokens in the
              slots o_t does not take are pseudo-random: consecutive ids (mod vocab) after
@@ -80,15 +82,16 @@ def draft_oracle_rank(
 ) -> torch.Tensor:
     """0-based rank of o_t in the draft at (seed, t): [*N] -> [*N] int64.
 
-    0 with probability alpha, r - 1 with probability ranks[r - 2], and 1 + len(ranks)
-    ("absent") with the remaining probability.
+    0 with probability alpha, r - 1 with probability (1 - alpha) * ranks[r - 2], and
+    1 + len(ranks) ("absent") with the remaining probability.
     """
-    if not 0.0 <= alpha <= 1.0 or any(r < 0 for r in ranks) or alpha + sum(ranks) > 1.0 + 1e-9:
-        raise ValueError(f"need alpha in [0, 1], ranks >= 0, alpha + sum(ranks) <= 1; got {alpha}, {ranks}")
+    if not 0.0 <= alpha <= 1.0 or any(r < 0 for r in ranks) or sum(ranks) > 1.0 + 1e-9:
+        raise ValueError(f"need alpha in [0, 1], ranks >= 0, sum(ranks) <= 1; got {alpha}, {ranks}")
     u = uniform(seeds, positions, STREAM_ORACLE_RANK, _index0(seeds)).squeeze(-1)  # [*N]
     bounds = torch.tensor(
-        [alpha + sum(ranks[:i]) for i in range(len(ranks) + 1)], dtype=torch.float64, device=seeds.device
-    )  # [R] cumulative: alpha, alpha + ranks[0], ...
+        [alpha + (1.0 - alpha) * sum(ranks[:i]) for i in range(len(ranks) + 1)],
+        dtype=torch.float64, device=seeds.device,
+    )  # [R] cumulative: alpha, alpha + (1 - alpha) ranks[0], ...
     return (u.unsqueeze(-1) >= bounds).sum(-1)  # [*N]
 
 

@@ -62,6 +62,7 @@ class TargetWorker:
         self.totals = RequestStats(accepted_per_position=[0] * self.k, drafted_per_position=[0] * self.k)
         self.outputs: dict[bytes, list[RequestOutput]] = {}
         self.shutting_down = False
+        self.timing = {"num_steps": 0, "verify_s": 0.0, "draft_wait_s": 0.0, "draft_work_s": 0.0}
 
     # ------------------------------------------------------------------ loop
 
@@ -115,7 +116,8 @@ class TargetWorker:
             sampling=sp,
             seed=sp.seed if sp.seed is not None else self.rng.getrandbits(62),
         )
-        seq.detok = IncrementalDetokenizer(self.runner.tokenizer, prompt)
+        if self.runner.tokenizer is not None:  # random-weight benchmark models have none
+            seq.detok = IncrementalDetokenizer(self.runner.tokenizer, prompt)
         seq.stats.num_prompt_tokens = len(prompt)
         seq.stats.accepted_per_position = [0] * self.k
         seq.stats.drafted_per_position = [0] * self.k
@@ -185,7 +187,9 @@ class TargetWorker:
     def step(self) -> None:
         self.step_id += 1
         seqs = list(self.running.values())
+        t0 = time.perf_counter()
         specs = self._collect_speculations(seqs)
+        t1 = time.perf_counter()
         layout = self.runner.layout
         k_max = max((len(specs[s.seq_id].draft_token_ids) for s in seqs if s.seq_id in specs), default=0)
 
@@ -209,6 +213,13 @@ class TargetWorker:
         logprobs = res.target_logprobs.cpu() if any(s.sampling.logprobs for s in seqs) else None
         num_accepted_l = num_accepted.tolist()
         out_l = out_tokens.tolist()
+        tm = self.timing
+        tm["num_steps"] += 1
+        tm["draft_wait_s"] += t1 - t0
+        tm["verify_s"] += time.perf_counter() - t1
+        if self.draft is not None:
+            tm["draft_work_s"] += self.draft.last_draft_work_s
+            self.draft.last_draft_work_s = 0.0
 
         # Overlap-scheduled acceptance: tell the draft first, post-process after.
         if self.draft is not None and self.draft.alive:
@@ -422,4 +433,5 @@ class TargetWorker:
             totals=self.totals,
             draft_num_seqs=ds.num_seqs if ds else -1,
             draft_num_cache_entries=ds.num_cache_entries if ds else -1,
+            **self.timing,
         )

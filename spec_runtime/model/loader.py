@@ -69,8 +69,18 @@ def _resolve_path(path: str) -> tuple[str, str | None]:
     raise FileNotFoundError(f"model path {path!r} does not exist")
 
 
+RANDOM_PREFIX = "random:"
+
+
+def is_random(path: str) -> bool:
+    """`random:<shape>` (a name of random_init.BENCH_ARCHS): benchmark-only random weights."""
+    return path.startswith(RANDOM_PREFIX)
+
+
 def model_name(path: str) -> str:
     """A short display name: the directory name or the GGUF file stem."""
+    if is_random(path):
+        return path
     path = (path or default_model_path()).rstrip(os.sep)
     base = os.path.basename(path)
     return base[: -len(".gguf")] if base.endswith(".gguf") else base
@@ -139,6 +149,15 @@ def load_model(path: str, device: torch.device | str = "cpu", dtype: str | torch
     """(model, arch, tokenizer) for a HF directory, a .gguf file, or "" (default SmolLM2)."""
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
+    if is_random(path):
+        from spec_runtime.model.random_init import BENCH_ARCHS, random_model
+
+        name = path[len(RANDOM_PREFIX):]
+        if name not in BENCH_ARCHS:
+            raise ValueError(f"unknown random model shape {name!r}; choose from {', '.join(BENCH_ARCHS)}")
+        arch = BENCH_ARCHS[name]
+        logger.info("building %s with random weights on %s (benchmarks only: it has no tokenizer)", name, device)
+        return random_model(arch, device, dtype), arch, None
     directory, gguf = _resolve_path(path)
     if gguf is None:
         arch = load_arch(directory)
@@ -175,6 +194,8 @@ def load_model(path: str, device: torch.device | str = "cpu", dtype: str | torch
 def eos_token_ids(path: str, arch: ModelArch, tokenizer) -> list[int]:
     """End-of-sequence ids: generation_config.json, config, tokenizer, and the chat end token."""
     ids: list[int] = []
+    if is_random(path):
+        return ids
 
     def add(value) -> None:
         for v in value if isinstance(value, (list, tuple)) else [value]:

@@ -1,0 +1,143 @@
+"""AR, SD and SSD side by side: tokens/s against batch size, same prompts, same run.
+
+Each mode starts its own runtime (target and draft processes) and decodes the same
+random prompts at every batch size and temperature. With random-weight models
+(`random:target-32b` ...) pass --synthetic-acceptance so acceptance comes from the
+benchmark oracle of ../shared/BENCH.md; every result row names it.
+
+    python scripts/bench_e2e.py --target random:target-32b --draft random:draft-0.6b \\
+        --target-device cuda:0 --draft-device cuda:1 --k 8 --synthetic-acceptance 0.8 \\
+        --synthetic-ranks 0.5,0.2,0.1 --out bench/results/e2e.json
+
+Reported per (mode, temperature, batch): tokens/s, mean tokens per round, acceptance
+per position, tree-cache hit rate, target verify time per step (v), time blocked on the
+draft per step, the draft's work-ahead per round, and for SSD its all-hit ideal:
+E[tokens per round] / v.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+
+import numpy as np
+
+
+def _tuple(kind):
+    return lambda s: tuple(kind(x) for x in s.split(",") if x)
+
+
+def run_mode(args, mode: str) -> list[dict]:
+    from protocol.messages import SamplingParams
+    from spec_runtime.client import Client
+    from spec_runtime.config import ModelConfig, RuntimeConfig, SchedulerConfig, SpeculativeConfig
+
+    cfg = RuntimeConfig(
+        target=ModelConfig(path=args.target, device=args.target_device, cuda_graphs=not args.no_cuda_graphs),
+        draft=ModelConfig(path=args.draft, device=args.draft_device, cuda_graphs=not args.no_cuda_graphs),
+        spec=SpeculativeConfig(mode=mode, k=args.k, fan_out=args.fan_out, fan_out_miss=args.fan_out_miss,
+                               backup=args.backup, synthetic_acceptance=args.synthetic_acceptance,
+                               synthetic_ranks=args.synthetic_ranks, draft_timeout_s=30.0),
+        sched=SchedulerConfig(max_batch_size=max(args.batch_sizes), max_model_len=args.max_model_len),
+        startup_timeout_s=900.0,
+        log_level=args.log_level,
+    )
+    rows = []
+    t_start = time.perf_counter()
+    with Client(cfg) as client:
+        print(f"[{mode}] runtime up in {time.perf_counter() - t_start:.1f} s", file=sys.stderr, flush=True)
+        vocab = client.ready.vocab_size
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(10, vocab, size=args.prompt_len).tolist() for _ in range(max(args.batch_sizes))]
+        for temp in args.temperatures:
+            for bs in args.batch_sizes:
+                sp = SamplingParams(max_tokens=args.max_tokens, temperature=temp, ignore_eos=True, seed=None)
+                client.generate_batch(prompts[:bs], SamplingParams(max_tokens=8, temperature=temp, ignore_eos=True))
+                before = client.engine_stats()
+                t0 = time.perf_counter()
+                results = client.generate_batch(prompts[:bs], sp)
+                wall = time.perf_counter() - t0
+                after = client.engine_stats()
+                rows.append(_row(mode, temp, bs, wall, results, before, after, args))
+                r = rows[-1]
+                print(f"[{mode}] T={temp} B={bs}: {r['tokens_per_s']:.1f} tok/s, {r['mean_tokens_per_round']:.2f} "
+                      f"tok/round, hit {r['cache_hit_rate']}, v={r['verify_ms_per_step']:.2f} ms, "
+                      f"wait={r['draft_wait_ms_per_step']:.2f} ms, work={r['draft_work_ms_per_step']:.2f} ms",
+                      file=sys.stderr, flush=True)
+    return rows
+
+
+def _row(mode, temp, bs, wall, results, before, after, args) -> dict:
+    gen = sum(r.stats.num_generated_tokens for r in results)
+    rounds = sum(r.stats.num_rounds - 1 for r in results)  # verify rounds (prefill excluded)
+    drafted = sum(r.stats.num_draft_tokens for r in results)
+    accepted = sum(r.stats.num_accepted_tokens for r in results)
+    hits = sum(r.stats.num_cache_hits for r in results)
+    misses = sum(r.stats.num_cache_misses for r in results)
+    k = args.k if mode != "ar" else 0
+    acc_pos = [sum(r.stats.accepted_per_position[i] for r in results) for i in range(k)]
+    dr_pos = [sum(r.stats.drafted_per_position[i] for r in results) for i in range(k)]
+    steps = max(1, after.num_steps - before.num_steps)
+    verify_s = (after.verify_s - before.verify_s) / steps
+    tokens_per_round = (gen - len(results)) / max(1, rounds)
+    row = {
+        "mode": mode, "temperature": temp, "batch_size": bs, "k": k,
+        "fan_out": list(args.fan_out) if mode == "ssd" else None,
+        "synthetic_acceptance": args.synthetic_acceptance, "synthetic_ranks": list(args.synthetic_ranks),
+        "generated_tokens": gen, "wall_s": wall, "tokens_per_s": gen / wall,
+        "mean_tokens_per_round": tokens_per_round,
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "acceptance_per_position": [a / d if d else None for a, d in zip(acc_pos, dr_pos)],
+        "cache_hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
+        "verify_ms_per_step": 1e3 * verify_s,
+        "draft_wait_ms_per_step": 1e3 * (after.draft_wait_s - before.draft_wait_s) / steps,
+        "draft_work_ms_per_step": 1e3 * (after.draft_work_s - before.draft_work_s) / steps,
+        "steps": steps,
+    }
+    # All-hit ideal: every round costs only the verify, E[tokens per round] / v, per sequence.
+    row["ideal_tokens_per_s"] = bs * tokens_per_round / verify_s if verify_s > 0 else None
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", required=True)
+    p.add_argument("--draft", required=True)
+    p.add_argument("--target-device", default="cuda:0")
+    p.add_argument("--draft-device", default="cuda:1")
+    p.add_argument("--modes", type=_tuple(str), default=("ar", "sd", "ssd"))
+    p.add_argument("--k", type=int, default=8)
+    p.add_argument("--fan-out", type=_tuple(int), default=())
+    p.add_argument("--fan-out-miss", type=_tuple(int), default=())
+    p.add_argument("--backup", default="jit")
+    p.add_argument("--batch-sizes", type=_tuple(int), default=(1, 2, 4, 8, 16))
+    p.add_argument("--temperatures", type=_tuple(float), default=(0.0, 0.7))
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--synthetic-acceptance", type=float, default=None)
+    p.add_argument("--synthetic-ranks", type=_tuple(float), default=())
+    p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--log-level", default="WARNING")
+    p.add_argument("--out", required=True, help="JSON file to write")
+    args = p.parse_args()
+
+    rows = []
+    for mode in args.modes:
+        rows.extend(run_mode(args, mode))
+        with open(args.out, "w") as f:  # after every mode: a run cut short keeps what it measured
+            json.dump({"args": vars(args), "host": platform.node(), "rows": rows}, f, indent=1)
+    print(f"{'mode':5} {'T':>4} {'B':>3} {'tok/s':>8} {'tok/rnd':>7} {'hit':>5} {'v ms':>6} {'wait':>6} {'work':>6} {'ideal':>8}")
+    for r in rows:
+        hit = f"{r['cache_hit_rate']:.2f}" if r["cache_hit_rate"] is not None else "-"
+        ideal = f"{r['ideal_tokens_per_s']:.1f}" if r["mode"] == "ssd" and r["ideal_tokens_per_s"] else "-"
+        print(f"{r['mode']:5} {r['temperature']:4.1f} {r['batch_size']:3d} {r['tokens_per_s']:8.1f} "
+              f"{r['mean_tokens_per_round']:7.2f} {hit:>5} {r['verify_ms_per_step']:6.2f} "
+              f"{r['draft_wait_ms_per_step']:6.2f} {r['draft_work_ms_per_step']:6.2f} {ideal:>8}")
+
+
+if __name__ == "__main__":
+    main()
