@@ -8,13 +8,15 @@ slot: if the target accepts them, the next round starts from there.
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import torch
 
 from draft_proc.speculator import Proposal, Speculator
 from draft_proc.state import DraftSeq
 from spec_runtime.model.forward_batch import ForwardItem
-from spec_runtime.sampling import SamplingTensors, draft_sample
+from spec_runtime.sampling import SamplingTensors, draft_sample, saguaro_rescale
 
 
 class ModelDrafter(Speculator):
@@ -34,12 +36,23 @@ class ModelDrafter(Speculator):
             self.runner.device,
         )
 
-    def sample(self, logits: torch.Tensor, seqs: list[DraftSeq], positions: np.ndarray, st: SamplingTensors):
-        """Sample the draft token at `positions` (absolute) for each row; returns host arrays."""
+    def sample(self, logits: torch.Tensor, seqs: list[DraftSeq], positions: np.ndarray, st: SamplingTensors,
+               depth: int = 0):
+        """Sample the draft token at `positions` (absolute) for each row; returns host arrays.
+
+        depth: index of the token within its speculation (0..K-1). With Saguaro
+        rescaling (SSD), q's top F_depth tokens, the ones the tree cache will fork at
+        that depth, are scaled by the factor before sampling, and that rescaled q is
+        what verification receives, so acceptance stays exact.
+        """
         if self.logits_transform is not None:
             logits = self.logits_transform(logits, seqs, positions)
         pos = torch.from_numpy(positions).to(logits.device)
-        tokens, q_ids, q_probs = draft_sample(logits, st, pos, self.cfg.draft_top_k)
+        rescale = None
+        if self.cfg.mode == "ssd" and self.cfg.saguaro_rescale is not None:
+            fan = self.cfg.fan_out_for(False)
+            rescale = partial(saguaro_rescale, fan_out_f=fan[min(depth, len(fan) - 1)], factor=self.cfg.saguaro_rescale)
+        tokens, q_ids, q_probs = draft_sample(logits, st, pos, self.cfg.draft_top_k, rescale=rescale)
         # sync: the next draft step's input tokens are built on the host.
         return tokens.cpu().numpy(), q_ids.cpu().numpy(), q_probs.cpu().numpy()
 
@@ -79,7 +92,7 @@ class ModelDrafter(Speculator):
                 ]
             logits = self.runner.run(items)  # [len(active), V]
             positions = np.array([s.num_tokens + i for s in act_seqs], dtype=np.int64)
-            tokens, q_ids, q_probs = self.sample(logits, act_seqs, positions, self.sampling_tensors(act_seqs))
+            tokens, q_ids, q_probs = self.sample(logits, act_seqs, positions, self.sampling_tensors(act_seqs), depth=i)
             for r, b in enumerate(active):
                 drafted[b].append(int(tokens[r]))
                 if sampled:

@@ -55,6 +55,10 @@ class SSDEngine:
         self.num_hits = 0
         self.num_misses = 0
         self.last_work_s = 0.0
+        # Running per-token acceptance rate (accepted / attempted draft positions), which
+        # weighs the outcome depths when forks compete for the budget.
+        self._accepted = 7.0
+        self._attempted = 10.0
 
     # ---------------------------------------------------------------- answer
 
@@ -62,6 +66,15 @@ class SSDEngine:
         """Look the outcome up before the sequence's state moves past it."""
         self._pending[seq.seq_id] = self.cache.lookup(seq.seq_id, num_accepted, token_id)
         self._pending_depth[seq.seq_id] = num_accepted
+        m = len(seq.draft_token_ids) if seq.awaiting_outcome else 0
+        if m:
+            decay = 0.98  # forget slowly: acceptance drifts with the text
+            self._accepted = decay * self._accepted + num_accepted
+            self._attempted = decay * self._attempted + min(num_accepted + 1, m)
+
+    @property
+    def accept_rate(self) -> float:
+        return self._accepted / self._attempted
 
     def propose(self, seqs: list[DraftSeq], k: int) -> tuple[Proposal, np.ndarray, list[int]]:
         prop = Proposal.empty(len(seqs), k)
@@ -140,8 +153,9 @@ class SSDEngine:
             torch.cuda.synchronize(self.runner.device)  # sync: measure the work, not its launch
         self.last_work_s = time.perf_counter() - t0
 
-    def _glue(self, seqs: list[DraftSeq]) -> list[np.ndarray]:
-        """Forward [x_n, d_1..d_m]; return per sequence the ranked candidates [m + 1, R]."""
+    def _glue(self, seqs: list[DraftSeq]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Forward [x_n, d_1..d_m]; per sequence the ranked candidates and their draft
+        probabilities, each [m + 1, R]."""
         lagging = [s for s in seqs if s.num_cached < s.num_tokens - 1]
         if lagging:
             # The backup drafted nothing, so the prompt was never prefilled: do it now.
@@ -162,21 +176,25 @@ class SSDEngine:
         # Rank by logits: temperature keeps the order, and top-k/top-p only cut the tail
         # (for greedy rows the sampling distribution is one-hot and would rank nothing).
         width = max(max(self.cfg.fan_out_for(True)), max(self.cfg.fan_out_for(False))) + 1
-        ranked = torch.topk(logits, min(width, logits.shape[-1]), dim=-1).indices.cpu().numpy()  # sync: forks are chosen on the host
+        top = torch.topk(torch.softmax(logits.float(), dim=-1), min(width, logits.shape[-1]), dim=-1)
+        ranked_ids = top.indices.cpu().numpy()  # sync: forks are chosen on the host
+        ranked_probs = top.values.cpu().numpy()
         out, start = [], 0
         for s in seqs:
             m = len(s.draft_token_ids)
-            out.append(ranked[start : start + m + 1])
+            out.append((ranked_ids[start : start + m + 1], ranked_probs[start : start + m + 1]))
             start += m + 1
             s.num_cached = s.num_tokens + m
         return out
 
-    def _fork(self, seqs: list[DraftSeq], ranked: list[np.ndarray]) -> list[Fork]:
+    def _fork(self, seqs: list[DraftSeq], ranked: list[tuple[np.ndarray, np.ndarray]]) -> list[Fork]:
+        # The total budget bounds the tree-decode batch whatever the batch size.
+        per_seq = max(1, min(self.cache.max_branches, self.cfg.tree_budget // len(seqs)))
         forks: list[Fork] = []
-        for s, r in zip(seqs, ranked):
+        for s, (ids, probs) in zip(seqs, ranked):
             fan = self.cfg.fan_out_for(s.last_missed)
-            forks.extend(select_forks(s.seq_id, r, np.asarray(s.draft_token_ids, dtype=np.int64), fan,
-                                      self.cache.max_branches))
+            forks.extend(select_forks(s.seq_id, ids, probs, np.asarray(s.draft_token_ids, dtype=np.int64), fan,
+                                      per_seq, self.accept_rate))
         return forks
 
     def _tree_decode(self, seqs: list[DraftSeq], forks: list[Fork], k: int) -> None:
@@ -206,7 +224,8 @@ class SSDEngine:
             logits = self.runner.run(items)  # [len(active), V]
             act_seqs = [f_seqs[b] for b in active]
             positions = np.array([f_seqs[b].num_tokens + forks[b].depth + 1 + i for b in active], dtype=np.int64)
-            toks, qi, qp = self.drafter.sample(logits, act_seqs, positions, self.drafter.sampling_tensors(act_seqs))
+            toks, qi, qp = self.drafter.sample(logits, act_seqs, positions, self.drafter.sampling_tensors(act_seqs),
+                                               depth=i)
             tokens[active, i] = toks
             last[active] = toks
             if sampled:

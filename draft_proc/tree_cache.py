@@ -44,37 +44,53 @@ class Fork:
 def select_forks(
     seq_id: int,
     ranked_token_ids: np.ndarray,
+    ranked_probs: np.ndarray,
     draft_token_ids: np.ndarray,
     fan_out: tuple[int, ...],
     max_branches: int,
+    accept_rate: float,
 ) -> list[Fork]:
-    """Choose the branches of one sequence.
+    """Choose the branches of one sequence: the likeliest outcomes, F_j at most per depth.
 
-    ranked_token_ids: [m + 1, R] the draft's most likely tokens at each depth, best first
-    (R >= max(fan_out) + 1, so exclusion still leaves F_j candidates).
-    draft_token_ids: [m] the speculation just returned.
-    fan_out: F_0..F_K; depths beyond m are not forked (the speculation was shorter).
-    At most max_branches forks in all (the budget that keeps shapes fixed); when the
-    budget binds, shallower depths win, since rejection is likeliest early.
+    ranked_token_ids, ranked_probs: [m + 1, R] the draft's most likely tokens at each
+    depth and their probabilities, best first (R >= max(fan_out) + 1, so that exclusion
+    still leaves F_j candidates). draft_token_ids: [m], the speculation just returned.
+    fan_out: F_0..F_K; depths past m are not forked (the speculation was shorter).
+
+    The outcome (j, t) is estimated to have probability
+        a^j (1 - a) q_j(t) / (1 - q_j(d_{j+1}))   for j < m (rejected at j+1, recovery t)
+        a^m q_m(t)                                 for j = m (all accepted, bonus t)
+    with a the running per-token acceptance rate and q_j the draft's distribution at
+    depth j. When max_branches (the budget that keeps shapes fixed) binds, the forks
+    of highest estimated probability win, whatever their depth.
     """
     m = len(draft_token_ids)
-    if ranked_token_ids.shape[0] != m + 1:
-        raise ValueError(f"need m + 1 = {m + 1} ranked rows, got {ranked_token_ids.shape[0]}")
-    forks: list[Fork] = []
+    if ranked_token_ids.shape[0] != m + 1 or ranked_probs.shape != ranked_token_ids.shape:
+        raise ValueError(f"need m + 1 = {m + 1} ranked rows of ids and probs, got {ranked_token_ids.shape}")
+    a = min(max(accept_rate, 1e-3), 1 - 1e-3)
+    candidates: list[tuple[float, int, int]] = []  # (estimated probability, depth, token)
     for j in range(m + 1):
         want = fan_out[j] if j < len(fan_out) else 0
         if want <= 0:
             continue
-        excluded = int(draft_token_ids[j]) if j < m else PLACEHOLDER_TOKEN_ID
+        ids, probs = ranked_token_ids[j].tolist(), ranked_probs[j].tolist()
+        if j < m:
+            excluded = int(draft_token_ids[j])
+            q_excluded = next((p for t, p in zip(ids, probs) if t == excluded), 0.0)
+            scale = a**j * (1 - a) / max(1e-6, 1.0 - q_excluded)
+        else:
+            excluded, scale = PLACEHOLDER_TOKEN_ID, a**m
         taken = 0
-        for t in ranked_token_ids[j].tolist():
-            if taken == want or len(forks) == max_branches:
+        for t, p in zip(ids, probs):
+            if taken == want:
                 break
             if t == excluded or t < 0:
                 continue
-            forks.append(Fork(seq_id, j, int(t), len(forks)))
+            candidates.append((scale * p, j, int(t)))
             taken += 1
-    return forks
+    candidates.sort(key=lambda c: (-c[0], c[1]))
+    chosen = sorted(candidates[:max_branches], key=lambda c: (c[1], -c[0]))
+    return [Fork(seq_id, j, t, i) for i, (_, j, t) in enumerate(chosen)]
 
 
 class TreeCache:

@@ -55,6 +55,7 @@ class SpeculativeConfig:
     k: int = _f(4, "Speculation length K: draft tokens verified per round.")
     fan_out: tuple[int, ...] = _f((), "SSD fan-out F_0..F_K: branches forked at each depth j of the returned speculation. Empty means \"choose a default for K\" (see fan_out_for).")
     fan_out_miss: tuple[int, ...] = _f((), "Fan-out for sequences whose last look-up missed (rejection is likely early).")
+    tree_budget: int = _f(64, "SSD: most branches tree-decoded per round over the whole batch; per-sequence fan-out shrinks (deepest depths first) when batch x sum(F) exceeds it, so the draft's work stays inside one verify.")
     backup: Backup = _f("jit", "What answers a tree-cache miss.")
     draft_top_k: int = _f(64, "The draft samples from its top-`draft_top_k` tokens only, so q is sparse and a SpecResponse does not grow with the vocabulary. Verification uses the same q.")
     draft_temperature: float | None = _f(None, "Draft temperature; None means \"the request's temperature\".")
@@ -78,6 +79,8 @@ class SpeculativeConfig:
                 raise ValueError(f"{name} entries must be >= 0, got {f}")
         if self.backup not in ("jit", "ngram", "none"):
             raise ValueError(f"backup must be jit, ngram or none, got {self.backup!r}")
+        if self.tree_budget < 1:
+            raise ValueError(f"tree_budget must be >= 1, got {self.tree_budget}")
         if self.draft_top_k < 1:
             raise ValueError(f"draft_top_k must be >= 1, got {self.draft_top_k}")
         if self.draft_temperature is not None and self.draft_temperature < 0:

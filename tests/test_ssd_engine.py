@@ -42,9 +42,9 @@ def _seqs(temperature):
             for i, n in enumerate((7, 12))]
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_cached_branches_equal_fresh_chain_drafts(model_dir, temperature):
-    spec = SpeculativeConfig(mode="ssd", k=K, fan_out=(3, 2, 2, 1), draft_top_k=16)
+@pytest.mark.parametrize("temperature,saguaro", [(0.0, None), (0.8, None), (0.8, 0.5)])
+def test_cached_branches_equal_fresh_chain_drafts(model_dir, temperature, saguaro):
+    spec = SpeculativeConfig(mode="ssd", k=K, fan_out=(3, 2, 2, 1), draft_top_k=16, saguaro_rescale=saguaro)
     engine, _ = _engine(model_dir, spec)
     _, reference = _engine(model_dir, spec)  # a second runner with its own, fresh KV
     seqs = _seqs(temperature)
@@ -66,6 +66,9 @@ def test_cached_branches_equal_fresh_chain_drafts(model_dir, temperature):
             ref = reference.propose([fresh], K)
             assert entry.draft_token_ids.tolist() == ref.draft_token_ids[0].tolist()
             if temperature > 0:
+                if saguaro is not None:
+                    # The top F_i of each q were scaled down: q is no longer sorted there.
+                    assert not np.all(np.diff(entry.q_probs, axis=-1) <= 1e-7)
                 np.testing.assert_array_equal(entry.q_token_ids, ref.q_token_ids[0])
                 np.testing.assert_allclose(entry.q_probs, ref.q_probs[0], atol=1e-5)
             checked += 1
