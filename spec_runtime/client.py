@@ -87,6 +87,7 @@ class Client:
         self._queues: dict[str, queue.Queue] = {}
         self._outbox: queue.Queue = queue.Queue()
         self._stats_waiters: list[queue.Queue] = []
+        self._sinks: set[str] = set()  # request ids whose outputs go to a caller's sink
         self._lock = threading.Lock()
         self._closed = False
         self._chan = Channel(zmq.DEALER, TargetToClientMessage)
@@ -95,6 +96,13 @@ class Client:
         self._io.start()
 
     # ------------------------------------------------------------------ public API
+
+    @staticmethod
+    def connect(base_url: str, *, api_key: str | None = None, model: str | None = None, timeout_s: float = 600.0):
+        """A client of a running `spec-runtime serve` (same generate/stream/chat/generate_batch)."""
+        from spec_runtime.server.http_client import HTTPClient
+
+        return HTTPClient(base_url, api_key=api_key, model=model, timeout_s=timeout_s)
 
     @property
     def tokenizer(self):
@@ -120,13 +128,21 @@ class Client:
             ids = ids["input_ids"]
         return [int(t) for t in ids]
 
-    def submit(self, prompt_token_ids: list[int], sampling: SamplingParams) -> str:
+    def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, *, sink=None) -> str:
+        """Queue one request. With `sink` (any object with `put(item)`), its outputs and errors go
+        to sink.put from the I/O thread instead of to the queue `stream_outputs` reads, and the
+        client forgets the request after its final output or an error (AsyncClient uses this
+        to wake an event loop without a thread per request)."""
         request_id = f"req-{next(self._ids)}"
-        q: queue.Queue = queue.Queue()
+        q = sink if sink is not None else queue.Queue()
         with self._lock:
             if self._closed:
                 raise RequestFailed("the client is closed")
+            if self.launcher.dead_child() == "target":
+                raise RequestFailed("the target process died; the runtime cannot serve requests")
             self._queues[request_id] = q
+            if sink is not None:
+                self._sinks.add(request_id)
         self._outbox.put(GenerateRequest(request_id, np.asarray(prompt_token_ids, dtype=np.int64), sampling))
         return request_id
 
@@ -237,11 +253,14 @@ class Client:
                 q = self._queues.get(out.request_id)
                 if q is not None:
                     q.put(out)
+                    if out.finished:
+                        self._forget_sink(out.request_id)
         elif isinstance(msg, ErrorReply):
             q = self._queues.get(msg.request_id)
             err = RequestFailed(f"{msg.code}: {msg.message}")
             if q is not None:
                 q.put(err)
+                self._forget_sink(msg.request_id)
             else:
                 logger.warning("target error: %s", err)
         elif isinstance(msg, EngineStats):
@@ -249,6 +268,12 @@ class Client:
                 waiters, self._stats_waiters = self._stats_waiters, []
             for w in waiters:
                 w.put(msg)
+
+    def _forget_sink(self, request_id: str) -> None:
+        with self._lock:
+            if request_id in self._sinks:
+                self._sinks.discard(request_id)
+                self._queues.pop(request_id, None)
 
     def _fail_all(self, err: Exception) -> None:
         with self._lock:

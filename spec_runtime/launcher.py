@@ -100,6 +100,9 @@ class Launcher:
             raise
         self.ready = {role: c.ready for role, c in self.children.items()}
         self._dead: str | None = None
+        self._lock = threading.Lock()
+        self._stopping = False
+        self.num_draft_restarts = 0
         self._monitor = threading.Thread(target=self._watch, name="child-monitor", daemon=True)
         self._monitor.start()
 
@@ -120,9 +123,9 @@ class Launcher:
             self, _stop_processes, [c.proc for c in self.children.values()], self.ipc_dir
         )
 
-    def _handshake(self) -> None:
+    def _handshake(self, roles: list[str] | None = None) -> None:
         deadline = time.monotonic() + self.cfg.startup_timeout_s
-        pending = dict(self.children)
+        pending = {r: c for r, c in self.children.items() if roles is None or r in roles}
         while pending:
             for role, child in list(pending.items()):
                 code = child.proc.poll()
@@ -160,22 +163,52 @@ class Launcher:
             raise StartupError(f"{child.name} sent a malformed handshake message: {e}") from e
 
     def _watch(self) -> None:
-        while self._finalizer.alive:
-            for role, child in self.children.items():
-                code = child.proc.poll()
-                if code is not None and self._dead is None:
-                    self._dead = role
-                    logger.error("%s exited with code %s", child.name, code)
+        """Notice a dead child within 0.2 s. A dead target is final (every request fails);
+        a dead draft is restarted, and the target decodes without speculation meanwhile."""
+        while self._finalizer.alive and not self._stopping:
+            target = self.children["target"]
+            if target.proc.poll() is not None and self._dead != "target":
+                self._dead = "target"
+                logger.error("%s exited with code %s", target.name, target.proc.returncode)
+            draft = self.children.get("draft")
+            if draft is not None and draft.proc.poll() is not None and self._dead is None:
+                self._dead = "draft"
+                logger.error("%s exited with code %s; starting a new draft", draft.name, draft.proc.returncode)
+                self._restart_draft()
             time.sleep(0.2)
 
+    def _restart_draft(self) -> None:
+        for attempt in range(1, 4):
+            with self._lock:
+                if self._stopping:
+                    return
+                self.children["draft"].ctl.close()
+                self._start("draft")
+            try:
+                self._handshake(["draft"])
+            except StartupError as e:
+                logger.error("draft restart %d failed: %s", attempt, e)
+                time.sleep(min(5.0, attempt))
+                continue
+            self.num_draft_restarts += 1
+            self.ready["draft"] = self.children["draft"].ready
+            if self._dead == "draft":
+                self._dead = None
+            logger.warning("new %s is ready (restart %d)", self.children["draft"].name, self.num_draft_restarts)
+            return
+        logger.error("giving up on the draft after 3 failed restarts; serving without speculation")
+
     def dead_child(self) -> str | None:
-        """'target' or 'draft' once that child has exited unexpectedly, else None."""
+        """'target' once the target has exited (final); 'draft' while the draft is down
+        (a new one is being started); else None."""
         return self._dead
 
     def pids(self) -> dict[str, int]:
         return {role: c.proc.pid for role, c in self.children.items()}
 
     def shutdown(self) -> None:
-        for child in self.children.values():
-            child.ctl.close()
-        self._finalizer()
+        self._stopping = True
+        with getattr(self, "_lock", threading.Lock()):
+            for child in self.children.values():
+                child.ctl.close()
+            self._finalizer()

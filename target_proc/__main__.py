@@ -21,9 +21,7 @@ def build(cfg, init):
     clients.bind(init.client_addr)
     link = None
     if cfg.spec.uses_draft_process:
-        chan = Channel(zmq.PAIR, SpecLinkToTarget)
-        chan.connect(init.spec_addr)
-        link = DraftLink(chan, cfg.spec.draft_timeout_s, cfg.spec.k)
+        link = DraftLink(Channel(zmq.PAIR, SpecLinkToTarget), init.spec_addr, cfg.spec.draft_timeout_s, cfg.spec.k)
     worker = TargetWorker(cfg, runner, clients, link)
     ready = Ready(
         protocol_version=PROTOCOL_VERSION,

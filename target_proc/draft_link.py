@@ -1,9 +1,15 @@
 """target_proc's end of the spec link: send outcomes, collect speculations.
 
-The draft is a helper, never a dependency: a speculation that does not arrive within
-`draft_timeout_s` is not waited for (that round verifies nothing, which is plain decoding),
-a response for a round we no longer wait for is stale and dropped, and a sequence
-whose draft state may be out of date is re-added before it is speculated again.
+The draft is a helper, never a dependency:
+  - a speculation that does not arrive within `draft_timeout_s` is not waited for (that
+    round verifies nothing, which is plain decoding), and the draft is then *suspect*:
+    no round waits on it again until it answers a probe (a stalled draft costs one
+    timeout, not one per round);
+  - a dead draft is noticed from the socket itself (a zmq monitor reports the
+    disconnect), and sends never block (ZMQ_IMMEDIATE + NOBLOCK);
+  - a response for a round we no longer wait for is stale and dropped;
+  - whenever the draft comes back (reconnected after a restart, or answering again
+    after a stall) `generation` grows, and the worker re-adds every sequence.
 """
 
 from __future__ import annotations
@@ -13,8 +19,10 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+import zmq
+from zmq.utils.monitor import recv_monitor_message
 
-from protocol.codec import ProtocolError
+from protocol.codec import ProtocolError, encode
 from protocol.messages import (
     AddSequence,
     DraftStats,
@@ -48,19 +56,71 @@ class Outcome:
 
 
 class DraftLink:
-    def __init__(self, channel, timeout_s: float, k: int):
+    def __init__(self, channel, address: str, timeout_s: float, k: int):
+        """channel: an unconnected PAIR Channel; the link connects it to `address` once
+        its monitor is attached, so the first connect is seen too."""
         self.channel = channel
         self.timeout_s = timeout_s
         self.k = k
-        self.alive = True
         self.step = 0
         self.desynced: set[int] = set()
         self.last_stats: DraftStats | None = None
         self.last_draft_work_s = 0.0
         self.num_timeouts = 0
+        self.num_reconnects = 0
+        # Bumped whenever the draft's state can no longer be trusted to match ours.
+        self.generation = 0
+        self.connected = False
+        self.healthy = True
+        self._probe_sent = 0.0
+        sock = channel.socket
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a live peer: a send to no draft fails fast
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        channel.connect(address)
+
+    @property
+    def alive(self) -> bool:
+        return self.connected and self.healthy
+
+    def poll_health(self) -> None:
+        """Take socket events; while suspect, probe the draft and listen for any answer."""
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)["event"]
+            if event == zmq.EVENT_CONNECTED and not self.connected:
+                self.connected = True
+                self.healthy = True
+                self.generation += 1
+                if self.generation > 1:
+                    self.num_reconnects += 1
+                    logger.warning("draft reconnected; re-adding every sequence and resuming speculation")
+            elif event == zmq.EVENT_DISCONNECTED and self.connected:
+                self.connected = False
+                logger.warning("draft disconnected; decoding without speculation until it is back")
+        if self.connected and not self.healthy:
+            now = time.monotonic()
+            if now - self._probe_sent > self.timeout_s:
+                self._probe_sent = now
+                self._send(DraftStatsRequest())
+            while (msg := self._recv(0.0)) is not None:
+                if isinstance(msg, DraftStats):
+                    self.last_stats = msg
+                    self.healthy = True
+                    self.generation += 1
+                    logger.warning("draft answers again; re-adding every sequence and resuming speculation")
+                    break
+
+    def _send(self, msg) -> bool:
+        try:
+            self.channel.socket.send_multipart(encode(msg), copy=False, flags=zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            if self.healthy:
+                logger.warning("draft is not accepting messages; decoding without speculation")
+            self.healthy = False
+            return False
 
     def add(self, seq_id: int, token_ids: list[int], temperature: float, top_k: int, top_p: float, seed: int) -> None:
-        self.channel.send(
+        self._send(
             AddSequence(
                 seq_id=seq_id,
                 prompt_token_ids=np.asarray(token_ids, dtype=np.int64),
@@ -75,7 +135,7 @@ class DraftLink:
         if not outcomes:
             return
         self.step += 1
-        self.channel.send(
+        self._send(
             SpecRequest(
                 step=self.step,
                 seq_ids=np.fromiter((o.seq_id for o in outcomes), np.int64, len(outcomes)),
@@ -89,10 +149,10 @@ class DraftLink:
 
     def release(self, seq_ids: list[int]) -> None:
         if seq_ids:
-            self.channel.send(Release(seq_ids=np.asarray(seq_ids, dtype=np.int64)))
+            self._send(Release(seq_ids=np.asarray(seq_ids, dtype=np.int64)))
 
     def query_stats(self, timeout_s: float = 1.0) -> DraftStats | None:
-        self.channel.send(DraftStatsRequest())
+        self._send(DraftStatsRequest())
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             msg = self._recv(deadline - time.monotonic())
@@ -115,15 +175,17 @@ class DraftLink:
         deadline = time.monotonic() + self.timeout_s
         while len(got) < len(waiting):
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if remaining <= 0 or not self.connected:
                 self.num_timeouts += 1
+                self.healthy = False  # suspect until it answers a probe
                 logger.warning(
-                    "draft did not answer %d of %d sequences within %.2fs; decoding them without speculation",
-                    len(waiting) - len(got), len(waiting), self.timeout_s,
+                    "draft did not answer %d of %d sequences within %.2fs; decoding without speculation until it "
+                    "answers again", len(waiting) - len(got), len(waiting), self.timeout_s,
                 )
                 break
-            msg = self._recv(remaining)
+            msg = self._recv(min(remaining, 0.1))
             if msg is None:
+                self.poll_health()  # a disconnect ends the wait at once
                 continue
             if isinstance(msg, SpecResponse):
                 self._take_response(msg, waiting, got)

@@ -63,16 +63,29 @@ class TargetWorker:
         self.outputs: dict[bytes, list[RequestOutput]] = {}
         self.shutting_down = False
         self.timing = {"num_steps": 0, "verify_s": 0.0, "draft_wait_s": 0.0, "draft_work_s": 0.0}
+        self.draft_generation = 0
 
     # ------------------------------------------------------------------ loop
 
     def run_forever(self) -> None:
         while not self.shutting_down:
             self.poll_clients(block=not self.running and not self.waiting)
+            self.check_draft()
             self.admit()
             if self.running:
                 self.step()
             self.flush_outputs()
+
+    def check_draft(self) -> None:
+        """A draft that came back (restarted, or answering after a stall) knows nothing
+        current: every sequence is re-added before it is speculated again."""
+        if self.draft is None:
+            return
+        self.draft.poll_health()
+        if self.draft.generation != self.draft_generation:
+            self.draft_generation = self.draft.generation
+            for seq in self.running.values():
+                seq.draft_synced = False
 
     def poll_clients(self, block: bool) -> None:
         timeout = 0.05 if block else 0.0

@@ -1,0 +1,170 @@
+"""Faults of the processes: nothing lost, nothing hung.
+
+A killed or stalled draft costs speculation, never a request: in-flight requests finish
+with the same greedy output as target-only decoding, a new draft is started, and
+speculation resumes. A killed target fails every pending call with a clear error. A
+killed parent takes its children with it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+from conftest import save_tiny_model
+from e2e_util import random_prompts
+from protocol.messages import SamplingParams
+from spec_runtime.client import Client, RequestFailed
+from spec_runtime.config import ModelConfig, RuntimeConfig, SchedulerConfig, SpeculativeConfig
+
+LONG = SamplingParams(max_tokens=400, ignore_eos=True)
+
+
+def _cfg(target, draft, timeout_s=0.5):
+    return RuntimeConfig(
+        target=ModelConfig(path=target), draft=ModelConfig(path=draft),
+        spec=SpeculativeConfig(mode="sd", k=3, draft_timeout_s=timeout_s),
+        sched=SchedulerConfig(max_batch_size=4, max_model_len=512), startup_timeout_s=240.0,
+    )
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    target = save_tiny_model(tmp_path_factory.mktemp("faults") / "t", "llama")
+    prompts = random_prompts(384, seed=7)
+    cfg = _cfg(target, target).replace(spec=SpeculativeConfig(mode="ar"))
+    with Client(cfg) as client:
+        ar = [r.token_ids for r in client.generate_batch(prompts, LONG)]
+    return target, prompts, ar
+
+
+def _run_with_fault(client, prompts, fault):
+    """Generate all prompts at once; call fault() once the first tokens stream back."""
+    rids = [client.submit(p, LONG) for p in prompts]
+    results: dict[str, list[int]] = {}
+    started = threading.Event()
+
+    def consume(rid):
+        ids = []
+        for out in client.stream_outputs(rid, timeout_s=30):
+            ids.extend(out.new_token_ids)
+            started.set()
+        results[rid] = ids
+
+    threads = [threading.Thread(target=consume, args=(r,)) for r in rids]
+    for t in threads:
+        t.start()
+    assert started.wait(30)
+    t_fault = time.monotonic()
+    fault()
+    for t in threads:
+        t.join(60)
+    return [results[r] for r in rids], time.monotonic() - t_fault
+
+
+def _wait(predicate, timeout_s):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_draft_killed_mid_generation(setup):
+    target, prompts, ar = setup
+    with Client(_cfg(target, target)) as client:
+        draft_pid = client.launcher.pids()["draft"]
+        outs, elapsed = _run_with_fault(client, prompts, lambda: os.kill(draft_pid, signal.SIGKILL))
+        assert outs == ar  # nothing lost, nothing different
+        assert elapsed < 5.0
+        # A new draft is started and speculation resumes.
+        assert _wait(lambda: client.launcher.num_draft_restarts == 1, 120)
+        assert client.launcher.pids()["draft"] != draft_pid
+        before = client.engine_stats().totals.num_draft_tokens
+        assert _wait(lambda: client.engine_stats().draft_alive or True, 1)
+        res = client.generate_batch(prompts, LONG)
+        assert [r.token_ids for r in res] == ar
+        assert client.engine_stats().totals.num_draft_tokens > before
+
+
+def test_draft_stalled_then_resumed(setup):
+    target, prompts, ar = setup
+    with Client(_cfg(target, target, timeout_s=0.5)) as client:
+        draft = psutil.Process(client.launcher.pids()["draft"])
+        outs, elapsed = _run_with_fault(client, prompts, draft.suspend)
+        assert outs == ar
+        assert elapsed < 5.0  # one timeout of 0.5 s, then plain decoding
+        fallback = client.engine_stats().totals.num_ar_fallback_rounds
+        assert fallback > 0
+        draft.resume()
+        # Once it answers a probe, speculation resumes.
+        time.sleep(1.5)
+        before = client.engine_stats().totals.num_draft_tokens
+        res = client.generate_batch(prompts, LONG)
+        assert [r.token_ids for r in res] == ar
+        assert client.engine_stats().totals.num_draft_tokens > before
+
+
+def test_target_killed_fails_pending_calls(setup):
+    target, prompts, _ = setup
+    client = Client(_cfg(target, target))
+    try:
+        pid = client.launcher.pids()["target"]
+        errors: list[Exception] = []
+
+        def run():
+            try:
+                client.generate(prompts[0], SamplingParams(max_tokens=100000 // 1000, ignore_eos=True))
+                client.generate(prompts[0], SamplingParams(max_tokens=400, ignore_eos=True))
+            except RequestFailed as e:
+                errors.append(e)
+
+        t = threading.Thread(target=run)
+        t.start()
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        t.join(10)
+        assert not t.is_alive()
+        assert time.monotonic() - t0 < 5.0
+        assert client.launcher.dead_child() == "target"
+        with pytest.raises(RequestFailed, match="target process died"):
+            client.generate(prompts[0], SamplingParams(max_tokens=4))
+    finally:
+        client.close()
+
+
+def test_children_exit_when_parent_is_killed(setup, tmp_path):
+    target, _, _ = setup
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import sys, time\n"
+        "from spec_runtime.client import Client\n"
+        "from spec_runtime.config import *\n"
+        f"cfg = RuntimeConfig(target=ModelConfig(path={target!r}), draft=ModelConfig(path={target!r}),"
+        " spec=SpeculativeConfig(mode='sd', k=2), sched=SchedulerConfig(max_batch_size=2, max_model_len=128))\n"
+        "c = Client(cfg)\n"
+        "print(' '.join(str(p) for p in c.launcher.pids().values()), flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in parent.stdout.readline().split()]
+        assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
+        parent.kill()
+        parent.wait()
+
+        def gone():
+            return all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE for p in pids)
+
+        assert _wait(gone, 30)
+    finally:
+        parent.kill()
