@@ -47,6 +47,9 @@ class ModelDrafter(Speculator):
         """
         if self.logits_transform is not None:
             logits = self.logits_transform(logits, seqs, positions)
+        if st.all_greedy:
+            # No q is sent for greedy rows (it is one-hot on the token): argmax is all.
+            return logits.argmax(dim=-1).cpu().numpy(), None, None  # sync: next step's input is built on the host
         pos = torch.from_numpy(positions).to(logits.device)
         rescale = None
         if self.cfg.mode == "ssd" and self.cfg.saguaro_rescale is not None:
@@ -57,11 +60,18 @@ class ModelDrafter(Speculator):
         return tokens.cpu().numpy(), q_ids.cpu().numpy(), q_probs.cpu().numpy()
 
     def catch_up_items(self, seqs: list[DraftSeq]) -> list[ForwardItem]:
-        """Feed every confirmed token the slot has no KV for; logits of the last one."""
+        """Feed every confirmed token the slot has no KV for; logits of the last one.
+
+        That is one token (t) or two (d_K and t after a full accept); always feeding two
+        (re-feeding x_{n-1} when only t is new) gives every sequence the same shape, so
+        the step replays one CUDA graph instead of running eagerly.
+        """
         items = []
         for s in seqs:
             n = s.num_tokens
             start = min(s.num_cached, n - 1)
+            if start == n - 1 and n >= 2:
+                start = n - 2
             items.append(ForwardItem(s.token_ids[start:], start, self.layout.slot_rows(s.slot, n), "last"))
         return items
 

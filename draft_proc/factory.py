@@ -45,7 +45,11 @@ def make_speculators(cfg):
         from draft_proc.ssd import scratch_rows_needed
 
         scratch = scratch_rows_needed(spec, num_slots)
-    runner = ModelRunner(cfg.draft, num_slots=num_slots, max_model_len=max_len, num_scratch_rows=scratch)
+    # Graph shapes: decode steps and tree steps (q_len 1, up to tree_budget branches), the
+    # two-token catch-up after an outcome, and the K+1-token SSD glue.
+    max_batch = max(num_slots, spec.tree_budget) if spec.mode == "ssd" else num_slots
+    runner = ModelRunner(cfg.draft, num_slots=num_slots, max_model_len=max_len, num_scratch_rows=scratch,
+                         max_batch_size=max_batch, graph_q_lens=(1, 2, spec.k + 1))
     drafter = ModelDrafter(runner, spec, logits_transform=make_oracle_transform(spec))
     ssd = None
     if spec.mode == "ssd":

@@ -16,7 +16,10 @@ from target_proc.worker import TargetWorker
 def build(cfg, init):
     from spec_runtime.model.runner import ModelRunner
 
-    runner = ModelRunner(cfg.target, num_slots=cfg.sched.max_batch_size, max_model_len=cfg.sched.max_model_len)
+    # Verify forwards are padded to K+1 tokens per sequence, so one graph per batch size fits.
+    q_lens = (1, cfg.spec.k + 1) if cfg.spec.mode != "ar" else (1,)
+    runner = ModelRunner(cfg.target, num_slots=cfg.sched.max_batch_size, max_model_len=cfg.sched.max_model_len,
+                         max_batch_size=cfg.sched.max_batch_size, graph_q_lens=q_lens)
     clients = RouterChannel(ClientMessage)
     clients.bind(init.client_addr)
     link = None

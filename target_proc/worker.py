@@ -206,21 +206,27 @@ class TargetWorker:
         layout = self.runner.layout
         k_max = max((len(specs[s.seq_id].draft_token_ids) for s in seqs if s.seq_id in specs), default=0)
 
-        items, num_draft = [], []
+        # Pad every verify to K+1 tokens where the context allows, so the step replays one
+        # CUDA graph: padded positions write KV rows past the sequence's length (never
+        # read) and their logits are never used (num_draft bounds acceptance).
+        pad_to = self.k if all(s.num_tokens + self.k <= self.max_model_len for s in seqs) else 0
+        items, num_draft, q_lens = [], [], []
         for seq in seqs:
             spec = specs.get(seq.seq_id)
             n = seq.num_tokens
             # Never verify past the context or past max_tokens (the last token is free).
             m = 0 if spec is None else len(spec.draft_token_ids)
-            m = min(m, self.max_model_len - n, seq.sampling.max_tokens - seq.num_generated - 1)
-            m = max(m, 0)
-            draft = spec.draft_token_ids[:m].tolist() if m else []
-            items.append(ForwardItem([seq.last_token_id] + draft, n - 1, layout.slot_rows(seq.slot, n + m), "all"))
+            m = max(0, min(m, self.max_model_len - n, seq.sampling.max_tokens - seq.num_generated - 1))
+            fed = [seq.last_token_id] + (spec.draft_token_ids[:m].tolist() if m else [])
+            fed += [seq.last_token_id] * (pad_to + 1 - len(fed))
+            items.append(ForwardItem(fed, n - 1, layout.slot_rows(seq.slot, n - 1 + len(fed)), "all"))
             num_draft.append(m)
+            q_lens.append(len(fed))
 
-        flat_logits = self._oracle(self.runner.run(items), [(s.seed, s.num_tokens, m) for s, m in zip(seqs, num_draft)])
-        # flat_logits: [sum(m + 1), V]
-        res = self._verify(seqs, specs, num_draft, k_max, flat_logits)
+        flat_logits = self._oracle(self.runner.run(items),
+                                   [(s.seed, s.num_tokens, q - 1) for s, q in zip(seqs, q_lens)])
+        # flat_logits: [sum(q_lens), V]
+        res = self._verify(seqs, specs, num_draft, q_lens, k_max, flat_logits)
         num_accepted = res.num_accepted.cpu()  # sync: the accepted prefix decides what the host does next
         out_tokens = res.output_token_ids.cpu()
         logprobs = res.target_logprobs.cpu() if any(s.sampling.logprobs for s in seqs) else None
@@ -303,14 +309,14 @@ class TargetWorker:
             outcomes.append(Outcome(seq.seq_id, seq.round, 0, seq.last_token_id, seq.num_tokens))
         self.draft.request(outcomes)
 
-    def _verify(self, seqs, specs, num_draft, k_max, flat_logits):
+    def _verify(self, seqs, specs, num_draft, q_lens, k_max, flat_logits):
         device = flat_logits.device
         b = len(seqs)
-        q_lens = np.asarray(num_draft, dtype=np.int64) + 1
+        m = np.asarray(num_draft, dtype=np.int64)
         starts = np.concatenate([[0], np.cumsum(q_lens)[:-1]])
         # [B, k_max + 1] row of flat_logits for each (sequence, verify position), clamped
-        # to the sequence's last row past its own m (those rows are masked by num_draft).
-        idx = starts[:, None] + np.minimum(np.arange(k_max + 1)[None, :], (q_lens - 1)[:, None])
+        # to the sequence's row m past its own drafts (those rows are masked by num_draft).
+        idx = starts[:, None] + np.minimum(np.arange(k_max + 1)[None, :], m[:, None])
         target_logits = flat_logits[torch.from_numpy(idx).to(device)]  # [B, k_max + 1, V]
         draft_ids = np.full((b, k_max), -1, dtype=np.int64)
         with_q = [specs[s.seq_id].q_token_ids for i, s in enumerate(seqs)

@@ -42,6 +42,9 @@ class ModelRunner:
             raise ValueError(f"num_scratch_rows must be >= 0, got {num_scratch_rows}")
         self.cfg = cfg
         self.device = torch.device(cfg.device)
+        if self.device.type == "cuda":
+            # flashinfer and CUDA graphs launch on the current device: make it this one.
+            torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.model, self.arch, self.tokenizer = load_model(cfg.path, self.device, self.dtype)
         self.model_name = model_name(cfg.path)

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One GPU run of scripts/bench_e2e.py: AR, SD and SSD on one model pair, side by side.
+#
+#   run(command="PAIR=32b bash scripts/gpu_e2e.sh", carry=[".whl"], kind="nvidia-h200-x2")
+#
+# PAIR=32b: target-32b on cuda:0, draft-0.6b on cuda:1.  PAIR=8b: target-8b + draft-1b.
+# Env: K, FAN_OUT, BATCHES, TEMPS, MAX_TOKENS, MODES, SSD_EXTRA (extra bench_e2e flags).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_e2e_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --target .site .whl/*.whl 2>&1 | grep -v WARNING | tail -3
+export PYTHONPATH=$PWD/.site:$PWD
+export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi_ws}
+nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
+
+PAIR=${PAIR:-32b}
+case "$PAIR" in
+  32b) TARGET=random:target-32b; DRAFT=random:draft-0.6b; HDS="128" ;;
+  8b)  TARGET=random:target-8b;  DRAFT=random:draft-1b;   HDS="128 64" ;;
+  *) echo "unknown PAIR $PAIR"; exit 2 ;;
+esac
+NGPU=$(nvidia-smi -L | wc -l)
+DRAFT_DEV=cuda:1; [ "$NGPU" -lt 2 ] && DRAFT_DEV=cuda:0
+
+# Build flashinfer's attention modules once, before two processes race for them.
+for hd in $HDS; do
+  python3 - "$hd" <<'PY' 2>&1 | tail -1
+import sys, time, torch
+from flashinfer.jit import gen_batch_prefill_module
+hd = int(sys.argv[1]); t = time.time(); bf = torch.bfloat16
+gen_batch_prefill_module("fa2", bf, bf, bf, torch.int32, hd, hd, 0, False, False, False).build(False)
+print(f"flashinfer head_dim {hd} built in {time.time() - t:.1f}s")
+PY
+done
+
+python3 scripts/bench_e2e.py --target "$TARGET" --draft "$DRAFT" --target-device cuda:0 --draft-device "$DRAFT_DEV" \
+  --modes "${MODES:-ssd,sd,ar}" --k "${K:-8}" --fan-out "${FAN_OUT:-}" --batch-sizes "${BATCHES:-1,2,4,8,16}" \
+  --temperatures "${TEMPS:-0,0.7}" --max-tokens "${MAX_TOKENS:-96}" --prompt-len 128 --max-model-len 1024 \
+  --synthetic-acceptance 0.8 --synthetic-ranks 0.5,0.2,0.1 ${SSD_EXTRA:-} \
+  --out "$OUT/e2e_${PAIR}.json" 2>&1 | tee "$OUT/e2e_${PAIR}.log"
