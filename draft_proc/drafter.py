@@ -15,7 +15,7 @@ import torch
 
 from draft_proc.speculator import Proposal, Speculator
 from draft_proc.state import DraftSeq
-from spec_runtime.model.forward_batch import ForwardItem
+from spec_runtime.model.forward_batch import ForwardItem, build_forward_batch
 from spec_runtime.sampling import SamplingTensors, draft_sample, saguaro_rescale
 
 
@@ -38,7 +38,8 @@ class ModelDrafter(Speculator):
 
     def sample(self, logits: torch.Tensor, seqs: list[DraftSeq], positions: np.ndarray, st: SamplingTensors,
                depth: int = 0):
-        """Sample the draft token at `positions` (absolute) for each row; returns host arrays.
+        """Sample the draft token at `positions` (absolute) for each row; returns device
+        tensors (token_ids [R], q_token_ids [R, top] | None, q_probs [R, top] | None).
 
         depth: index of the token within its speculation (0..K-1). With Saguaro
         rescaling (SSD), q's top F_depth tokens, the ones the tree cache will fork at
@@ -49,15 +50,51 @@ class ModelDrafter(Speculator):
             logits = self.logits_transform(logits, seqs, positions)
         if st.all_greedy:
             # No q is sent for greedy rows (it is one-hot on the token): argmax is all.
-            return logits.argmax(dim=-1).cpu().numpy(), None, None  # sync: next step's input is built on the host
-        pos = torch.from_numpy(positions).to(logits.device)
+            return logits.argmax(dim=-1), None, None
+        pos = _to_device(torch.from_numpy(positions), logits.device)
         rescale = None
         if self.cfg.mode == "ssd" and self.cfg.saguaro_rescale is not None:
             fan = self.cfg.fan_out_for(False)
             rescale = partial(saguaro_rescale, fan_out_f=fan[min(depth, len(fan) - 1)], factor=self.cfg.saguaro_rescale)
-        tokens, q_ids, q_probs = draft_sample(logits, st, pos, self.cfg.draft_top_k, rescale=rescale)
-        # sync: the next draft step's input tokens are built on the host.
-        return tokens.cpu().numpy(), q_ids.cpu().numpy(), q_probs.cpu().numpy()
+        return draft_sample(logits, st, pos, self.cfg.draft_top_k, rescale=rescale)
+
+    def decode_chain(self, first: list[ForwardItem], later, rows: list[DraftSeq], positions: np.ndarray,
+                     num_steps: int):
+        """num_steps draft steps over a fixed set of rows; returns host arrays
+        tokens [R, S], q_token_ids [R, S, top] | None, q_probs [R, S, top] | None.
+
+        Step 0 feeds `first`; step i >= 1 feeds later(i) (host metadata: positions and KV
+        rows do not depend on the sampled tokens) with each row's token from step i - 1
+        copied in on the device. So the host builds step i + 1 while the GPU runs step i,
+        and syncs once per speculation instead of once per token. It stays at most one
+        step ahead: flashinfer's plan reuses one pinned host buffer per graph.
+        positions: [R] absolute position of the token sampled at step 0.
+        """
+        device = self.runner.device
+        st = self.sampling_tensors(rows)
+        tokens, q_ids, q_probs, done = [], [], [], []
+        prev = None
+        for i in range(num_steps):
+            batch = build_forward_batch(first if i == 0 else later(i), device)
+            if prev is not None:
+                batch.input_ids.copy_(prev)  # [R]
+            if len(done) >= 2:
+                done[-2].synchronize()  # sync: keep the host at most one step ahead of the GPU
+            logits = self.runner.forward(batch)  # [R, V]
+            tok, qi, qp = self.sample(logits, rows, positions + i, st, depth=i)
+            if device.type == "cuda":
+                ev = torch.cuda.Event()
+                ev.record()
+                done.append(ev)
+            prev = tok
+            tokens.append(tok)
+            q_ids.append(qi)
+            q_probs.append(qp)
+        # sync: the speculation goes to the target from the host.
+        out_tokens = torch.stack(tokens, dim=1).cpu().numpy()
+        if q_ids[0] is None:
+            return out_tokens, None, None
+        return out_tokens, torch.stack(q_ids, 1).cpu().numpy(), torch.stack(q_probs, 1).cpu().numpy()
 
     def catch_up_items(self, seqs: list[DraftSeq]) -> list[ForwardItem]:
         """Feed every confirmed token the slot has no KV for; logits of the last one.
@@ -81,34 +118,31 @@ class ModelDrafter(Speculator):
             return prop
         k_eff = np.array([max(0, min(k, self.max_model_len - s.num_tokens)) for s in seqs])
         sampled = any(s.temperature > 0 for s in seqs)
-        top = self.cfg.draft_top_k
         if sampled:
-            prop.q_token_ids = np.zeros((len(seqs), k, top), dtype=np.int64)
-            prop.q_probs = np.zeros((len(seqs), k, top), dtype=np.float32)
-
-        active = [b for b in range(len(seqs)) if k_eff[b] > 0]
+            prop.q_token_ids = np.zeros((len(seqs), k, self.cfg.draft_top_k), dtype=np.int64)
+            prop.q_probs = np.zeros((len(seqs), k, self.cfg.draft_top_k), dtype=np.float32)
         drafted: list[list[int]] = [[] for _ in seqs]
-        for i in range(k):
-            active = [b for b in active if k_eff[b] > i]
-            if not active:
-                break
-            act_seqs = [seqs[b] for b in active]
-            if i == 0:
-                items = self.catch_up_items(act_seqs)
-            else:
-                items = [
-                    ForwardItem([drafted[b][-1]], s.num_tokens + i - 1, self.layout.slot_rows(s.slot, s.num_tokens + i), "last")
-                    for b, s in zip(active, act_seqs)
-                ]
-            logits = self.runner.run(items)  # [len(active), V]
-            positions = np.array([s.num_tokens + i for s in act_seqs], dtype=np.int64)
-            tokens, q_ids, q_probs = self.sample(logits, act_seqs, positions, self.sampling_tensors(act_seqs), depth=i)
-            for r, b in enumerate(active):
-                drafted[b].append(int(tokens[r]))
-                if sampled:
+        # Sequences near the context limit draft fewer tokens: one chain per length.
+        for steps in sorted(set(k_eff.tolist()) - {0}):
+            idx = np.flatnonzero(k_eff == steps)
+            rows = [seqs[b] for b in idx]
+            layout = self.layout
+
+            def later(i, rows=rows):
+                return [ForwardItem([0], s.num_tokens + i - 1, layout.slot_rows(s.slot, s.num_tokens + i), "last")
+                        for s in rows]
+
+            positions = np.array([s.num_tokens for s in rows], dtype=np.int64)
+            tokens, q_ids, q_probs = self.decode_chain(self.catch_up_items(rows), later, rows, positions, steps)
+            for r, b in enumerate(idx):
+                drafted[b] = tokens[r].tolist()
+                if sampled and q_ids is not None:
                     w = q_ids.shape[-1]
-                    prop.q_token_ids[b, i, :w] = q_ids[r]
-                    prop.q_probs[b, i, :w] = q_probs[r]
+                    prop.q_token_ids[b, :steps, :w] = q_ids[r]
+                    prop.q_probs[b, :steps, :w] = q_probs[r]
+                elif sampled:  # a greedy row in a sampled batch: one-hot q
+                    prop.q_token_ids[b, :steps, 0] = tokens[r]
+                    prop.q_probs[b, :steps, 0] = 1.0
         for b, s in enumerate(seqs):
             m = len(drafted[b])
             prop.draft_token_ids[b, :m] = drafted[b]
@@ -116,3 +150,10 @@ class ModelDrafter(Speculator):
             # Fed: the confirmed tokens and d_1..d_{m-1}.
             s.set_speculation(drafted[b], num_cached=s.num_tokens + max(0, m - 1) if m else min(s.num_cached, s.num_tokens))
         return prop
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor to `device` without a stream sync: a pageable copy would wait for the GPU."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)

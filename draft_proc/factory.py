@@ -19,8 +19,9 @@ def make_oracle_transform(spec_cfg):
     from spec_runtime.oracle import draft_oracle_logits
 
     def transform(logits, seqs, positions: np.ndarray):
-        seeds = torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=logits.device)
-        pos = torch.from_numpy(np.asarray(positions, dtype=np.int64)).to(logits.device)
+        # Host tensors: the oracle hashes on the CPU and scatters once on the device.
+        seeds = torch.tensor([s.seed for s in seqs], dtype=torch.int64)
+        pos = torch.from_numpy(np.asarray(positions, dtype=np.int64))
         return draft_oracle_logits(logits, seeds, pos, spec_cfg.synthetic_acceptance, tuple(spec_cfg.synthetic_ranks))
 
     return transform

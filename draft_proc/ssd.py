@@ -218,29 +218,33 @@ class SSDEngine:
         tokens = np.full((len(forks), k), -1, dtype=np.int64)
         q_ids = np.zeros((len(forks), k, top), dtype=np.int64) if sampled else None
         q_probs = np.zeros((len(forks), k, top), dtype=np.float32) if sampled else None
-        last = np.array([f.token_id for f in forks], dtype=np.int64)
-        for i in range(k):
-            active = np.flatnonzero(lens > i)
-            if len(active) == 0:
-                break
-            items = []
-            for b in active:
-                s, f = f_seqs[b], forks[b]
-                prefix = s.num_tokens + f.depth  # slot rows [0, n + j): x_1..x_n, d_1..d_j
-                rows = np.concatenate([self.layout.slot_rows(s.slot, prefix),
-                                       self.cache.scratch_rows(s.slot, f.branch, i + 1)])
-                items.append(ForwardItem([int(last[b])], prefix + i, rows, "last"))
-            logits = self.runner.run(items)  # [len(active), V]
-            act_seqs = [f_seqs[b] for b in active]
-            positions = np.array([f_seqs[b].num_tokens + forks[b].depth + 1 + i for b in active], dtype=np.int64)
-            toks, qi, qp = self.drafter.sample(logits, act_seqs, positions, self.drafter.sampling_tensors(act_seqs),
-                                               depth=i)
-            tokens[active, i] = toks
-            last[active] = toks
+        # All branches of all sequences step together (one batch per step); branches near
+        # the context limit are shorter, so there is one pipelined chain per length.
+        for steps in sorted(set(lens.tolist()) - {0}):
+            idx = np.flatnonzero(lens == steps)
+            rows = [f_seqs[b] for b in idx]
+            prefix = [f_seqs[b].num_tokens + forks[b].depth for b in idx]  # slot rows [0, n + j)
+            prefix_rows = [self.layout.slot_rows(f_seqs[b].slot, p) for b, p in zip(idx, prefix)]
+
+            def items(i, tok=None, idx=idx, prefix=prefix, prefix_rows=prefix_rows):
+                return [
+                    ForwardItem([forks[b].token_id if tok is None else 0], p + i,
+                                np.concatenate([pr, self.cache.scratch_rows(f_seqs[b].slot, forks[b].branch, i + 1)]),
+                                "last")
+                    for b, p, pr in zip(idx, prefix, prefix_rows)
+                ]
+
+            positions = np.array(prefix, dtype=np.int64) + 1
+            toks, qi, qp = self.drafter.decode_chain(items(0), lambda i: items(i, tok=0), rows, positions, steps)
+            tokens[idx, :steps] = toks
             if sampled:
-                w = qi.shape[-1]
-                q_ids[active, i, :w] = qi
-                q_probs[active, i, :w] = qp
+                if qi is not None:
+                    w = qi.shape[-1]
+                    q_ids[idx, :steps, :w] = qi
+                    q_probs[idx, :steps, :w] = qp
+                else:  # greedy branches in a sampled batch: one-hot q
+                    q_ids[idx, :steps, 0] = toks
+                    q_probs[idx, :steps, 0] = 1.0
         entries: dict[int, dict[tuple[int, int], CachedSpeculation]] = {s.seq_id: {} for s in seqs}
         for b, f in enumerate(forks):
             m = int(lens[b])

@@ -156,6 +156,35 @@ def bench_model(name: str, args, bw: float, log) -> dict:
             del g2
         finally:
             cuda_ops.set_fused_ops(True)
+    if name in ("target-8b", "draft-1b", "draft-0.6b"):
+        batch = batch_for(1, 1)
+        backend.disable_split_kv = True
+        try:
+            with torch.inference_mode():
+                g3 = CudaGraphRunner(fwd, backend, max_batch_size=1, q_lens=(1,),
+                                     max_kv_len=layout.max_model_len, dummy_row=layout.num_rows, device=dev)
+                g3.capture()
+            extra["decode_b1_graph_no_split_kv_ms"] = time_step(torch, graph_step(batch, g3), args.warmup, args.iters)
+            del g3
+        finally:
+            backend.disable_split_kv = False
+        backend.decode_tensor_cores = False
+        try:
+            with torch.inference_mode():
+                g4 = CudaGraphRunner(fwd, backend, max_batch_size=1, q_lens=(1,),
+                                     max_kv_len=layout.max_model_len, dummy_row=layout.num_rows, device=dev)
+                g4.capture()
+            extra["decode_b1_graph_cuda_core_attn_ms"] = time_step(torch, graph_step(batch, g4), args.warmup,
+                                                                   args.iters)
+            del g4
+        finally:
+            backend.decode_tensor_cores = True
+        log(f"{name:11s} b=1 decode, graph, attention without split-kv: "
+            f"{extra['decode_b1_graph_no_split_kv_ms']:.3f} ms; CUDA-core decode attention: "
+            f"{extra['decode_b1_graph_cuda_core_attn_ms']:.3f} ms")
+        if args.profile:
+            profile_step(torch, graph_step(batch, graphs), f"{args.profile}", name)
+    if "decode_b1_no_graph_fused_ms" in extra:
         log(f"{name:11s} b=1 decode: no-graph fused {extra['decode_b1_no_graph_fused_ms']:.3f} ms, "
             f"no-graph eager ops {extra['decode_b1_no_graph_eager_ops_ms']:.3f} ms, "
             f"graph eager ops {extra['decode_b1_graph_eager_ops_ms']:.3f} ms")
@@ -170,6 +199,27 @@ def bench_model(name: str, args, bw: float, log) -> dict:
     gc.collect()
     torch.cuda.empty_cache()
     return out
+
+
+def profile_step(torch, step, path: str, name: str, steps: int = 5) -> None:
+    """Append the top GPU kernels of `steps` steps (CUPTI sees kernels inside graph replays)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    avg = prof.key_averages()
+    for key in ("self_device_time_total", "self_cuda_time_total"):
+        try:
+            table = avg.table(sort_by=key, row_limit=25, max_name_column_width=70)
+            break
+        except Exception:  # noqa: BLE001 - the sort key was renamed across torch versions
+            table = avg.table(row_limit=25)
+    with open(path, "a") as f:
+        f.write(f"== {name}: {steps} decode steps at batch 1 (CUDA graph) ==\n{table}\n")
 
 
 def plot(data: dict, png: str) -> None:
@@ -204,6 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--out", default="bench_step.json")
+    ap.add_argument("--profile", help="append a kernel-time table of batch-1 decode to this file")
     ap.add_argument("--plot-from", help="only plot this JSON (no GPU needed)")
     ap.add_argument("--png", help="PNG path for --plot-from")
     args = ap.parse_args(argv)

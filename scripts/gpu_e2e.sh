@@ -9,7 +9,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_e2e_out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 python3 -m pip install -q --no-index --no-deps --target .site .whl/*.whl 2>&1 | grep -v WARNING | tail -3
 export PYTHONPATH=$PWD/.site:$PWD
 export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi_ws}
@@ -35,8 +35,8 @@ print(f"flashinfer head_dim {hd} built in {time.time() - t:.1f}s")
 PY
 done
 
-python3 scripts/bench_e2e.py --target "$TARGET" --draft "$DRAFT" --target-device cuda:0 --draft-device "$DRAFT_DEV" \
+timeout ${RUN_TIMEOUT:-240} python3 scripts/bench_e2e.py --target "$TARGET" --draft "$DRAFT" --target-device cuda:0 --draft-device "$DRAFT_DEV" \
   --modes "${MODES:-ssd,sd,ar}" --k "${K:-8}" --fan-out "${FAN_OUT:-}" --batch-sizes "${BATCHES:-1,2,4,8,16}" \
   --temperatures "${TEMPS:-0,0.7}" --max-tokens "${MAX_TOKENS:-96}" --prompt-len 128 --max-model-len 1024 \
   --synthetic-acceptance 0.8 --synthetic-ranks 0.5,0.2,0.1 ${SSD_EXTRA:-} \
-  --out "$OUT/e2e_${PAIR}.json" 2>&1 | tee "$OUT/e2e_${PAIR}.log"
+  --out "$OUT/e2e_${TAG:-$PAIR}.json" 2>&1 | tee "$OUT/e2e_${TAG:-$PAIR}.log"

@@ -8,7 +8,7 @@
 from protocol.messages import SamplingParams
 from spec_runtime.config import ModelConfig, RuntimeConfig, SchedulerConfig, SpeculativeConfig
 
-__all__ = ["Client", "GenerationResult", "ModelConfig", "RuntimeConfig", "SamplingParams", "SchedulerConfig",
+__all__ = ["AsyncClient", "Client", "GenerationResult", "ModelConfig", "RuntimeConfig", "SamplingParams", "SchedulerConfig",
            "SpeculativeConfig"]
 
 
@@ -18,4 +18,8 @@ def __getattr__(name):
         from spec_runtime import client
 
         return getattr(client, name)
+    if name == "AsyncClient":
+        from spec_runtime.server.async_client import AsyncClient
+
+        return AsyncClient
     raise AttributeError(name)

@@ -134,6 +134,76 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _apply_speculative_config(args: argparse.Namespace, text: str) -> None:
+    """Merge --speculative-config JSON into the spec.* flags; unknown keys and conflicts are errors."""
+    try:
+        given = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+    if not isinstance(given, dict):
+        raise ValueError("--speculative-config must be a JSON object")
+    known = {f.name: f for f in dataclasses.fields(SpeculativeConfig)}
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        raise ValueError(f"--speculative-config: unknown keys {unknown}; known: {sorted(known)}")
+    for key, value in given.items():
+        dest = f"spec.{key}"
+        if isinstance(value, list):
+            value = tuple(value)
+        if dest in vars(args) and getattr(args, dest) != value:
+            raise ValueError(f"--speculative-config sets {key}={value!r} but a flag sets it to {getattr(args, dest)!r}")
+        setattr(args, dest, value)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from spec_runtime.launcher import StartupError
+    from spec_runtime.server.serve import run_server
+
+    if args.target_model is not None:
+        if vars(args).get("target.path", args.target_model) != args.target_model:
+            raise ValueError("give the target either as TARGET or as --target, not both")
+        setattr(args, "target.path", args.target_model)
+    if args.speculative_config:
+        _apply_speculative_config(args, args.speculative_config)
+    cfg = config_from_args(args)
+    try:
+        run_server(cfg, host=args.host, port=args.port, api_key=args.api_key,
+                   served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
+                   log_level=args.uvicorn_log_level)
+    except StartupError as e:
+        print(f"spec-runtime: start-up failed: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"spec-runtime: cannot serve on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _add_serve(sub) -> None:
+    srv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                                       "/v1/models, /health, /metrics)")
+    srv.add_argument("target_model", nargs="?", default=None, metavar="TARGET",
+                     help="target model (same as --target)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    srv.add_argument("--port", type=int, default=8000, help="port to bind; 0 picks a free one (default: 8000)")
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    srv.add_argument("--served-model-name", default=None, help="model name clients send (default: the target path)")
+    srv.add_argument("--speculative-config", default=None, metavar="JSON",
+                     help="SpeculativeConfig fields as JSON, e.g. '{\"mode\": \"ssd\", \"k\": 4}'; unknown keys are errors")
+    srv.add_argument("--max-body-bytes", type=int, default=None, help="larger request bodies get HTTP 413 (default: 1 MiB)")
+    srv.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's log level (default: warning)")
+    add_config_flags(srv)
+    srv.set_defaults(func=_serve)
+
+
+def _add_bench(sub) -> None:
+    from spec_runtime import bench_serving
+
+    b = sub.add_parser("bench", help="load-test a running server and report latency and speculation stats")
+    bench_serving.add_bench_args(b)
+    b.set_defaults(func=bench_serving.run_from_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spec-runtime", description="Exact speculative decoding (AR / SD / SSD).")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -149,6 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids and stats")
     add_config_flags(gen)
     gen.set_defaults(func=_generate)
+    _add_serve(sub)
+    _add_bench(sub)
     return parser
 
 

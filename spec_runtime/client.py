@@ -278,6 +278,10 @@ class Client:
     def _fail_all(self, err: Exception) -> None:
         with self._lock:
             queues = list(self._queues.values())
+            # A sink hears the error once, not once per I/O loop pass while the target stays dead.
+            for rid in self._sinks:
+                self._queues.pop(rid, None)
+            self._sinks.clear()
         for q in queues:
             q.put(err)
         time.sleep(0.05)

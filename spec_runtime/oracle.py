@@ -19,6 +19,10 @@ forward, so that acceptance follows configured rates through the real machinery:
              slots o_t does not take are pseudo-random: consecutive ids (mod vocab) after
              a hashed offset, all distinct from o_t and from each other.
 
+Performance: seeds and positions may live on the CPU while the logits live on the GPU.
+The per-row hashing then runs on the host over a few tiny tensors (on the GPU it would
+be ~75 kernel launches a call), and only one copy and one scatter touch the device.
+
 Every choice is a pure function of (request seed, t), through the counter-based hash of
 `spec_runtime.sampling` on streams of its own, so every SSD branch that shares the true
 prefix sees the same draft prediction at t. t is the position of the token the logits
@@ -41,6 +45,16 @@ STREAM_ORACLE_FILL = 103
 MASKED_LOGIT = -1e4
 # The draft always shows at least this many top slots, so forks have candidates.
 MIN_DRAFT_SLOTS = 4
+
+
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """To `device`; from host memory through a pinned buffer, since a pageable copy
+    would wait for the GPU to finish everything queued before it."""
+    if t.device == device:
+        return t
+    if t.device.type == "cpu" and device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def _index0(like: torch.Tensor) -> torch.Tensor:
@@ -67,7 +81,7 @@ def target_oracle_logits(
     if not 0.0 < peak_mass <= 1.0:
         raise ValueError(f"peak_mass must be in (0, 1], got {peak_mass}")
     vocab = logits.shape[-1]
-    o = oracle_token(seeds, positions, vocab)  # [*N]
+    o = _to(oracle_token(seeds, positions, vocab), logits.device)  # [*N]
     if peak_mass >= 1.0 or vocab == 1:
         rest = MASKED_LOGIT
     else:
@@ -114,13 +128,14 @@ def draft_oracle_logits(
     o = oracle_token(seeds, positions, vocab).unsqueeze(-1)  # [*N, 1]
     r0 = draft_oracle_rank(seeds, positions, alpha, ranks).unsqueeze(-1)  # [*N, 1]
     r0 = torch.where(r0 > len(ranks), num_slots, r0)  # absent: past every slot
-    slot = torch.arange(num_slots, device=logits.device)  # [S]
+    slot = torch.arange(num_slots, device=seeds.device)  # [S]
     # Fillers: vocab - 1 ids other than o_t, walked from a hashed offset, so the first
     # num_slots of them are distinct.
     offset = hash32(seeds, positions, STREAM_ORACLE_FILL, _index0(seeds)) % (vocab - 1)  # [*N, 1]
     fill_idx = torch.where(slot < r0, slot, slot - 1).clamp(min=0)  # [*N, S]
     fillers = (o + 1 + (offset + fill_idx) % (vocab - 1)) % vocab  # [*N, S]
-    slot_tokens = torch.where(slot == r0, o, fillers)  # [*N, S]
-    slot_logits = (top_logit - gap * slot.to(torch.float32)).to(logits.dtype)  # [S]
+    slot_tokens = _to(torch.where(slot == r0, o, fillers), logits.device)  # [*N, S]
+    slot_logits = (top_logit - gap * torch.arange(num_slots, device=logits.device, dtype=torch.float32)).to(
+        logits.dtype)  # [S]
     out = torch.full_like(logits, MASKED_LOGIT)
     return out.scatter_(-1, slot_tokens, slot_logits.expand(slot_tokens.shape).contiguous())

@@ -17,8 +17,8 @@ Vocabulary (used the same way in the whole runtime):
   bonus      when all n draft tokens are accepted (j == n) the target samples the bonus
              token from p_n. n = 0 is plain autoregressive decoding of one token.
   A round outputs j + 1 tokens: the accepted draft tokens, then the recovery/bonus token.
-  Greedy rows accept while d_i == argmax and then emit the argmax: the same tokens,
-  bit for bit, as greedy decoding without a draft.
+  Greedy rows accept while d_i == argmax and then emit the argmax: given the same
+  logits, the same tokens, bit for bit, as greedy decoding without a draft.
 
 Positions: a token's position is its index in the sequence, prompt included. In a
 verify, slot i of target_logits [B, K+1, V] is the distribution of the token at
@@ -37,18 +37,16 @@ its first rejection never reaches the output).
 
 Sampling a token from weights w >= 0 (need not sum to 1) is an exponential race:
 argmax_v w_v / E_v with E_v = -log(u_v) i.i.d. Exp(1) picks v with probability
-w_v / sum(w) exactly; it is order-free and needs no normalization or host sync.
+w_v / sum(w) exactly (up to the 2**-32 grain of the uniforms); it is order-free and
+needs no normalization or host sync.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 STREAM_DRAFT = 1
 STREAM_ACCEPT = 2
@@ -64,37 +62,32 @@ _MUL = 0x045D9F3B
 _WEYL = 0x61C88647  # 2**32 / golden ratio, odd: a Weyl step over the index.
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A bijective 32-bit integer mixer on int64 values in [0, 2**32)."""
+def _mix32(x):
+    """A bijective 32-bit integer mixer on int64 tensors (or Python ints) in [0, 2**32)."""
     x = (((x >> 16) ^ x) * _MUL) & _M32
     x = (((x >> 16) ^ x) * _MUL) & _M32
     return (x >> 16) ^ x
 
 
-def hash32(
-    seeds: torch.Tensor, positions: torch.Tensor, stream: int, index: torch.Tensor
-) -> torch.Tensor:
+def hash32(seeds: torch.Tensor, positions: torch.Tensor, stream: int, index: torch.Tensor) -> torch.Tensor:
     """32-bit hash of (seed, position, stream, index) as int64 in [0, 2**32).
 
     seeds, positions: [*R] int64 (any int64 seed; positions < 2**32).
     index: [*R, M] or [M] int64. Returns [*R, M] int64.
+    The row key and the index are mixed separately (index [M] costs [M], not [*R, M]),
+    then one mix per element: for a row, distinct indices give distinct values.
     """
-    lo = seeds & _M32  # [*R] two's-complement low word, well defined for negatives
-    hi = (seeds >> 32) & _M32  # [*R]
-    key = _mix32(lo ^ 0x2545F491)
-    key = _mix32(key ^ hi)
-    key = _mix32(key ^ (((stream + 1) * _WEYL) & _M32))
-    key = _mix32(key ^ (positions & _M32))  # [*R]
-    # Two keys, so two rows collide only if both words of their keys line up.
-    key_a = _mix32(key ^ 0x68E31DA4).unsqueeze(-1)  # [*R, 1]
-    key_b = _mix32(key ^ 0x1B56C4E9).unsqueeze(-1)  # [*R, 1]
-    x = _mix32((key_a + (index & _M32) * _WEYL) & _M32)  # [*R, M]
-    return _mix32(x ^ key_b)
+    seeds, positions, index = seeds.long(), positions.long(), index.long()
+    # Few ops on purpose: on CUDA these small kernels are launch-bound.
+    stream_key = _mix32(((stream + 1) * _WEYL) & _M32)  # a Python int: no device op
+    key = _mix32((seeds & _M32) ^ stream_key)  # [*R] low word (two's complement)
+    # High word and position share one step: (hi + pos * W) mod 2**32.
+    key = _mix32(key ^ ((((seeds >> 32) & _M32) + (positions & _M32) * _WEYL) & _M32))
+    index_mixed = _mix32(((index & _M32) * _WEYL + 0x68E31DA4) & _M32)  # [*R, M] or [M]
+    return _mix32(index_mixed ^ key.unsqueeze(-1))  # [*R, M]
 
 
-def uniform(
-    seeds: torch.Tensor, positions: torch.Tensor, stream: int, index: torch.Tensor
-) -> torch.Tensor:
+def uniform(seeds: torch.Tensor, positions: torch.Tensor, stream: int, index: torch.Tensor) -> torch.Tensor:
     """Uniforms in the open interval (0, 1): [*R] x [*R, M] -> [*R, M] float64."""
     h = hash32(seeds, positions, stream, index)
     # float64 holds (2**32 - 0.5) / 2**32 exactly, so u < 1 and -log(u) > 0.
@@ -103,16 +96,12 @@ def uniform(
 
 def _exponential(seeds, positions, stream: int, index: torch.Tensor) -> torch.Tensor:
     """E = -log(u) ~ Exp(1): [*R] x [*R, M] -> [*R, M] float32 (>= 1.1e-10)."""
-    return torch.log(uniform(seeds, positions, stream, index)).neg_().to(torch.float32)
+    h = hash32(seeds, positions, stream, index)
+    return torch.log((h.to(torch.float64) + 0.5) * (1.0 / 4294967296.0)).neg_().to(torch.float32)
 
 
-def sample(
-    weights: torch.Tensor,
-    seeds: torch.Tensor,
-    positions: torch.Tensor,
-    stream: int = STREAM_TARGET,
-    is_logits: bool = False,
-) -> torch.Tensor:
+def sample(weights: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+           stream: int = STREAM_TARGET, is_logits: bool = False) -> torch.Tensor:
     """Sample one token per row by exponential race: [B, V] -> [B] int64.
 
     weights: probabilities or any nonnegative weights (rows need not sum to 1), or
@@ -147,9 +136,8 @@ class SamplingTensors:
     any_top_p: bool
 
     @classmethod
-    def from_params(
-        cls, params: Sequence[tuple[float, int, float, int]], device: torch.device | str = "cpu"
-    ) -> "SamplingTensors":
+    def from_params(cls, params: Sequence[tuple[float, int, float, int]],
+                    device: torch.device | str = "cpu") -> "SamplingTensors":
         """params: one (temperature, top_k, top_p, seed) per row."""
         if not params:
             raise ValueError("from_params needs at least one row")
@@ -161,12 +149,8 @@ class SamplingTensors:
                 raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
             if not 0.0 < top_p <= 1.0:
                 raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-            temps.append(float(temperature))
-            top_ks.append(int(top_k))
-            top_ps.append(float(top_p))
-            # Any Python int seed, folded into the signed int64 range.
-            s = int(seed) & 0xFFFFFFFFFFFFFFFF
-            seeds.append(s - (1 << 64) if s >= (1 << 63) else s)
+            temps.append(float(temperature)), top_ks.append(int(top_k)), top_ps.append(float(top_p))
+            seeds.append((int(seed) + (1 << 63)) % (1 << 64) - (1 << 63))  # any int, as a signed int64
         greedy = [t < GREEDY_TEMPERATURE for t in temps]
         return cls(
             temperature=torch.tensor(temps, dtype=torch.float32, device=device),
@@ -289,18 +273,43 @@ def draft_sample(
     """
     if not 1 <= top_k_q <= logits.shape[-1]:
         raise ValueError(f"top_k_q must be in [1, vocab={logits.shape[-1]}], got {top_k_q}")
-    probs = target_probs(logits, st)  # [B, V]
-    top_probs, q_token_ids = torch.topk(probs, top_k_q, dim=-1)  # [B, k]
-    q_probs = top_probs / top_probs.sum(-1, keepdim=True)  # [B, k]
+    if st.all_greedy:
+        rank_by = logits  # q is one-hot; the ids behind it still rank the draft's top tokens
+    else:
+        rank_by = target_probs(logits, st)  # [B, V]
+        if st.any_greedy:
+            rank_by = torch.where(st.is_greedy.unsqueeze(-1), torch.softmax(logits.float(), -1), rank_by)
+    top_probs, q_token_ids = torch.topk(rank_by, top_k_q, dim=-1)  # [B, k]
+    q_probs = top_probs.float() / top_probs.float().sum(-1, keepdim=True)  # [B, k]
+    if st.any_greedy:
+        greedy = st.is_greedy.unsqueeze(-1)  # [B, 1]
+        first = torch.arange(top_k_q, device=logits.device) == 0  # [k]
+        q_probs = torch.where(greedy, first.float(), q_probs)
+        # argmax, not topk's pick among ties: the greedy token is the first maximum.
+        q_token_ids = torch.where(greedy & first, torch.argmax(logits, -1, keepdim=True), q_token_ids)
     if rescale is not None:
         q_probs = rescale(q_probs)
     # Race keyed by token id, so the draw does not depend on the order topk returns.
     e = _exponential(st.seed, positions, STREAM_DRAFT, q_token_ids)  # [B, k]
     choice = torch.argmax(q_probs / e, dim=-1, keepdim=True)  # [B, 1]
     token_ids = q_token_ids.gather(-1, choice).squeeze(-1)  # [B]
-    if st.any_greedy:
-        token_ids = torch.where(st.is_greedy, q_token_ids[:, 0], token_ids)
     return token_ids, q_token_ids, q_probs
+
+
+def _dense_q_at(j, draft, q_token_ids, q_probs, vocab: int) -> torch.Tensor:
+    """q of slot j[b] of each row as a dense [B, V] float32 (zeros where there is none)."""
+    b, k = draft.shape
+    q = torch.zeros(b, vocab, dtype=torch.float32, device=draft.device)  # [B, V]
+    if k == 0:
+        return q
+    jq = j.clamp(max=k - 1).unsqueeze(-1)  # [B, 1]
+    if q_token_ids is None:  # deterministic draft: one-hot on its token
+        return q.scatter_(-1, draft.gather(1, jq), 1.0)
+    top = q_token_ids.shape[-1]
+    ids = q_token_ids.gather(1, jq.unsqueeze(-1).expand(b, 1, top)).squeeze(1)  # [B, top_k_q]
+    probs = q_probs.gather(1, jq.unsqueeze(-1).expand(b, 1, top)).squeeze(1).float()  # [B, top_k_q]
+    # scatter_add: padded ids (-1) add 0 at id 0; repeated ids add up.
+    return q.scatter_add_(-1, ids.clamp(min=0), probs * (ids >= 0))
 
 
 @dataclass(frozen=True)
@@ -333,16 +342,13 @@ def rejection_sample(
     """
     b, s, vocab = target_logits.shape
     k = s - 1
-    if draft_token_ids.shape != (b, k):
-        raise ValueError(f"draft_token_ids {tuple(draft_token_ids.shape)} != {(b, k)}")
-    if (q_token_ids is None) != (q_probs is None):
-        raise ValueError("q_token_ids and q_probs must both be given or both be None")
-    if q_token_ids is not None and (
-        q_token_ids.shape[:2] != (b, k) or q_probs.shape != q_token_ids.shape
+    if draft_token_ids.shape != (b, k) or st.batch_size != b:
+        raise ValueError(f"draft_token_ids {tuple(draft_token_ids.shape)} or {st.batch_size} "
+                         f"sampling rows do not match target_logits {(b, s, vocab)}")
+    if (q_token_ids is None) != (q_probs is None) or (
+        q_token_ids is not None and (q_token_ids.shape[:2] != (b, k) or q_probs.shape != q_token_ids.shape)
     ):
-        raise ValueError(f"q shapes {tuple(q_token_ids.shape)}, {tuple(q_probs.shape)} != {(b, k)} + (top_k_q,)")
-    if st.batch_size != b:
-        raise ValueError(f"sampling params for {st.batch_size} rows, logits for {b}")
+        raise ValueError(f"q_token_ids and q_probs must both be None or both [{b}, {k}, top_k_q]")
     device = target_logits.device
     slot = torch.arange(s, device=device)  # [K+1]
     n = num_draft_tokens.clamp(0, k)  # [B]
@@ -373,31 +379,17 @@ def rejection_sample(
     if probs is not None:
         p_j = probs.gather(1, j.view(b, 1, 1).expand(b, 1, vocab)).squeeze(1)  # [B, V]
         rejected = (j < n).unsqueeze(-1)  # [B, 1] recovery (else bonus: q counts as 0)
-        jq = j.clamp(max=max(k - 1, 0)).view(b, 1, 1)  # [B, 1, 1]
-        if k == 0:
-            q_j = torch.zeros_like(p_j)
-        elif q_token_ids is None:
-            d_j = draft.gather(1, jq.view(b, 1))  # [B, 1]
-            q_j = torch.zeros_like(p_j).scatter_(-1, d_j, 1.0)
-        else:
-            top = q_token_ids.shape[-1]
-            ids_j = q_token_ids.gather(1, jq.expand(b, 1, top)).squeeze(1)  # [B, top_k_q]
-            qp_j = q_probs.gather(1, jq.expand(b, 1, top)).squeeze(1).float()  # [B, top_k_q]
-            # scatter_add: padded ids (-1) add 0 at id 0; repeated ids add up.
-            q_j = torch.zeros_like(p_j).scatter_add_(-1, ids_j.clamp(min=0), qp_j * (ids_j >= 0))
+        q_j = _dense_q_at(j, draft, q_token_ids, q_probs, vocab)  # [B, V]
         residual = torch.clamp(p_j - q_j * rejected, min=0.0)  # [B, V]
         empty = residual.sum(-1, keepdim=True) <= 0.0  # [B, 1] p == q numerically
         residual = torch.where(empty, p_j, residual)
         sampled = sample(residual, st.seed, positions + j, STREAM_TARGET)  # [B]
         last = torch.where(st.is_greedy, last, sampled)
 
-    draft_ext = torch.cat(
-        [draft_token_ids, torch.full((b, 1), PLACEHOLDER_TOKEN_ID, dtype=draft_token_ids.dtype, device=device)],
-        dim=1,
-    )  # [B, K+1]
     j_col = j.unsqueeze(-1)  # [B, 1]
+    draft_ext = torch.nn.functional.pad(draft_token_ids.long(), (0, 1), value=PLACEHOLDER_TOKEN_ID)
     out = torch.where(slot < j_col, draft_ext, PLACEHOLDER_TOKEN_ID)
-    out = torch.where(slot == j_col, last.unsqueeze(-1), out).long()  # [B, K+1]
+    out = torch.where(slot == j_col, last.unsqueeze(-1), out)  # [B, K+1]
     valid = slot <= j_col  # [B, K+1]
 
     out_c = out.clamp(min=0).unsqueeze(-1)  # [B, K+1, 1]

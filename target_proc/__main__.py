@@ -25,6 +25,7 @@ def build(cfg, init):
     link = None
     if cfg.spec.uses_draft_process:
         link = DraftLink(Channel(zmq.PAIR, SpecLinkToTarget), init.spec_addr, cfg.spec.draft_timeout_s, cfg.spec.k)
+        link.wait_connected(cfg.startup_timeout_s)
     worker = TargetWorker(cfg, runner, clients, link)
     ready = Ready(
         protocol_version=PROTOCOL_VERSION,

@@ -73,6 +73,7 @@ class DraftLink:
         self.connected = False
         self.healthy = True
         self._probe_sent = 0.0
+        self._pending_releases: set[int] = set()
         sock = channel.socket
         sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a live peer: a send to no draft fails fast
         self._monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
@@ -89,7 +90,7 @@ class DraftLink:
             if event == zmq.EVENT_CONNECTED and not self.connected:
                 self.connected = True
                 self.healthy = True
-                self.generation += 1
+                self._back()
                 if self.generation > 1:
                     self.num_reconnects += 1
                     logger.warning("draft reconnected; re-adding every sequence and resuming speculation")
@@ -105,9 +106,19 @@ class DraftLink:
                 if isinstance(msg, DraftStats):
                     self.last_stats = msg
                     self.healthy = True
-                    self.generation += 1
+                    self._back()
                     logger.warning("draft answers again; re-adding every sequence and resuming speculation")
                     break
+
+    def wait_connected(self, timeout_s: float) -> None:
+        """Block until the spec link is up (start-up: Ready is sent only after this, so the
+        first request is speculated like every other)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.connected:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the draft process did not accept the spec link within {timeout_s:.0f} s")
+            self.poll_health()
+            time.sleep(0.01)
 
     def _send(self, msg) -> bool:
         try:
@@ -148,8 +159,19 @@ class DraftLink:
         )
 
     def release(self, seq_ids: list[int]) -> None:
-        if seq_ids:
-            self._send(Release(seq_ids=np.asarray(seq_ids, dtype=np.int64)))
+        """Free the draft's state of these sequences. A release the draft cannot take now
+        is kept and sent when it is back, so a stalled draft does not come back full of
+        sequences that finished meanwhile."""
+        if not seq_ids:
+            return
+        if not self.alive or not self._send(Release(seq_ids=np.asarray(seq_ids, dtype=np.int64))):
+            self._pending_releases.update(seq_ids)
+
+    def _back(self) -> None:
+        self.generation += 1
+        if self._pending_releases:
+            ids, self._pending_releases = sorted(self._pending_releases), set()
+            self.release(ids)
 
     def query_stats(self, timeout_s: float = 1.0) -> DraftStats | None:
         self._send(DraftStatsRequest())

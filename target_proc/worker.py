@@ -223,10 +223,14 @@ class TargetWorker:
             num_draft.append(m)
             q_lens.append(len(fed))
 
+        # Upload the verify inputs before the forward is queued: then nothing between the
+        # forward and the acceptance kernels waits on the GPU.
+        inputs = self._verify_inputs(seqs, specs, num_draft, q_lens, k_max)
         flat_logits = self._oracle(self.runner.run(items),
                                    [(s.seed, s.num_tokens, q - 1) for s, q in zip(seqs, q_lens)])
         # flat_logits: [sum(q_lens), V]
-        res = self._verify(seqs, specs, num_draft, q_lens, k_max, flat_logits)
+        gather = inputs.pop("gather")
+        res = rejection_sample(flat_logits[gather], **inputs)  # target logits [B, k_max + 1, V]
         num_accepted = res.num_accepted.cpu()  # sync: the accepted prefix decides what the host does next
         out_tokens = res.output_token_ids.cpu()
         logprobs = res.target_logprobs.cpu() if any(s.sampling.logprobs for s in seqs) else None
@@ -309,15 +313,15 @@ class TargetWorker:
             outcomes.append(Outcome(seq.seq_id, seq.round, 0, seq.last_token_id, seq.num_tokens))
         self.draft.request(outcomes)
 
-    def _verify(self, seqs, specs, num_draft, q_lens, k_max, flat_logits):
-        device = flat_logits.device
+    def _verify_inputs(self, seqs, specs, num_draft, q_lens, k_max) -> dict:
+        """Device tensors for rejection_sample, plus `gather`: for each (sequence, verify
+        position) the row of the flat logits, clamped to the sequence's row m past its
+        own drafts (those rows are masked by num_draft_tokens)."""
+        device = self.runner.device
         b = len(seqs)
         m = np.asarray(num_draft, dtype=np.int64)
         starts = np.concatenate([[0], np.cumsum(q_lens)[:-1]])
-        # [B, k_max + 1] row of flat_logits for each (sequence, verify position), clamped
-        # to the sequence's row m past its own drafts (those rows are masked by num_draft).
-        idx = starts[:, None] + np.minimum(np.arange(k_max + 1)[None, :], m[:, None])
-        target_logits = flat_logits[torch.from_numpy(idx).to(device)]  # [B, k_max + 1, V]
+        gather = starts[:, None] + np.minimum(np.arange(k_max + 1)[None, :], m[:, None])  # [B, k_max + 1]
         draft_ids = np.full((b, k_max), -1, dtype=np.int64)
         with_q = [specs[s.seq_id].q_token_ids for i, s in enumerate(seqs)
                   if num_draft[i] > 0 and specs[s.seq_id].q_token_ids is not None]
@@ -327,34 +331,32 @@ class TargetWorker:
             q_ids = np.zeros((b, k_max, top), dtype=np.int64)
             q_probs = np.zeros((b, k_max, top), dtype=np.float32)
         for i, seq in enumerate(seqs):
-            m = num_draft[i]
-            if m == 0:
+            mi = num_draft[i]
+            if mi == 0:
                 continue
             spec = specs[seq.seq_id]
-            draft_ids[i, :m] = spec.draft_token_ids[:m]
+            draft_ids[i, :mi] = spec.draft_token_ids[:mi]
             if q_ids is not None:
                 if spec.q_token_ids is None:  # greedy draft in a sampled batch: q is one-hot
-                    q_ids[i, :m, 0] = spec.draft_token_ids[:m]
-                    q_probs[i, :m, 0] = 1.0
+                    q_ids[i, :mi, 0] = spec.draft_token_ids[:mi]
+                    q_probs[i, :mi, 0] = 1.0
                 else:
                     w = spec.q_token_ids.shape[-1]
-                    q_ids[i, :m, :w] = spec.q_token_ids[:m]
-                    q_probs[i, :m, :w] = spec.q_probs[:m]
-        st = self._sampling_tensors(seqs)
-        positions = torch.tensor([s.num_tokens for s in seqs], dtype=torch.int64, device=device)
+                    q_ids[i, :mi, :w] = spec.q_token_ids[:mi]
+                    q_probs[i, :mi, :w] = spec.q_probs[:mi]
 
         def dev(a):
             return None if a is None else torch.from_numpy(a).to(device, non_blocking=True)
 
-        return rejection_sample(
-            target_logits,
-            dev(draft_ids),
-            torch.tensor(num_draft, dtype=torch.int64, device=device),
-            dev(q_ids),
-            dev(q_probs),
-            st,
-            positions,
-        )
+        return {
+            "gather": dev(gather),
+            "draft_token_ids": dev(draft_ids),
+            "num_draft_tokens": dev(m),
+            "q_token_ids": dev(q_ids),
+            "q_probs": dev(q_probs),
+            "st": self._sampling_tensors(seqs),
+            "positions": dev(np.array([s.num_tokens for s in seqs], dtype=np.int64)),
+        }
 
     # ------------------------------------------------------------------ helpers
 
@@ -367,8 +369,8 @@ class TargetWorker:
 
         seeds = np.concatenate([np.full(m + 1, seed, dtype=np.int64) for seed, _, m in rows])
         pos = np.concatenate([np.arange(p, p + m + 1, dtype=np.int64) for _, p, m in rows])
-        dev = logits.device
-        return target_oracle_logits(logits, torch.from_numpy(seeds).to(dev), torch.from_numpy(pos).to(dev))
+        # Host tensors: the oracle hashes on the CPU and scatters once on the device.
+        return target_oracle_logits(logits, torch.from_numpy(seeds), torch.from_numpy(pos))
 
     def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
         return SamplingTensors.from_params(
@@ -387,7 +389,8 @@ class TargetWorker:
         if seq.slot >= 0:
             self.free_slots.append(seq.slot)
             seq.slot = -1
-        if self.draft is not None and seq.draft_synced:
+        if self.draft is not None:
+            # Also when unsynced: the draft may still hold an older state of it.
             self.draft.release([seq.seq_id])
         seq.stats.num_generated_tokens = seq.num_generated
         seq.stats.e2e_s = time.monotonic() - seq.arrival_s

@@ -2,7 +2,7 @@
 
 Skipped without CUDA. Models are random HF checkpoints saved with save_pretrained, with
 head_dim 128 (flashinfer's kernels are built per head_dim; 128 is what the benchmarked
-shapes use). One scenario of forwards runs on a bf16 CUDA runner with graphs, one
+shapes use) and weights rounded to bf16 in the checkpoint. One scenario of forwards runs on a bf16 CUDA runner with graphs, one
 without graphs, and a float32 CPU runner; logits must agree within bf16 tolerance
 (relative error, Frobenius norm, below 1e-2), and with transformers' float32 forward
 over the same token sequences:
@@ -96,8 +96,17 @@ def scenario(runner: ModelRunner, vocab: int) -> tuple[list[torch.Tensor], dict[
 
 @pytest.fixture(scope="module", params=list(MODELS))
 def model_dir(request, tmp_path_factory) -> str:
+    """A checkpoint whose weights are exactly representable in bf16, so the float32 CPU
+    path, transformers and the bf16 GPU path all run the *same* weights and the
+    comparison measures the GPU path's arithmetic, not the rounding of the checkpoint."""
     model_type, overrides = MODELS[request.param]
-    return save_tiny_model(tmp_path_factory.mktemp(request.param), model_type, **overrides)
+    path = save_tiny_model(tmp_path_factory.mktemp(request.param), model_type, **overrides)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    model.save_pretrained(path)
+    return path
 
 
 def test_gpu_matches_cpu_graphs_and_transformers(model_dir: str) -> None:
@@ -105,10 +114,13 @@ def test_gpu_matches_cpu_graphs_and_transformers(model_dir: str) -> None:
     assert gpu.graphs is not None and len(gpu.graphs.graphs) == 3 * 2  # batch sizes 1, 2, 4 x q_len 1, 5
     vocab = gpu.vocab_size
     gpu_out, seqs = scenario(gpu, vocab)
-    # Padding requests wrote only the dummy row: slot 3 was never used and is still zero.
-    slot3 = gpu.layout.slot_rows(3, MAX_LEN)
-    assert all(float(k[slot3].abs().max()) == 0.0 for k in gpu.kv_cache.k_cache)
-    assert float(gpu.kv_cache.k_cache[0][gpu.dummy_row].abs().max()) > 0.0
+    # Padding requests wrote only the dummy row: slot 3 and the rows past each live
+    # sequence's end were never used and are still zero.
+    lay = gpu.layout
+    unused = np.concatenate([lay.slot_rows(3, MAX_LEN)] + [
+        lay.slot_rows(s, MAX_LEN)[len(seqs[str(s)]):] for s in range(3)])
+    for k, v in zip(gpu.kv_cache.k_cache, gpu.kv_cache.v_cache):
+        assert float(k[unused].abs().max()) == 0.0 and float(v[unused].abs().max()) == 0.0
     del gpu
     eager = _runner(model_dir, "cuda", graphs=False)
     assert eager.graphs is None
@@ -117,11 +129,12 @@ def test_gpu_matches_cpu_graphs_and_transformers(model_dir: str) -> None:
     cpu = _runner(model_dir, "cpu")
     cpu_out, cpu_seqs = scenario(cpu, vocab)
     assert cpu_seqs == seqs
+    errs: dict[str, float] = {}
     for i, (g, e, c) in enumerate(zip(gpu_out, eager_out, cpu_out)):
         assert g.shape == c.shape and g.dtype == torch.float32
-        assert rel_err(g, c) < TOL, f"forward {i}: graphs vs CPU {rel_err(g, c):.2e}"
-        assert rel_err(e, c) < TOL, f"forward {i}: eager GPU vs CPU {rel_err(e, c):.2e}"
-        assert rel_err(g, e) < TOL, f"forward {i}: graphs vs eager {rel_err(g, e):.2e}"
+        errs[f"{i} graphs/cpu"] = rel_err(g, c)
+        errs[f"{i} eager/cpu"] = rel_err(e, c)
+        errs[f"{i} graphs/eager"] = rel_err(g, e)
     # transformers (float32, CPU) over the final sequences: the last verify's K+1 logits
     # per sequence, and the last step of each branch.
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -132,10 +145,13 @@ def test_gpu_matches_cpu_graphs_and_transformers(model_dir: str) -> None:
             if s == 1:
                 seq = seq[:-1]  # the lone decode came after the verify
             ref = hf(torch.tensor([seq])).logits[0, -VERIFY_Q:]
-            assert rel_err(verify[s], ref) < TOL, f"verify seq {s}: {rel_err(verify[s], ref):.2e}"
+            errs[f"verify {s}/hf"] = rel_err(verify[s], ref)
         for i in range(2):
             ref = hf(torch.tensor([seqs[f"b{i}"]])).logits[0, -1]
-            assert rel_err(gpu_out[7][i], ref) < TOL, f"branch {i}: {rel_err(gpu_out[7][i], ref):.2e}"
+            errs[f"branch {i}/hf"] = rel_err(gpu_out[6][i], ref)
+    table = ", ".join(f"{k}: {v:.1e}" for k, v in errs.items())
+    print(f"relative errors: {table}")
+    assert max(errs.values()) < TOL, f"relative errors above {TOL}: {table}"
 
 
 def test_flashinfer_causal_is_bottom_right() -> None:

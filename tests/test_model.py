@@ -24,6 +24,7 @@ from spec_runtime.model import (
     ModelRunner,
     arch_from_config,
     build_forward_batch,
+    default_model_path,
     kv_bytes_per_token,
     load_model,
 )
@@ -233,6 +234,7 @@ def test_bfloat16_runs_close_to_float32(tiny_qwen3_dir) -> None:
 
 @pytest.mark.slow
 def test_smollm2_gguf_greedy_matches_transformers(smollm2_gguf_path) -> None:
+    assert default_model_path() == smollm2_gguf_path
     runner = ModelRunner(ModelConfig(path=smollm2_gguf_path), num_slots=1, max_model_len=256)
     assert runner.arch.model_type == "llama" and runner.model_name == "SmolLM2-135M-Instruct.Q4_1"
     tok = runner.tokenizer

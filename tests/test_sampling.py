@@ -50,6 +50,7 @@ def _check_dist(samples: torch.Tensor, probs: torch.Tensor, max_tv: float = 0.01
     exp = torch.cat([expected[big], expected[~big].sum().view(1)])
     if exp[-1] == 0:
         obs, exp = obs[:-1], exp[:-1]
+    assert len(exp) >= 2, "degenerate target: nothing to test"
     pvalue = stats.chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue
     tv = 0.5 * (counts / counts.sum() - probs.double()).abs().sum().item()
     assert pvalue > 1e-3, f"chi-square p={pvalue:.2e}, tv={tv:.4f}"
@@ -63,7 +64,7 @@ def _check_dist(samples: torch.Tensor, probs: torch.Tensor, max_tv: float = 0.01
 def test_hash_is_pinned_and_in_range():
     # Golden values: a change here silently changes every seeded output of the runtime.
     h = hash32(torch.tensor([-1, 2**62]), torch.tensor([0, 0]), 0, torch.arange(3))
-    assert h.tolist() == [[3021999720, 2607118265, 2662408322], [3901921846, 1242950499, 928227412]]
+    assert h.tolist() == [[2757878170, 3020775414, 3020752366], [4245165766, 2252352707, 3073629944]]
     seeds = torch.randint(-(2**63), 2**63 - 1, (1000,))
     h = hash32(seeds, torch.randint(0, 2**31, (1000,)), 3, torch.arange(500))
     assert h.min() >= 0 and h.max() < 2**32
@@ -205,12 +206,14 @@ def _bigram(vocab: int, seed: int, peak: int = 3) -> tuple[torch.Tensor, torch.T
     """Target and draft bigram tables [V, V]: logits of the next token given the last.
 
     The draft is the target plus noise (partial agreement, as a real draft). Row `peak`
-    is peaked, so the conditional test of token 2 has many samples.
+    gives itself half its mass (at temperature 1), so the conditional test of token 2
+    after it has many samples.
     """
     g = torch.Generator().manual_seed(seed)
     target = torch.randn(vocab, vocab, generator=g) * 1.5
-    target[peak, peak] += 4.0
-    draft = target + torch.randn(vocab, vocab, generator=g) * 0.8
+    others = torch.arange(vocab) != peak
+    target[peak, peak] = torch.logsumexp(target[peak, others], 0)
+    draft = target + torch.randn(vocab, vocab, generator=g) * 0.6
     return target, draft
 
 
@@ -231,7 +234,7 @@ CASES = {
     "dense_q": (16, (1.0, 0, 1.0), (1.0, 0, 1.0), 16, None),
     "sparse_q_topk_target": (20, (0.8, 6, 1.0), (1.0, 0, 1.0), 5, None),
     "sparse_q_topp_target": (12, (1.2, 0, 0.8), (0.9, 0, 1.0), 4, None),
-    "topk_topp_saguaro": (16, (0.7, 8, 0.9), (1.0, 10, 1.0), 6, (2, 0.5)),
+    "topk_topp_saguaro": (16, (1.0, 8, 0.95), (1.0, 10, 1.0), 6, (2, 0.5)),
 }
 
 
@@ -254,8 +257,11 @@ def test_rejection_sample_is_exact(k, case):
 
     first = res.output_token_ids[:, 0]
     tv_100k = _check_dist(first, p_after(3))
-    tv_10k = 0.5 * (torch.bincount(first[:10_000], minlength=vocab) / 1e4 - p_after(3)).abs().sum()
-    assert tv_100k < tv_10k
+    # TV shrinks with samples, as noise does (~1/sqrt(n)), instead of plateauing at a bias:
+    # the 100k TV against the mean TV of its ten 10k chunks (expected ratio 0.32).
+    chunks = first.view(10, 10_000)
+    tv_10k = torch.stack([0.5 * (torch.bincount(c, minlength=vocab) / 1e4 - p_after(3)).abs().sum() for c in chunks])
+    assert tv_100k < 0.6 * tv_10k.mean().item()
     # Token 2 given token 1 = its most common value (and that the round got that far).
     m = torch.bincount(first, minlength=vocab).argmax().item()
     rows = (first == m) & (res.num_output >= 2)
@@ -281,7 +287,7 @@ def test_multi_round_generation_joint_is_exact():
     target_table, draft_table = _bigram(vocab, seed=7, peak=0)
     st, st_draft = _st(N, 0.9, 0, 0.95), _st(N, 1.0)
     prev, pos = torch.zeros(N, dtype=torch.long), torch.full((N,), 9)
-    out, count = torch.full((N, length + k + 1), -1), torch.zeros(N, dtype=torch.long)
+    out, count = torch.full((N, length * (k + 1) + 1), -1), torch.zeros(N, dtype=torch.long)
     for rnd in range(length):
         d, q_ids, q_probs = _draft_chain(draft_table, prev, st_draft, pos, k, 4)
         n = hash32(st.seed, pos, 50 + rnd, torch.zeros(1, dtype=torch.long)).squeeze(-1) % (k + 1)
@@ -374,6 +380,21 @@ def test_draft_equal_to_target_is_always_accepted(k):
     for i in range(k):
         reached = (res.num_accepted >= i).sum()
         assert (res.num_accepted > i).sum() / reached >= 0.98
+
+
+def test_recovery_falls_back_to_p_when_residual_is_empty():
+    """q >= p everywhere (here q = 1.1 p, as rounding can make it) leaves max(0, p - q) = 0:
+    a rejected row then samples p itself."""
+    vocab = 10
+    p = torch.softmax(torch.randn(vocab, generator=torch.Generator().manual_seed(10)), -1)
+    st = _st(N)
+    d = sample(p.expand(N, vocab), st.seed, torch.full((N,), 3), STREAM_DRAFT).unsqueeze(1)  # [N, 1]
+    q_ids = torch.arange(vocab).expand(N, 1, vocab)
+    res = rejection_sample(torch.log(p).expand(N, 2, vocab), d, torch.ones(N, dtype=torch.long),
+                           q_ids, (1.1 * p).expand(N, 1, vocab), st, torch.full((N,), 3))
+    rejected = res.num_accepted == 0
+    assert abs(rejected.double().mean().item() - (1 - 1 / 1.1)) < 0.005
+    _check_dist(res.output_token_ids[rejected, 0], p, max_tv=3 * _noise_tv(p, int(rejected.sum())))
 
 
 def test_rejection_sample_validates_shapes():

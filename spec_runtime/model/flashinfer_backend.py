@@ -37,9 +37,10 @@ from spec_runtime.model.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
 
-# flashinfer's recommended split-kv scratch size; shared by every wrapper of a backend,
-# which is safe because all of them run on one stream, one forward at a time.
-WORKSPACE_BYTES = 128 * 1024 * 1024
+# Split-kv scratch shared by every wrapper of a backend (safe: one stream, one forward
+# at a time). flashinfer recommends 128 MiB; a verify of 16 x 9 tokens with 64 query
+# heads (target-32b) needs 138 MB, so 256 MiB.
+WORKSPACE_BYTES = 256 * 1024 * 1024
 # fa2 explicitly: "auto" picks fa3 on Hopper, which for page_size 1 adds a
 # sparse-index conversion kernel and a second, slower JIT build.
 FI_BACKEND = "fa2"
@@ -94,6 +95,12 @@ class FlashInferBackend(AttentionBackend):
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
+        # Graph-mode plans split the kv of every request unless this is set; the benchmark
+        # measures both (one attention kernel vs attention + merge).
+        self.disable_split_kv = False
+        # q_len-1 graphs: the fa2 prefill kernel on tensor cores (shares verify's JIT module)
+        # or flashinfer's CUDA-core decode kernel (a second module); the benchmark measures both.
+        self.decode_tensor_cores = True
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self._decode = self.fi.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=True, backend=FI_BACKEND)
@@ -110,7 +117,7 @@ class FlashInferBackend(AttentionBackend):
             kv_indptr, kv_indices, last_page_len,
             self.num_heads, self.num_kv_heads, self.head_dim, 1,
             pos_encoding_mode="NONE", q_data_type=self.dtype, kv_data_type=self.dtype,
-            non_blocking=True,
+            non_blocking=True, disable_split_kv=self.disable_split_kv,
         )
 
     def _plan_prefill(self, wrapper, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
@@ -119,7 +126,7 @@ class FlashInferBackend(AttentionBackend):
             qo_indptr, kv_indptr, kv_indices, last_page_len,
             self.num_heads, self.num_kv_heads, self.head_dim, 1,
             causal=True, pos_encoding_mode="NONE", q_data_type=self.dtype, kv_data_type=self.dtype,
-            non_blocking=True,
+            non_blocking=True, disable_split_kv=self.disable_split_kv,
         )
 
     def begin(self, batch: ForwardBatch) -> None:
@@ -144,7 +151,7 @@ class FlashInferBackend(AttentionBackend):
         last_buf = torch.ones(batch_size, dtype=torch.int32, device=dev)
         if q_len == 1:
             wrapper = self.fi.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
+                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.decode_tensor_cores,
                 paged_kv_indptr_buffer=indptr_buf, paged_kv_indices_buffer=indices_buf,
                 paged_kv_last_page_len_buffer=last_buf, backend=FI_BACKEND)
         else:

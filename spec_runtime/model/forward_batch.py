@@ -122,17 +122,26 @@ def build_forward_batch(items: Sequence[ForwardItem], device: torch.device | str
             raise ValueError(f"logits must be last, all or none, got {it.logits!r}")
     logits_indices = np.concatenate(logit_idx) if logit_idx else np.zeros(0, dtype=np.int64)
 
-    def dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        return torch.from_numpy(a).to(device=device, dtype=dtype, non_blocking=True)
+    # One host-to-device copy for all seven arrays (each copy costs a launch and, from
+    # pageable memory, a wait); the device tensors are views of one buffer.
+    parts = (input_ids, positions, write_rows, qo_indptr, kv_indptr, kv_indices, logits_indices)
+    packed = torch.from_numpy(np.concatenate([a.astype(np.int64, copy=False) for a in parts]))
+    if torch.device(device).type == "cuda":
+        packed = packed.pin_memory().to(device, non_blocking=True)
+    views, start = [], 0
+    for a in parts:
+        views.append(packed[start : start + len(a)])
+        start += len(a)
+    ids_d, pos_d, write_d, qo_d, kv_d, kvi_d, logit_d = views
 
     return ForwardBatch(
-        input_ids=dev(input_ids, torch.int64),
-        positions=dev(positions, torch.int64),
-        kv_write_rows=dev(write_rows, torch.int64),
-        qo_indptr=dev(qo_indptr, torch.int32),
-        kv_indptr=dev(kv_indptr, torch.int32),
-        kv_indices=dev(kv_indices, torch.int32),
-        logits_indices=dev(logits_indices, torch.int64),
+        input_ids=ids_d,
+        positions=pos_d,
+        kv_write_rows=write_d,
+        qo_indptr=qo_d.to(torch.int32),
+        kv_indptr=kv_d.to(torch.int32),
+        kv_indices=kvi_d.to(torch.int32),
+        logits_indices=logit_d,
         qo_indptr_cpu=qo_indptr,
         kv_indptr_cpu=kv_indptr,
         max_q_len=int(q_lens.max()),

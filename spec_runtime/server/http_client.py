@@ -1,0 +1,236 @@
+"""HTTPClient / AsyncHTTPClient: the Client API against a running `spec-runtime serve`.
+
+`Client.connect(url)` and `AsyncClient.connect(url)` return these. They speak the
+server's OpenAI API (plus its extensions: return_token_ids, ignore_eos, top_k,
+stop_token_ids) and rebuild the same results the in-process clients return:
+GenerationResult with token ids, finish reason and RequestStats (from
+`usage.spec_decode`), and RequestOutput chunks when streaming (the final chunk carries
+the stats). Logprobs are not available over HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import AsyncIterator, Iterator
+
+import httpx
+
+from protocol.messages import EngineStats, RequestOutput, RequestStats, SamplingParams
+from spec_runtime.client import GenerationResult, RequestFailed
+from spec_runtime.server.openai_protocol import stats_from_usage
+
+
+class ServerError(RequestFailed):
+    """The server answered with an HTTP error (OpenAI's body)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+
+
+def _body(model: str, prompt, sp: SamplingParams, chat: bool, stream: bool) -> tuple[str, dict]:
+    if sp.logprobs:
+        raise ValueError("logprobs are not available over HTTP")
+    if chat or isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+        if not isinstance(prompt, list):
+            prompt = [{"role": "user", "content": prompt}]
+        elif not isinstance(prompt[0], dict):
+            raise ValueError("a chat request takes a string or a list of messages, not token ids")
+        path, body = "/v1/chat/completions", {"messages": prompt}
+    else:
+        path, body = "/v1/completions", {"prompt": prompt if isinstance(prompt, str) else [int(t) for t in prompt]}
+    body.update(model=model, max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
+                seed=sp.seed, stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
+                return_token_ids=True, stream=stream)
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return path, body
+
+
+def _stats(body: dict) -> RequestStats:
+    usage = body.get("usage") or {}
+    st = stats_from_usage(usage.get("spec_decode") or {})
+    st.num_prompt_tokens = usage.get("prompt_tokens", 0)
+    st.num_generated_tokens = usage.get("completion_tokens", 0)
+    return st
+
+
+def _result(body: dict) -> GenerationResult:
+    c = body["choices"][0]
+    text = c["message"]["content"] if "message" in c else c["text"]
+    return GenerationResult(text or "", list(c.get("token_ids") or []), c.get("finish_reason"), _stats(body))
+
+
+def _error(status: int, raw: bytes) -> ServerError:
+    try:
+        msg = json.loads(raw)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        msg = raw.decode(errors="replace")[:500]
+    return ServerError(status, msg)
+
+
+class _SSEParser:
+    """Turns `data:` lines into RequestOutput; the finished chunk is held until the usage arrives."""
+
+    def __init__(self):
+        self.held: RequestOutput | None = None
+
+    def feed(self, line: str) -> list[RequestOutput]:
+        if not line.startswith("data:"):
+            return []
+        data = line[5:].strip()
+        if data == "[DONE]":
+            out, self.held = self.held, None
+            return [out] if out is not None else []
+        obj = json.loads(data)
+        if "error" in obj:
+            raise ServerError(obj["error"].get("code") or 500, obj["error"].get("message", ""))
+        if not obj.get("choices"):  # the usage chunk
+            if self.held is not None and obj.get("usage"):
+                self.held.stats = _stats(obj)
+            return []
+        c = obj["choices"][0]
+        text = (c.get("delta") or {}).get("content") if "delta" in c else c.get("text")
+        reason = c.get("finish_reason")
+        out = RequestOutput(request_id=obj.get("id", ""), new_token_ids=list(c.get("token_ids") or []),
+                            text_delta=text or "", finished=reason is not None, finish_reason=reason)
+        if out.finished:
+            self.held = out
+            return []
+        return [out]
+
+
+def _engine_stats(d: dict) -> EngineStats:
+    d = dict(d)
+    d["totals"] = RequestStats(**d["totals"])
+    return EngineStats(**d)
+
+
+class HTTPClient:
+    """Blocking client of a running server: generate, stream, chat, generate_batch, engine_stats."""
+
+    def __init__(self, base_url: str, *, api_key: str | None = None, model: str | None = None,
+                 timeout_s: float = 600.0):
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s)
+        self._model = model
+
+    @property
+    def model(self) -> str:
+        if self._model is None:
+            self._model = self._get("/v1/models")["data"][0]["id"]
+        return self._model
+
+    def _get(self, path: str) -> dict:
+        r = self._http.get(path)
+        if r.status_code != 200:
+            raise _error(r.status_code, r.content)
+        return r.json()
+
+    def _post(self, path: str, body: dict) -> dict:
+        r = self._http.post(path, json=body)
+        if r.status_code != 200:
+            raise _error(r.status_code, r.content)
+        return r.json()
+
+    def generate(self, prompt, sampling: SamplingParams | None = None, *, chat: bool = False, **kw) -> GenerationResult:
+        path, body = _body(self.model, prompt, sampling or SamplingParams(**kw), chat, stream=False)
+        return _result(self._post(path, body))
+
+    def chat(self, messages: list[dict], sampling: SamplingParams | None = None, **kw) -> GenerationResult:
+        return self.generate(messages, sampling, chat=True, **kw)
+
+    def generate_batch(self, prompts: list, sampling: SamplingParams | None = None, *, chat: bool = False,
+                       **kw) -> list[GenerationResult]:
+        """All prompts in flight at once (one thread each), so the server batches them."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        sp = sampling or SamplingParams(**kw)
+        with ThreadPoolExecutor(max_workers=min(64, max(1, len(prompts)))) as pool:
+            return list(pool.map(lambda p: self.generate(p, sp, chat=chat), prompts))
+
+    def stream(self, prompt, sampling: SamplingParams | None = None, *, chat: bool = False,
+               **kw) -> Iterator[RequestOutput]:
+        path, body = _body(self.model, prompt, sampling or SamplingParams(**kw), chat, stream=True)
+        parser = _SSEParser()
+        with self._http.stream("POST", path, json=body) as r:
+            if r.status_code != 200:
+                raise _error(r.status_code, r.read())
+            for line in r.iter_lines():
+                yield from parser.feed(line)
+
+    def engine_stats(self) -> EngineStats:
+        return _engine_stats(self._get("/v1/engine_stats"))
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "HTTPClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncHTTPClient:
+    """asyncio client of a running server, with AsyncClient's methods."""
+
+    def __init__(self, base_url: str, *, api_key: str | None = None, model: str | None = None,
+                 timeout_s: float = 600.0):
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+        self._http = httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s,
+                                       limits=limits)
+        self._model = model
+
+    async def model(self) -> str:
+        if self._model is None:
+            self._model = (await self._get("/v1/models"))["data"][0]["id"]
+        return self._model
+
+    async def _get(self, path: str) -> dict:
+        r = await self._http.get(path)
+        if r.status_code != 200:
+            raise _error(r.status_code, r.content)
+        return r.json()
+
+    async def generate(self, prompt, sampling: SamplingParams | None = None, *, chat: bool = False,
+                       **kw) -> GenerationResult:
+        path, body = _body(await self.model(), prompt, sampling or SamplingParams(**kw), chat, stream=False)
+        r = await self._http.post(path, json=body)
+        if r.status_code != 200:
+            raise _error(r.status_code, r.content)
+        return _result(r.json())
+
+    async def chat(self, messages: list[dict], sampling: SamplingParams | None = None, **kw) -> GenerationResult:
+        return await self.generate(messages, sampling, chat=True, **kw)
+
+    async def generate_batch(self, prompts: list, sampling: SamplingParams | None = None, *, chat: bool = False,
+                             **kw) -> list[GenerationResult]:
+        import asyncio
+
+        sp = sampling or SamplingParams(**kw)
+        return list(await asyncio.gather(*(self.generate(p, sp, chat=chat) for p in prompts)))
+
+    async def stream(self, prompt, sampling: SamplingParams | None = None, *, chat: bool = False,
+                     **kw) -> AsyncIterator[RequestOutput]:
+        path, body = _body(await self.model(), prompt, sampling or SamplingParams(**kw), chat, stream=True)
+        parser = _SSEParser()
+        async with self._http.stream("POST", path, json=body) as r:
+            if r.status_code != 200:
+                raise _error(r.status_code, await r.aread())
+            async for line in r.aiter_lines():
+                for out in parser.feed(line):
+                    yield out
+
+    async def engine_stats(self) -> EngineStats:
+        return _engine_stats(await self._get("/v1/engine_stats"))
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> "AsyncHTTPClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()

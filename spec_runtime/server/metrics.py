@@ -1,0 +1,99 @@
+"""Prometheus metrics of the server, through prometheus_client.
+
+Counters count, so each equals the sum over finished requests (aborted ones included)
+of the same field in that request's `usage.spec_decode`; prometheus_client exposes a
+counter `x` as `x_total`. Names follow vLLM's (`vllm:spec_decode_num_drafts` ...) with
+the `spec_runtime:` prefix. Running/waiting gauges are read from the engine at scrape
+time. Each app gets its own CollectorRegistry, so several servers can live in one
+process (tests).
+
+Latency definitions (server side, from request arrival):
+  TTFT  first output chunk;
+  ITL   gap between consecutive output chunks; with speculation one chunk carries every
+        token a round accepted, so this is a per-round latency, not per token;
+  TPOT  (e2e - TTFT) / (completion tokens - 1), one sample per request;
+  e2e   final chunk.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from protocol.messages import EngineStats, RequestStats
+
+P = "spec_runtime:"
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
+                    80.0, 160.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServerMetrics:
+    """The server's metrics in their own registry; updated per chunk and per finished request."""
+
+    def __init__(self, model_name: str, k: int):
+        self.registry = r = CollectorRegistry()
+        self._model = model_name
+        lbl = ["model_name"]
+
+        def counter(name: str, doc: str, *extra: str) -> Counter:
+            return Counter(P + name, doc, lbl + list(extra), registry=r)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(P + name, doc, lbl, buckets=_LATENCY_BUCKETS, registry=r)
+
+        self.num_drafts = counter("spec_decode_num_drafts", "Rounds in which the draft proposed tokens.")
+        self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
+        self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
+                                        "Draft tokens accepted at each position (0-based).", "position")
+        self.drafted_per_pos = counter("spec_decode_num_draft_tokens_per_pos",
+                                       "Draft tokens proposed at each position (0-based).", "position")
+        self.cache_hits = counter("spec_decode_cache_hits", "SSD tree-cache look-ups that hit.")
+        self.cache_misses = counter("spec_decode_cache_misses", "SSD tree-cache look-ups that missed.")
+        self.ar_fallback = counter("spec_decode_ar_fallback_rounds", "Rounds decoded without speculation.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens of finished requests.")
+        self.requests = counter("request_success", "Finished requests by finish reason.", "finished_reason")
+        self.running = Gauge(P + "num_requests_running", "Requests being decoded.", lbl, registry=r)
+        self.waiting = Gauge(P + "num_requests_waiting", "Requests waiting for a slot.", lbl, registry=r)
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.")
+        self.itl = histogram("inter_token_latency_seconds", "Gap between output chunks (one chunk per round).")
+        self.tpot = histogram("time_per_output_token_seconds", "(e2e - TTFT) / (tokens - 1) per request.")
+        self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency.")
+        # Make every per-position series exist from the start (0 until it counts).
+        for i in range(k):
+            self.accepted_per_pos.labels(model_name, str(i))
+            self.drafted_per_pos.labels(model_name, str(i))
+
+    def observe_chunk_gap(self, gap_s: float) -> None:
+        self.itl.labels(self._model).observe(gap_s)
+
+    def observe_finished(self, stats: RequestStats, finish_reason: str | None, ttft_s: float | None,
+                         e2e_s: float, num_completion: int) -> None:
+        m = self._model
+        num_drafts = stats.drafted_per_position[0] if stats.drafted_per_position else 0
+        self.num_drafts.labels(m).inc(num_drafts)
+        self.num_draft_tokens.labels(m).inc(stats.num_draft_tokens)
+        self.num_accepted_tokens.labels(m).inc(stats.num_accepted_tokens)
+        for i, (a, d) in enumerate(zip(stats.accepted_per_position, stats.drafted_per_position)):
+            self.accepted_per_pos.labels(m, str(i)).inc(a)
+            self.drafted_per_pos.labels(m, str(i)).inc(d)
+        self.cache_hits.labels(m).inc(stats.num_cache_hits)
+        self.cache_misses.labels(m).inc(stats.num_cache_misses)
+        self.ar_fallback.labels(m).inc(stats.num_ar_fallback_rounds)
+        self.prompt_tokens.labels(m).inc(stats.num_prompt_tokens)
+        self.generation_tokens.labels(m).inc(num_completion)
+        self.requests.labels(m, finish_reason or "unknown").inc()
+        if ttft_s is not None:
+            self.ttft.labels(m).observe(ttft_s)
+            if num_completion > 1:
+                self.tpot.labels(m).observe((e2e_s - ttft_s) / (num_completion - 1))
+        self.e2e.labels(m).observe(e2e_s)
+
+    def render(self, engine: EngineStats | None) -> bytes:
+        if engine is not None:
+            self.running.labels(self._model).set(engine.num_running)
+            self.waiting.labels(self._model).set(engine.num_waiting)
+        return generate_latest(self.registry)

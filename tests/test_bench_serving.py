@@ -1,0 +1,137 @@
+"""`spec-runtime serve` as a subprocess (ready line, serving, shutdown) and `spec-runtime bench` against it."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from conftest import save_tiny_model
+from spec_runtime import bench_serving
+from spec_runtime.cli import build_parser
+
+K = 3
+KEY = "sk-bench"
+READY = re.compile(r"spec-runtime: serving (\S+) on (http://127\.0\.0\.1:\d+)")
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "spec_runtime", *args]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    target = save_tiny_model(tmp_path_factory.mktemp("bench") / "m", "llama")
+    spec = json.dumps({"mode": "sd", "k": K, "draft_timeout_s": 30.0})
+    proc = subprocess.Popen(
+        _cli("serve", target, "--draft", target, "--speculative-config", spec, "--port", "0", "--api-key", KEY,
+             "--served-model-name", "tiny", "--max-model-len", "256", "--max-batch-size", "8"),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    lines: list[str] = []
+    found: list[re.Match] = []
+
+    def read():  # keep draining the pipe so the server never blocks on a full one
+        for line in proc.stdout:
+            lines.append(line)
+            m = READY.search(line)
+            if m and not found:
+                found.append(m)
+
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.monotonic() + 180
+    while not found:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail("no ready line; output:\n" + "".join(lines))
+        time.sleep(0.05)
+    yield found[0].group(1), found[0].group(2), proc, lines
+    if proc.poll() is None:
+        proc.kill()
+
+
+def test_serve_prints_ready_line_and_serves(served):
+    name, url, _, _ = served
+    assert name == "tiny"
+    # The ready line means it accepts requests now: no retry needed.
+    assert httpx.get(url + "/health").status_code == 200
+    r = httpx.post(url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                   json={"model": "tiny", "prompt": "Hello", "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
+    assert r.json()["usage"]["spec_decode"]["k"] == K
+    assert httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x"}).status_code == 401
+
+
+def test_bench_random_prompts_saves_json(served, tmp_path):
+    _, url, _, _ = served
+    out = tmp_path / "res.json"
+    rc = subprocess.run(
+        _cli("bench", "--base-url", url, "--api-key", KEY, "--num-prompts", "24", "--random-input-len", "8",
+             "--output-len", "12", "--ignore-eos", "--max-concurrency", "6", "--save-result", str(out)),
+        capture_output=True, text=True, timeout=120)
+    assert rc.returncode == 0, rc.stdout + rc.stderr
+    assert "Speculative Decoding" in rc.stdout and "Mean TTFT (ms)" in rc.stdout
+    res = json.loads(out.read_text())
+    assert res["completed"] == 24 and res["failed"] == 0
+    assert res["total_output_tokens"] == 24 * 12 and res["total_input_tokens"] == 24 * 8
+    assert res["output_tokens_per_request"] == [12] * 24
+    for key in ("ttft", "tpot", "itl", "e2el"):
+        s = res[key]
+        assert 0 < s["median_ms"] <= s["p99_ms"] and s["mean_ms"] > 0
+    assert res["e2el"]["median_ms"] >= res["ttft"]["median_ms"]
+    sd = res["spec_decode"]
+    assert sd["mode"] == "sd" and sd["k"] == K
+    # draft == target: every draft token is accepted.
+    assert sd["num_accepted_tokens"] == sd["num_draft_tokens"] > 0
+    assert sd["acceptance_length"] == pytest.approx(1 + sd["num_accepted_tokens"] / sd["num_drafts"])
+    assert 1.0 <= sd["acceptance_length"] <= K + 1
+    assert sd["acceptance_per_position"] == [1.0] * K
+    assert res["request_throughput"] == pytest.approx(24 / res["duration_s"])
+
+
+def test_bench_file_prompts_chat_at_a_rate(served, tmp_path):
+    _, url, _, _ = served
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": p}) for p in ("Hello there", "What is the capital of France?")))
+    args = build_parser().parse_args(
+        ["bench", "--base-url", url, "--api-key", KEY, "--endpoint", "chat", "--dataset", str(data),
+         "--num-prompts", "6", "--output-len", "5", "--ignore-eos", "--request-rate", "20"])
+    res = bench_serving.run_benchmark_sync(args)
+    assert res["completed"] == 6 and res["total_output_tokens"] == 30 and res["endpoint"] == "chat"
+    text = bench_serving.format_report(res)
+    assert "Acceptance length" in text and "Per-position acceptance" in text
+
+
+def test_bench_reports_failures(served):
+    _, url, _, _ = served
+    # Every request over the context (256): reported per request, exit status 1.
+    rc = subprocess.run(_cli("bench", "--base-url", url, "--api-key", KEY, "--num-prompts", "3", "--output-len", "300"),
+                        capture_output=True, text=True, timeout=60)
+    assert rc.returncode == 1 and "Failed requests:" in rc.stdout and "HTTP 400" in rc.stdout, rc.stdout + rc.stderr
+    # No API key: the server refuses /v1/models, and bench says so instead of sending anything.
+    args = build_parser().parse_args(["bench", "--base-url", url, "--num-prompts", "2"])
+    with pytest.raises(ValueError, match="HTTP 401"):
+        bench_serving.run_benchmark_sync(args)
+
+
+def test_speculative_config_rejects_unknown_keys():
+    for spec, needle in (('{"mode": "sd", "kk": 3}', "unknown keys ['kk']"), ("[1]", "JSON object"),
+                         ('{"k": 5}', "a flag sets it")):
+        rc = subprocess.run(_cli("serve", "m", "--k", "4", "--speculative-config", spec), capture_output=True,
+                            text=True, timeout=60)
+        assert rc.returncode == 2 and needle in rc.stderr, rc.stderr
+
+
+def test_serve_shuts_down_on_sigint(served):
+    _, url, proc, lines = served
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=30) == 0, "".join(lines)
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(url + "/health", timeout=2)

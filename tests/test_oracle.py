@@ -1,0 +1,117 @@
+"""The synthetic acceptance oracle: configured rank frequencies, purity, and that the
+real verification path turns alpha into the acceptance rate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy import stats
+
+from spec_runtime.oracle import (
+    MASKED_LOGIT,
+    draft_oracle_logits,
+    draft_oracle_rank,
+    oracle_token,
+    target_oracle_logits,
+)
+from spec_runtime.sampling import SamplingTensors, rejection_sample, target_probs
+
+N = 100_000
+
+
+def _rank_of(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """0-based rank of tokens[i] in logits[i] (ties broken by token id)."""
+    order = torch.argsort(logits, dim=-1, descending=True, stable=True)  # [N, V]
+    return (order == tokens.unsqueeze(-1)).float().argmax(-1)
+
+
+def test_oracle_token_is_pure_and_uniform():
+    seeds, pos = torch.arange(N) // 100, torch.arange(N) % 100
+    o = oracle_token(seeds, pos, 50)
+    assert o.min() >= 0 and o.max() < 50
+    assert stats.chisquare(torch.bincount(o, minlength=50).numpy()).pvalue > 1e-3
+    assert torch.equal(oracle_token(seeds.flip(0), pos.flip(0), 50), o.flip(0))
+    assert (oracle_token(seeds + 1, pos, 50) != o).float().mean() > 0.9  # depends on the seed
+    assert (oracle_token(seeds, pos + 1, 50) != o).float().mean() > 0.9  # and on the position
+
+
+def test_target_oracle_logits_peak_on_the_oracle_token():
+    seeds, pos = torch.arange(64), torch.arange(64) * 3
+    o = oracle_token(seeds, pos, 40)
+    logits = target_oracle_logits(torch.randn(64, 40, dtype=torch.bfloat16), seeds, pos)
+    assert logits.dtype == torch.bfloat16 and torch.equal(logits.argmax(-1), o)
+    for temperature in (1.0, 0.7):
+        st = SamplingTensors.from_params([(temperature, 0, 1.0, 0)] * 64)
+        assert torch.equal(target_probs(logits, st), torch.eye(40)[o])  # one-hot when sampled too
+    soft = target_oracle_logits(torch.zeros(64, 40), seeds, pos, peak_mass=0.9)
+    torch.testing.assert_close(torch.softmax(soft, -1).max(-1).values, torch.full((64,), 0.9))
+    # Leading dims [N, S]: each position gets its own oracle token.
+    three = target_oracle_logits(torch.zeros(8, 5, 40), seeds[:8, None].expand(8, 5), pos[:8, None] + torch.arange(5))
+    assert torch.equal(three.argmax(-1), oracle_token(seeds[:8, None].expand(8, 5), pos[:8, None] + torch.arange(5), 40))
+
+
+@pytest.mark.parametrize("alpha,ranks", [(0.5, (0.4, 0.2)), (0.8, ()), (0.3, (0.3, 0.2, 0.1, 0.05)), (0.8, (0.5, 0.2, 0.1))])
+def test_draft_oracle_rank_frequencies(alpha, ranks):
+    vocab = 64
+    seeds, pos = torch.arange(N) % 997, torch.arange(N) // 997
+    logits = draft_oracle_logits(torch.zeros(N, vocab), seeds, pos, alpha, ranks)
+    rank = _rank_of(logits, oracle_token(seeds, pos, vocab))
+    num_slots = max(4, len(ranks) + 2)
+    # ranks are conditional on a top-1 miss: rank r has probability (1 - alpha) ranks[r - 2].
+    expected = [alpha] + [(1 - alpha) * r for r in ranks] + [(1 - alpha) * (1 - sum(ranks))]
+    observed = torch.bincount(rank.clamp(max=len(ranks) + 1), minlength=len(expected)).double() / N
+    # Absent means outside the top slots.
+    assert (rank[rank > len(ranks)] >= num_slots).all()
+    for obs, exp in zip(observed.tolist(), expected):
+        assert abs(obs - exp) < 4 * (exp * (1 - exp) / N) ** 0.5 + 1e-9, (observed, expected)
+    # Top slots: distinct tokens with logits 10, 9, 8, ...; every other token masked.
+    top = torch.topk(logits, num_slots, dim=-1)
+    assert torch.equal(top.values, (10.0 - torch.arange(num_slots, dtype=torch.float32)).expand(N, -1))
+    assert (torch.sort(top.indices, -1).values.diff(dim=-1) > 0).all()
+    assert ((logits == MASKED_LOGIT).sum(-1) == vocab - num_slots).all()
+    # A greedy draft takes rank 1, so it predicts o_t with probability alpha.
+    greedy_hit = (logits.argmax(-1) == oracle_token(seeds, pos, vocab)).double().mean().item()
+    assert abs(greedy_hit - alpha) < 4 * (alpha * (1 - alpha) / N) ** 0.5 + 1e-9
+
+
+def test_draft_oracle_is_a_pure_function_of_seed_and_position():
+    seeds, pos = torch.tensor([3, 4, 3, 3]), torch.tensor([10, 10, 10, 11])
+    a = draft_oracle_logits(torch.randn(4, 100), seeds, pos, 0.5, (0.2,))
+    b = draft_oracle_logits(torch.randn(4, 100) * 50, seeds, pos, 0.5, (0.2,))
+    assert torch.equal(a, b)  # the real logits' values do not matter
+    assert torch.equal(a[0], a[2]) and not torch.equal(a[0], a[1]) and not torch.equal(a[0], a[3])
+    alone = draft_oracle_logits(torch.zeros(1, 100), seeds[1:2], pos[1:2], 0.5, (0.2,))
+    assert torch.equal(alone[0], a[1])  # batch composition does not matter
+    assert torch.equal(draft_oracle_rank(seeds, pos, 0.5, (0.2,))[[0, 2]], draft_oracle_rank(seeds[[2, 0]], pos[[2, 0]], 0.5, (0.2,)))
+
+
+def test_oracle_validates():
+    seeds, pos = torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long)
+    with pytest.raises(ValueError):
+        draft_oracle_logits(torch.zeros(2, 10), seeds, pos, 0.7, (0.6, 0.6))
+    with pytest.raises(ValueError):
+        draft_oracle_logits(torch.zeros(2, 10), seeds, pos, 1.2, ())
+    with pytest.raises(ValueError):
+        draft_oracle_logits(torch.zeros(2, 3), seeds, pos, 0.5, (0.1, 0.1, 0.1))
+    with pytest.raises(ValueError):
+        target_oracle_logits(torch.zeros(2, 10), seeds, pos, peak_mass=0.0)
+    with pytest.raises(ValueError):
+        oracle_token(seeds, pos, 0)
+
+
+def test_greedy_verification_accepts_at_rate_alpha():
+    """Through rejection_sample: a greedy draft's token at each slot is accepted iff the
+    oracle put o_t at rank 1, and the recovery token is o_t."""
+    n, k, vocab, alpha = 20_000, 3, 500, 0.7
+    seeds, pos = torch.arange(n) * 7 + 1, torch.full((n,), 30)
+    slot_pos = pos.unsqueeze(1) + torch.arange(k + 1)  # [N, K+1]
+    slot_seeds = seeds.unsqueeze(1).expand(n, k + 1)
+    draft = draft_oracle_logits(torch.zeros(n, k, vocab), slot_seeds[:, :k], slot_pos[:, :k], alpha, (0.2,))
+    target = target_oracle_logits(torch.zeros(n, k + 1, vocab), slot_seeds, slot_pos)
+    st = SamplingTensors.from_params([(0.0, 0, 1.0, int(s)) for s in seeds])
+    res = rejection_sample(target, draft.argmax(-1), torch.full((n,), k), None, None, st, pos)
+    for i in range(k):
+        reached = res.num_accepted >= i
+        rate = (res.num_accepted[reached] > i).double().mean().item()
+        assert abs(rate - alpha) < 4 * (alpha * (1 - alpha) / reached.sum().item()) ** 0.5
+    assert torch.equal(res.last_token_ids, oracle_token(seeds, pos + res.num_accepted, vocab))
