@@ -74,6 +74,7 @@ class DraftLink:
         self.healthy = True
         self._probe_sent = 0.0
         self._pending_releases: set[int] = set()
+        self._stash: list[SpecResponse] = []  # responses that arrived during query_stats
         sock = channel.socket
         sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a live peer: a send to no draft fails fast
         self._monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
@@ -174,14 +175,19 @@ class DraftLink:
             self.release(ids)
 
     def query_stats(self, timeout_s: float = 1.0) -> DraftStats | None:
-        self._send(DraftStatsRequest())
+        """Ask the draft for its counters (sequences held, cache entries). Speculations
+        that arrive meanwhile are kept for the next collect()."""
+        if not self.alive or not self._send(DraftStatsRequest()):
+            return None
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             msg = self._recv(deadline - time.monotonic())
             if isinstance(msg, DraftStats):
                 self.last_stats = msg
                 return msg
-            if msg is not None:
+            if isinstance(msg, SpecResponse):
+                self._stash.append(msg)
+            elif msg is not None:
                 self._handle_other(msg, {})
         return None
 
@@ -194,6 +200,9 @@ class DraftLink:
         got: dict[int, Speculation] = {}
         if not waiting:
             return got
+        for msg in self._stash:
+            self._take_response(msg, waiting, got)
+        self._stash.clear()
         deadline = time.monotonic() + self.timeout_s
         while len(got) < len(waiting):
             remaining = deadline - time.monotonic()

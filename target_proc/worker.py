@@ -106,6 +106,8 @@ class TargetWorker:
             elif isinstance(msg, AbortRequest):
                 self.on_abort(ident, msg.request_id)
             elif isinstance(msg, StatsRequest):
+                if self.draft is not None:
+                    self.draft.query_stats()  # fresh draft counters (sequences held, cache entries)
                 self.clients.send_to(ident, self.engine_stats())
             elif isinstance(msg, Shutdown):
                 self.shutting_down = True
