@@ -165,6 +165,8 @@ class EngineStats(_Cold, tag="stats"):
     verify_s: float = 0.0
     draft_wait_s: float = 0.0
     draft_work_s: float = 0.0
+    # Steps the speculation policy ran as plain decoding (spec_policy="adaptive").
+    num_plain_steps: int = 0
 
 
 class ErrorReply(_Cold, tag="error"):

@@ -118,12 +118,18 @@ class SchedulerConfig:
     max_batch_size: int = _f(8, "Most sequences decoded together (target KV slots).")
     max_model_len: int = _f(2048, "Context length: prompt + generated tokens (capped by the model).")
     max_draft_seqs: int = _f(0, "Draft KV slots; 0 means max_batch_size.")
+    spec_policy: Literal["always", "adaptive"] = _f("always", "always: speculate every step; adaptive: per batch size, measure speculative and plain steps and use the faster (plain decoding can win at large batch), logging each switch.")
+    spec_policy_probe_every: int = _f(64, "adaptive policy: steps between re-measurements of the mode not in use.")
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
         if self.max_model_len < 16:
             raise ValueError("max_model_len must be >= 16")
+        if self.spec_policy not in ("always", "adaptive"):
+            raise ValueError(f"spec_policy must be always or adaptive, got {self.spec_policy!r}")
+        if self.spec_policy_probe_every < 2:
+            raise ValueError("spec_policy_probe_every must be >= 2")
 
 
 @dataclass(frozen=True)

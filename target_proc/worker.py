@@ -38,6 +38,7 @@ from spec_runtime.model.forward_batch import ForwardItem
 from spec_runtime.sampling import SamplingTensors, rejection_sample
 from target_proc.draft_link import DraftLink, Outcome, Speculation
 from target_proc.sequence import IncrementalDetokenizer, Sequence, StopChecker
+from target_proc.spec_policy import SpecPolicy
 from target_proc.validate import RequestError, validate_request
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class TargetWorker:
         self.shutting_down = False
         self.timing = {"num_steps": 0, "verify_s": 0.0, "draft_wait_s": 0.0, "draft_work_s": 0.0}
         self.draft_generation = 0
+        self.policy = SpecPolicy(cfg.sched.spec_policy, cfg.sched.spec_policy_probe_every)
 
     # ------------------------------------------------------------------ loop
 
@@ -203,7 +205,10 @@ class TargetWorker:
         self.step_id += 1
         seqs = list(self.running.values())
         t0 = time.perf_counter()
-        specs = self._collect_speculations(seqs)
+        # Plain steps (chosen by the policy) leave the draft in sync: it still gets each
+        # outcome, as (0, t) against the speculation it sent, which nobody waits for.
+        speculate = self.draft is not None and self.policy.use_speculation(len(seqs))
+        specs = self._collect_speculations(seqs) if speculate else {}
         t1 = time.perf_counter()
         layout = self.runner.layout
         k_max = max((len(specs[s.seq_id].draft_token_ids) for s in seqs if s.seq_id in specs), default=0)
@@ -251,7 +256,8 @@ class TargetWorker:
             outcomes = []
             for i, seq in enumerate(seqs):
                 j = num_accepted_l[i]
-                if seq.seq_id in specs and not self._will_finish(seq, j + 1) and seq.seq_id not in self.draft.desynced:
+                in_sync = seq.seq_id in specs or (not speculate and seq.draft_synced)
+                if in_sync and not self._will_finish(seq, j + 1) and seq.seq_id not in self.draft.desynced:
                     seq.round += 1
                     outcomes.append(Outcome(seq.seq_id, seq.round, j, out_l[i][j], seq.num_tokens + j + 1))
             self.draft.request(outcomes)
@@ -272,7 +278,7 @@ class TargetWorker:
                     st.num_cache_hits += 1
                 elif self.cfg.spec.mode == "ssd":
                     st.num_cache_misses += 1
-            elif self.k:
+            elif self.k and speculate:
                 st.num_ar_fallback_rounds += 1
             for t in range(j + 1):
                 lp = float(logprobs[i, t]) if logprobs is not None else None
@@ -280,6 +286,8 @@ class TargetWorker:
                     break
             if seq.finished:
                 self.finish(seq)
+        if self.draft is not None:
+            self.policy.record(len(seqs), speculate, sum(n + 1 for n in num_accepted_l), time.perf_counter() - t0)
         self._emit(seqs)
 
     def _collect_speculations(self, seqs: list[Sequence]) -> dict[int, Speculation]:
@@ -457,5 +465,6 @@ class TargetWorker:
             totals=self.totals,
             draft_num_seqs=ds.num_seqs if ds else -1,
             draft_num_cache_entries=ds.num_cache_entries if ds else -1,
+            num_plain_steps=self.policy.num_plain_steps,
             **self.timing,
         )
