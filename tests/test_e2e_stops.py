@@ -84,3 +84,20 @@ def test_streaming_yields_chunks_that_add_up(runtime, free_run):
     assert [t for c in chunks for t in c.new_token_ids] == full.token_ids[:30]
     assert "".join(c.text_delta for c in chunks) == runtime.tokenizer.decode(full.token_ids[:30], skip_special_tokens=True)
     assert chunks[-1].finished and chunks[-1].stats is not None
+
+
+def test_logprobs_are_the_targets_and_match_ar(tmp_path_factory, runtime, free_run):
+    """logprobs of the generated tokens are the target's (here: greedy, its raw
+    log-softmax), whether a token came from a draft or from the target's own step."""
+    import math
+
+    prompt, full = free_run
+    sp = SamplingParams(max_tokens=20, ignore_eos=True, logprobs=True)
+    res = runtime.generate(prompt, sp)
+    assert res.token_ids == full.token_ids[:20]
+    assert len(res.logprobs) == 20 and all(lp <= 0.0 for lp in res.logprobs)
+    target = runtime.config.target.path
+    with Client(make_config(target, mode="ar")) as ar_client:
+        ar = ar_client.generate(prompt, sp)
+    assert ar.token_ids == res.token_ids
+    assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(ar.logprobs, res.logprobs))
