@@ -7,17 +7,21 @@ import os
 import zmq
 
 from protocol.messages import PROTOCOL_VERSION, Ready, SpecLinkToDraft
-from protocol.transport import Channel
+from protocol.transport import Channel, set_curve_server
 from spec_runtime.child import run_child
 from draft_proc.worker import DraftWorker
 
 
-def build(cfg, init):
+def build(cfg, init, *, spec_secret_key: bytes | None = None):
+    """Load the draft and bind the spec link. With `spec_secret_key` (Ray deployments over
+    tcp) the link is a CURVE server and may bind a non-loopback address."""
     from draft_proc.factory import make_speculators
 
     speculator, ssd, vocab_size, info = make_speculators(cfg)
     chan = Channel(zmq.PAIR, SpecLinkToDraft)
-    chan.bind(init.spec_addr)
+    if spec_secret_key is not None:
+        set_curve_server(chan.socket, spec_secret_key)
+    chan.bind(init.spec_addr, allow_remote=spec_secret_key is not None)
     num_slots = cfg.sched.max_draft_seqs or cfg.sched.max_batch_size
     worker = DraftWorker(cfg, chan, speculator, vocab_size, num_slots, ssd=ssd)
     ready = Ready(

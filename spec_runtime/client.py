@@ -32,7 +32,7 @@ from protocol.messages import (
     TargetToClientMessage,
     TokenOutputs,
 )
-from protocol.transport import Channel
+from protocol.transport import Channel, set_curve_client
 from spec_runtime.config import RuntimeConfig
 from spec_runtime.launcher import Launcher
 
@@ -78,9 +78,12 @@ _DONE = object()
 
 
 class Client:
-    def __init__(self, config: RuntimeConfig | None = None, *, tokenizer=None):
+    def __init__(self, config: RuntimeConfig | None = None, *, tokenizer=None, launcher=None):
+        """launcher: an already started runtime (e.g. spec_runtime.ray's RayDeployment) with
+        the Launcher's `client_addr`, `ready`, `dead_child()`, `pids()`, `shutdown()`; the
+        client owns it from here (close() shuts it down). None: start a local Launcher."""
         self.config = config or RuntimeConfig()
-        self.launcher = Launcher(self.config)
+        self.launcher = launcher if launcher is not None else Launcher(self.config)
         self.ready = self.launcher.ready["target"]
         self._tokenizer = tokenizer
         self._ids = itertools.count()
@@ -91,6 +94,9 @@ class Client:
         self._lock = threading.Lock()
         self._closed = False
         self._chan = Channel(zmq.DEALER, TargetToClientMessage)
+        server_key = getattr(self.launcher, "client_curve_server_key", None)
+        if server_key is not None:  # a tcp client link (Ray across nodes) is CURVE-encrypted
+            set_curve_client(self._chan.socket, server_key)
         self._chan.connect(self.launcher.client_addr)
         self._io = threading.Thread(target=self._io_loop, name="client-io", daemon=True)
         self._io.start()

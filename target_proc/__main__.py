@@ -7,13 +7,16 @@ import os
 import zmq
 
 from protocol.messages import PROTOCOL_VERSION, ClientMessage, Ready, SpecLinkToTarget
-from protocol.transport import Channel, RouterChannel
+from protocol.transport import Channel, RouterChannel, set_curve_client, set_curve_server
 from spec_runtime.child import run_child
 from target_proc.draft_link import DraftLink
 from target_proc.worker import TargetWorker
 
 
-def build(cfg, init):
+def build(cfg, init, *, client_secret_key: bytes | None = None, draft_public_key: bytes | None = None):
+    """Load the target and open its links. The keys (Ray deployments over tcp) make the
+    client ROUTER a CURVE server and the spec link a CURVE client of the draft; a CURVE
+    server may bind a non-loopback address."""
     from spec_runtime.model.runner import ModelRunner
 
     # Verify forwards are padded to K+1 tokens per sequence, so one graph per batch size fits.
@@ -21,10 +24,15 @@ def build(cfg, init):
     runner = ModelRunner(cfg.target, num_slots=cfg.sched.max_batch_size, max_model_len=cfg.sched.max_model_len,
                          max_batch_size=cfg.sched.max_batch_size, graph_q_lens=q_lens)
     clients = RouterChannel(ClientMessage)
-    clients.bind(init.client_addr)
+    if client_secret_key is not None:
+        set_curve_server(clients.socket, client_secret_key)
+    clients.bind(init.client_addr, allow_remote=client_secret_key is not None)
     link = None
     if cfg.spec.uses_draft_process:
-        link = DraftLink(Channel(zmq.PAIR, SpecLinkToTarget), init.spec_addr, cfg.spec.draft_timeout_s, cfg.spec.k)
+        spec_chan = Channel(zmq.PAIR, SpecLinkToTarget)
+        if draft_public_key is not None:
+            set_curve_client(spec_chan.socket, draft_public_key)
+        link = DraftLink(spec_chan, init.spec_addr, cfg.spec.draft_timeout_s, cfg.spec.k)
         link.wait_connected(cfg.startup_timeout_s)
     worker = TargetWorker(cfg, runner, clients, link)
     ready = Ready(

@@ -22,8 +22,10 @@ def validate_sampling(sp: SamplingParams) -> None:
         raise RequestError(f"max_tokens must be >= 1, got {sp.max_tokens}")
     if not math.isfinite(sp.temperature) or sp.temperature < 0:
         raise RequestError(f"temperature must be >= 0, got {sp.temperature}")
-    if sp.top_k < 0:
-        raise RequestError(f"top_k must be >= 0 (0 disables it), got {sp.top_k}")
+    # The upper bound keeps top_k representable as int64 on the device; any value above
+    # the vocabulary size already means "off".
+    if not 0 <= sp.top_k < 2**31:
+        raise RequestError(f"top_k must be in [0, 2**31) (0 disables it), got {sp.top_k}")
     if not (0.0 < sp.top_p <= 1.0):
         raise RequestError(f"top_p must be in (0, 1], got {sp.top_p}")
     if sp.seed is not None and not (0 <= sp.seed < 2**63):
