@@ -167,6 +167,8 @@ class EngineStats(_Cold, tag="stats"):
     draft_work_s: float = 0.0
     # Steps the speculation policy ran as plain decoding (spec_policy="adaptive").
     num_plain_steps: int = 0
+    # SSD tree-cache hits by the depth j of the outcome they answered (index 0..K).
+    hits_by_depth: list[int] = []
 
 
 class ErrorReply(_Cold, tag="error"):

@@ -75,6 +75,7 @@ class DraftLink:
         self._probe_sent = 0.0
         self._pending_releases: set[int] = set()
         self._stash: list[SpecResponse] = []  # responses that arrived during query_stats
+        self.hits_by_depth = [0] * (k + 1)
         sock = channel.socket
         sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a live peer: a send to no draft fails fast
         self._monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
@@ -230,6 +231,8 @@ class DraftLink:
 
     def _take_response(self, msg: SpecResponse, waiting: dict[int, int], got: dict[int, Speculation]) -> None:
         self.last_draft_work_s = msg.draft_work_s
+        for j, n in enumerate(msg.hits_by_depth[: len(self.hits_by_depth)]):
+            self.hits_by_depth[j] += n
         has_q = msg.q_token_ids is not None and msg.q_probs is not None and msg.q_token_ids.size > 0
         for b in range(len(msg.seq_ids)):
             sid = int(msg.seq_ids[b])

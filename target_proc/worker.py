@@ -466,5 +466,6 @@ class TargetWorker:
             draft_num_seqs=ds.num_seqs if ds else -1,
             draft_num_cache_entries=ds.num_cache_entries if ds else -1,
             num_plain_steps=self.policy.num_plain_steps,
+            hits_by_depth=list(self.draft.hits_by_depth) if self.draft is not None else [],
             **self.timing,
         )

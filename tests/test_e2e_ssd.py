@@ -38,6 +38,7 @@ def test_ssd_greedy_equals_ar(models, backup, k):
     misses = sum(r.stats.num_cache_misses for r in batch)
     assert hits > 0 and misses > 0, (hits, misses)
     assert stats.totals.num_cache_hits == hits + single.stats.num_cache_hits
+    assert sum(stats.hits_by_depth) == stats.totals.num_cache_hits and len(stats.hits_by_depth) == k + 1
     assert stats.num_running == 0
 
 
