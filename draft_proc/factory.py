@@ -37,7 +37,6 @@ def make_speculators(cfg):
         return NgramSpeculator(spec.ngram_min, spec.ngram_max, max_len), None, NGRAM_VOCAB_BOUND, {"model_name": "ngram"}
 
     from draft_proc.drafter import ModelDrafter
-    from spec_runtime.model.forward_batch import SlotLayout
     from spec_runtime.model.runner import ModelRunner
 
     num_slots = cfg.sched.max_draft_seqs or cfg.sched.max_batch_size

@@ -39,6 +39,7 @@ from spec_runtime.sampling import SamplingTensors, rejection_sample
 from target_proc.draft_link import DraftLink, Outcome, Speculation
 from target_proc.sequence import IncrementalDetokenizer, Sequence, StopChecker
 from target_proc.spec_policy import SpecPolicy
+from target_proc.verify import verify_inputs
 from target_proc.validate import RequestError, validate_request
 
 logger = logging.getLogger(__name__)
@@ -232,7 +233,7 @@ class TargetWorker:
 
         # Upload the verify inputs before the forward is queued: then nothing between the
         # forward and the acceptance kernels waits on the GPU.
-        inputs = self._verify_inputs(seqs, specs, num_draft, q_lens, k_max)
+        inputs = verify_inputs(seqs, specs, num_draft, q_lens, k_max, self._sampling_tensors(seqs), self.runner.device)
         flat_logits = self._oracle(self.runner.run(items),
                                    [(s.seed, s.num_tokens, q - 1) for s, q in zip(seqs, q_lens)])
         # flat_logits: [sum(q_lens), V]
@@ -322,51 +323,6 @@ class TargetWorker:
             seq.draft_synced = True
             outcomes.append(Outcome(seq.seq_id, seq.round, 0, seq.last_token_id, seq.num_tokens))
         self.draft.request(outcomes)
-
-    def _verify_inputs(self, seqs, specs, num_draft, q_lens, k_max) -> dict:
-        """Device tensors for rejection_sample, plus `gather`: for each (sequence, verify
-        position) the row of the flat logits, clamped to the sequence's row m past its
-        own drafts (those rows are masked by num_draft_tokens)."""
-        device = self.runner.device
-        b = len(seqs)
-        m = np.asarray(num_draft, dtype=np.int64)
-        starts = np.concatenate([[0], np.cumsum(q_lens)[:-1]])
-        gather = starts[:, None] + np.minimum(np.arange(k_max + 1)[None, :], m[:, None])  # [B, k_max + 1]
-        draft_ids = np.full((b, k_max), -1, dtype=np.int64)
-        with_q = [specs[s.seq_id].q_token_ids for i, s in enumerate(seqs)
-                  if num_draft[i] > 0 and specs[s.seq_id].q_token_ids is not None]
-        q_ids = q_probs = None
-        if with_q:
-            top = max(q.shape[-1] for q in with_q)
-            q_ids = np.zeros((b, k_max, top), dtype=np.int64)
-            q_probs = np.zeros((b, k_max, top), dtype=np.float32)
-        for i, seq in enumerate(seqs):
-            mi = num_draft[i]
-            if mi == 0:
-                continue
-            spec = specs[seq.seq_id]
-            draft_ids[i, :mi] = spec.draft_token_ids[:mi]
-            if q_ids is not None:
-                if spec.q_token_ids is None:  # greedy draft in a sampled batch: q is one-hot
-                    q_ids[i, :mi, 0] = spec.draft_token_ids[:mi]
-                    q_probs[i, :mi, 0] = 1.0
-                else:
-                    w = spec.q_token_ids.shape[-1]
-                    q_ids[i, :mi, :w] = spec.q_token_ids[:mi]
-                    q_probs[i, :mi, :w] = spec.q_probs[:mi]
-
-        def dev(a):
-            return None if a is None else torch.from_numpy(a).to(device, non_blocking=True)
-
-        return {
-            "gather": dev(gather),
-            "draft_token_ids": dev(draft_ids),
-            "num_draft_tokens": dev(m),
-            "q_token_ids": dev(q_ids),
-            "q_probs": dev(q_probs),
-            "st": self._sampling_tensors(seqs),
-            "positions": dev(np.array([s.num_tokens for s in seqs], dtype=np.int64)),
-        }
 
     # ------------------------------------------------------------------ helpers
 

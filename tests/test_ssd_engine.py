@@ -9,7 +9,6 @@ with a branch is the distribution its tokens were sampled from).
 
 from __future__ import annotations
 
-import copy
 
 import numpy as np
 import pytest
