@@ -10,7 +10,7 @@ target re-adds it. The rest of the batch is answered as usual.
 from __future__ import annotations
 
 import logging
-import time
+import math
 
 import numpy as np
 
@@ -60,8 +60,12 @@ class DraftWorker:
         elif isinstance(msg, AddSequence):
             self.on_add(msg)
         elif isinstance(msg, Release):
-            for sid in np.asarray(msg.seq_ids).tolist():
-                self.drop(int(sid))
+            ids = np.asarray(msg.seq_ids)
+            if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+                self.channel.send(ErrorReply(code="bad_request", message="Release.seq_ids must be a 1-D integer array"))
+                return
+            for sid in ids.tolist():
+                self.drop(sid)
         elif isinstance(msg, DraftStatsRequest):
             self.channel.send(self.stats())
         elif isinstance(msg, Shutdown):
@@ -79,7 +83,7 @@ class DraftWorker:
             err = "prompt_token_ids must be a non-empty 1-D array"
         elif prompt.min() < 0 or prompt.max() >= self.vocab_size:
             err = f"prompt token ids must be in [0, {self.vocab_size})"
-        elif msg.temperature < 0 or not 0 < msg.top_p <= 1 or msg.top_k < 0:
+        elif not (math.isfinite(msg.temperature) and msg.temperature >= 0) or not 0 < msg.top_p <= 1 or msg.top_k < 0:
             err = "bad sampling parameters"
         if err is None and sid in self.seqs:
             self.drop(sid)  # a re-add replaces the old state
@@ -104,10 +108,12 @@ class DraftWorker:
     def on_spec_request(self, req: SpecRequest) -> None:
         self.num_requests += 1
         b = len(req.seq_ids)
-        arrays = (req.rounds, req.num_accepted, req.token_ids, req.seq_lens)
-        if any(np.asarray(a).shape != (b,) for a in arrays) or not 1 <= req.k <= self.cfg.spec.k:
-            self.channel.send(ErrorReply(code="bad_request",
-                                         message=f"SpecRequest arrays must all be [{b}] and 1 <= k <= {self.cfg.spec.k}"))
+        arrays = (req.seq_ids, req.rounds, req.num_accepted, req.token_ids, req.seq_lens)
+        # Integer dtypes only: a float array could carry NaN, which int() refuses.
+        if (any(np.asarray(a).shape != (b,) or not np.issubdtype(np.asarray(a).dtype, np.integer) for a in arrays)
+                or not 1 <= req.k <= self.cfg.spec.k):
+            self.channel.send(ErrorReply(code="bad_request", message=f"SpecRequest arrays must all be integer "
+                                         f"[{b}] and 1 <= k <= {self.cfg.spec.k}"))
             return
         ok: list[DraftSeq] = []
         for i in range(b):

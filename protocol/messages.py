@@ -257,7 +257,9 @@ class Shutdown(_Cold, tag="bye"):
 
 
 HandshakeMessage = Hello | Init | Ready | ErrorReply
-ClientMessage = GenerateRequest | AbortRequest | StatsRequest | Shutdown
+# No Shutdown on the client link: any local client could stop the target with it; the
+# launcher stops its children with signals.
+ClientMessage = GenerateRequest | AbortRequest | StatsRequest
 TargetToClientMessage = TokenOutputs | EngineStats | ErrorReply
 SpecLinkToDraft = AddSequence | SpecRequest | Release | DraftStatsRequest | Shutdown
 SpecLinkToTarget = SpecResponse | DraftStats | ErrorReply

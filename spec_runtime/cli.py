@@ -166,6 +166,13 @@ def _serve(args: argparse.Namespace) -> int:
     if args.speculative_config:
         _apply_speculative_config(args, args.speculative_config)
     cfg = config_from_args(args)
+    if args.ray:
+        # Target and draft as Ray actors in a placement group, the API as a Ray Serve app.
+        from spec_runtime.ray.serve_app import run_ray_server
+
+        run_ray_server(cfg, host=args.host, port=args.port, placement=args.ray_placement, api_key=args.api_key,
+                       served_model_name=args.served_model_name)
+        return 0
     try:
         run_server(cfg, host=args.host, port=args.port, api_key=args.api_key,
                    served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
@@ -185,6 +192,10 @@ def _add_serve(sub) -> None:
     srv.add_argument("target_model", nargs="?", default=None, metavar="TARGET",
                      help="target model (same as --target)")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    srv.add_argument("--ray", action="store_true",
+                     help="run target and draft as Ray actors (placement group) behind a Ray Serve app; see docs/ray.md")
+    srv.add_argument("--ray-placement", choices=["pack", "spread"], default="pack",
+                     help="with --ray: both GPUs on one node (pack) or on different nodes (spread)")
     srv.add_argument("--port", type=int, default=8000, help="port to bind; 0 picks a free one (default: 8000)")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     srv.add_argument("--served-model-name", default=None, help="model name clients send (default: the target path)")

@@ -6,7 +6,7 @@ The draft is a helper, never a dependency:
     no round waits on it again until it answers a probe (a stalled draft costs one
     timeout, not one per round);
   - a dead draft is noticed from the socket itself (a zmq monitor reports the
-    disconnect), and sends never block (ZMQ_IMMEDIATE + NOBLOCK);
+    disconnect), and sends never block (NOBLOCK);
   - a response for a round we no longer wait for is stale and dropped;
   - whenever the draft comes back (reconnected after a restart, or answering again
     after a stall) `generation` grows, and the worker re-adds every sequence.
@@ -76,9 +76,11 @@ class DraftLink:
         self._pending_releases: set[int] = set()
         self._stash: list[SpecResponse] = []  # responses that arrived during query_stats
         self.hits_by_depth = [0] * (k + 1)
-        sock = channel.socket
-        sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a live peer: a send to no draft fails fast
-        self._monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        # Up = the ZMTP handshake finished (with CURVE, the key check passed too), not
+        # merely the transport connected. No ZMQ_IMMEDIATE: with it, a PAIR socket whose
+        # peer re-binds after a restart refuses every send (EAGAIN) for good. Sends stay
+        # non-blocking, and nothing is sent while the draft is known to be down.
+        self._monitor = channel.socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         channel.connect(address)
 
     @property
@@ -89,7 +91,7 @@ class DraftLink:
         """Take socket events; while suspect, probe the draft and listen for any answer."""
         while self._monitor.poll(0):
             event = recv_monitor_message(self._monitor)["event"]
-            if event == zmq.EVENT_CONNECTED and not self.connected:
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED and not self.connected:
                 self.connected = True
                 self.healthy = True
                 self._back()

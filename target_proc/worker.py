@@ -29,7 +29,6 @@ from protocol.messages import (
     GenerateRequest,
     RequestOutput,
     RequestStats,
-    Shutdown,
     StatsRequest,
     TokenOutputs,
 )
@@ -63,7 +62,6 @@ class TargetWorker:
         self.rng = random.Random(cfg.seed)
         self.totals = RequestStats(accepted_per_position=[0] * self.k, drafted_per_position=[0] * self.k)
         self.outputs: dict[bytes, list[RequestOutput]] = {}
-        self.shutting_down = False
         self.timing = {"num_steps": 0, "verify_s": 0.0, "draft_wait_s": 0.0, "draft_work_s": 0.0}
         self.draft_generation = 0
         self.policy = SpecPolicy(cfg.sched.spec_policy, cfg.sched.spec_policy_probe_every)
@@ -71,7 +69,8 @@ class TargetWorker:
     # ------------------------------------------------------------------ loop
 
     def run_forever(self) -> None:
-        while not self.shutting_down:
+        """Serve until the process is stopped (the launcher signals its children)."""
+        while True:
             self.poll_clients(block=not self.running and not self.waiting)
             self.check_draft()
             self.admit()
@@ -112,9 +111,6 @@ class TargetWorker:
                 if self.draft is not None:
                     self.draft.query_stats()  # fresh draft counters (sequences held, cache entries)
                 self.clients.send_to(ident, self.engine_stats())
-            elif isinstance(msg, Shutdown):
-                self.shutting_down = True
-                return
 
     def on_generate(self, ident: bytes, req: GenerateRequest) -> None:
         key = (ident, req.request_id)

@@ -95,6 +95,19 @@ def test_draft_killed_mid_generation(setup):
         assert client.engine_stats().totals.num_draft_tokens > before
 
 
+def test_draft_killed_while_idle(setup):
+    """The restarted draft re-binds the same address; the target's socket must take it."""
+    target, prompts, ar = setup
+    with Client(_cfg(target, target)) as client:
+        os.kill(client.launcher.pids()["draft"], signal.SIGKILL)
+        assert _wait(lambda: client.launcher.num_draft_restarts == 1, 120)
+        assert _wait(lambda: client.engine_stats().draft_alive, 10)
+        res = client.generate_batch(prompts, LONG)
+        assert [r.token_ids for r in res] == ar
+        totals = client.engine_stats().totals
+        assert totals.num_draft_tokens > 0 and totals.num_ar_fallback_rounds == 0
+
+
 def test_draft_stalled_then_resumed(setup):
     target, prompts, ar = setup
     with Client(_cfg(target, target, timeout_s=0.5)) as client:

@@ -148,9 +148,11 @@ class RayDeployment:
         self.placement_group = pg
         self._bundles = {role: (i, bundles[i]) for i, role in enumerate(roles)}
         self.actors: dict[str, ray.actor.ActorHandle] = {}
+        self._num_actors = 0
         self._ipc_dirs: list[tuple[str, str]] = []  # (role whose node has it, path)
         self._finalizer = weakref.finalize(self, _teardown, self.actors, pg, self._ipc_dirs)
         self.num_draft_restarts = 0
+        self.draft_given_up = False  # True after _MAX_DRAFT_RESTARTS_IN_A_ROW failed restarts
         self._dead: str | None = None
         self._stopping = False
         try:
@@ -168,9 +170,13 @@ class RayDeployment:
     # ------------------------------------------------------------------ start-up
 
     def _new_actor(self, role: str):
+        """A RoleActor in the role's bundle, named `spec-runtime-<role>-<group id>-<n>` so
+        `ray list actors` shows which is which."""
         index, bundle = self._bundles[role]
+        self._num_actors += 1
+        name = f"spec-runtime-{role}-{self.placement_group.id.hex()[:8]}-{self._num_actors}"
         return ray.remote(RoleActor).options(
-            num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0.0), max_restarts=0,
+            name=name, num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0.0), max_restarts=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=index),
         ).remote(role)
 
@@ -280,6 +286,7 @@ class RayDeployment:
             self._dead = None
             logger.warning("new draft actor (pid %d) is ready (restart %d)", where["pid"], self.num_draft_restarts)
             return
+        self.draft_given_up = True
         logger.error("giving up on the draft after %d failed restarts; serving without speculation",
                      _MAX_DRAFT_RESTARTS_IN_A_ROW)
 
