@@ -174,16 +174,15 @@ def _serve(args: argparse.Namespace) -> int:
                        served_model_name=args.served_model_name)
         return 0
     try:
-        run_server(cfg, host=args.host, port=args.port, api_key=args.api_key,
-                   served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
-                   log_level=args.uvicorn_log_level)
+        return run_server(cfg, host=args.host, port=args.port, api_key=args.api_key,
+                          served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
+                          log_level=args.uvicorn_log_level, on_target_death=args.on_target_death)
     except StartupError as e:
         print(f"spec-runtime: start-up failed: {e}", file=sys.stderr)
         return 1
     except OSError as e:
         print(f"spec-runtime: cannot serve on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 1
-    return 0
 
 
 def _add_serve(sub) -> None:
@@ -192,6 +191,9 @@ def _add_serve(sub) -> None:
     srv.add_argument("target_model", nargs="?", default=None, metavar="TARGET",
                      help="target model (same as --target)")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    srv.add_argument("--on-target-death", choices=["exit", "stay"], default="exit",
+                     help="if the target process dies: exit with code 1 so a supervisor restarts the server (exit), "
+                          "or keep answering with /health 503 (stay)")
     srv.add_argument("--ray", action="store_true",
                      help="run target and draft as Ray actors (placement group) behind a Ray Serve app; see docs/ray.md")
     srv.add_argument("--ray-placement", choices=["pack", "spread"], default="pack",

@@ -135,3 +135,28 @@ def test_serve_shuts_down_on_sigint(served):
     assert proc.wait(timeout=30) == 0, "".join(lines)
     with pytest.raises(httpx.ConnectError):
         httpx.get(url + "/health", timeout=2)
+
+
+def test_serve_exits_nonzero_when_the_target_dies(tmp_path):
+    """--on-target-death exit (the default): a supervisor sees exit code 1 and restarts it."""
+    import psutil
+
+    target = save_tiny_model(tmp_path / "m", "llama")
+    proc = subprocess.Popen(_cli("serve", target, "--mode", "ar", "--port", "0", "--max-model-len", "128"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        deadline = time.monotonic() + 180
+        for line in proc.stdout:
+            if READY.search(line):
+                break
+            assert time.monotonic() < deadline, "no ready line"
+        children = psutil.Process(proc.pid).children()
+        target_proc = next(c for c in children if "target_proc" in " ".join(c.cmdline()))
+        target_proc.kill()
+        rc = proc.wait(timeout=30)
+        assert rc == 1
+        assert "target process died" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -39,10 +39,28 @@ def _announce_when_started(server: uvicorn.Server, line: str, out) -> None:
     out.flush()
 
 
+def _exit_when_target_dies(client, server, died: threading.Event) -> None:
+    while not server.should_exit:
+        if client.launcher.dead_child() == "target":
+            print("spec-runtime: the target process died; stopping the server (exit code 1)", file=sys.stderr,
+                  flush=True)
+            died.set()
+            server.should_exit = True
+            return
+        time.sleep(0.2)
+
+
 def run_server(cfg: RuntimeConfig, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                served_model_name: str | None = None, max_body_bytes: int | None = None,
-               log_level: str = "warning", out=None) -> None:
-    """Serve until interrupted (SIGINT/SIGTERM); shuts the runtime down on the way out."""
+               log_level: str = "warning", out=None, on_target_death: str = "exit") -> int:
+    """Serve until interrupted (SIGINT/SIGTERM); shuts the runtime down on the way out.
+
+    on_target_death: "exit" stops serving and returns 1 once the target process has died
+    (so a supervisor can restart the server); "stay" keeps answering, /health with 503.
+    Returns the process exit code.
+    """
+    if on_target_death not in ("exit", "stay"):
+        raise ValueError(f"on_target_death must be exit or stay, got {on_target_death!r}")
     from spec_runtime.server.app import DEFAULT_MAX_BODY_BYTES, build_app
     from spec_runtime.server.async_client import AsyncClient
 
@@ -62,10 +80,15 @@ def run_server(cfg: RuntimeConfig, *, host: str = "127.0.0.1", port: int = 8000,
             # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal; make
             # SIGTERM's re-raise an exit that runs the `finally` below (stopping the children).
             signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        target_died = threading.Event()
+        if on_target_death == "exit":
+            threading.Thread(target=_exit_when_target_dies, args=(client.client, server, target_died),
+                             daemon=True).start()
         try:
             server.run(sockets=[sock])
         except KeyboardInterrupt:
             logger.info("interrupted; shutting down")
+        return 1 if target_died.is_set() else 0
     finally:
         sock.close()
         client.client.close()
