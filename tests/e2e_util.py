@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
+import threading
+import time
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -57,3 +61,24 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int, ggu
                                  max_new_tokens=max_new_tokens, pad_token_id=0)
             outs.append(out[0, len(p):].tolist())
     return outs
+
+
+@contextmanager
+def serve_in_thread(app, timeout_s: float = 30.0):
+    """Run an ASGI app with uvicorn on a free loopback port in a thread; yields its URL."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    th.start()
+    deadline = time.monotonic() + timeout_s
+    while not srv.started:
+        assert time.monotonic() < deadline and th.is_alive(), "server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        srv.should_exit = True
+        th.join(timeout=10)

@@ -11,16 +11,13 @@ import asyncio
 import json
 import os
 import signal
-import socket
-import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
 
 from conftest import save_tiny_model
-from e2e_util import make_config, perturbed_copy
+from e2e_util import make_config, perturbed_copy, serve_in_thread
 from protocol.messages import SamplingParams
 from spec_runtime import AsyncClient, Client
 from spec_runtime.server.app import build_app
@@ -37,17 +34,8 @@ def rt(tmp_path_factory):
     draft = perturbed_copy(target, str(root / "d"), noise=0.3)
     aclient = AsyncClient(make_config(target, draft, mode="ssd", k=K))
     assert aclient.client.engine_stats().draft_alive  # the spec link is up when start-up returns
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(build_app(aclient, served_model_name="m"), log_level="warning"))
-    th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    th.start()
-    while not srv.started:
-        assert th.is_alive()
-        time.sleep(0.02)
-    yield aclient, f"http://127.0.0.1:{sock.getsockname()[1]}"
-    srv.should_exit = True
-    th.join(timeout=10)
+    with serve_in_thread(build_app(aclient, served_model_name="m")) as url:
+        yield aclient, url
     aclient.client.close()
 
 

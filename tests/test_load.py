@@ -15,17 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 import time
 
 import httpx
 import numpy as np
 import pytest
-import uvicorn
 
 from conftest import save_tiny_model
-from e2e_util import make_config, perturbed_copy
+from e2e_util import make_config, perturbed_copy, serve_in_thread
 from protocol.messages import SamplingParams
 from spec_runtime.client import Client
 from spec_runtime.config import SchedulerConfig
@@ -50,19 +47,8 @@ def server(models):
     cfg = make_config(target, draft, mode="ssd", k=3).replace(
         sched=SchedulerConfig(max_batch_size=MAX_BATCH, max_model_len=MAX_LEN))
     aclient = AsyncClient(cfg)
-    app = build_app(aclient, served_model_name="tiny")
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    th.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline and th.is_alive(), "server did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}", aclient.client
-    srv.should_exit = True
-    th.join(timeout=10)
+    with serve_in_thread(build_app(aclient, served_model_name="tiny")) as url:
+        yield url, aclient.client
     aclient.client.close()
 
 

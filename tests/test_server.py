@@ -9,19 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 import time
 from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import save_tiny_model
-from e2e_util import make_config, perturbed_copy
+from e2e_util import make_config, perturbed_copy, serve_in_thread
 from protocol.messages import SamplingParams
 from spec_runtime.config import SchedulerConfig
 from spec_runtime.server.app import build_app
@@ -54,20 +51,9 @@ def server(tmp_path_factory):
 
     aclient.submit = counting_submit
     app = build_app(aclient, served_model_name=MODEL, api_key=KEY, max_body_bytes=BODY_LIMIT)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    th.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline and th.is_alive(), "server did not start"
-        time.sleep(0.02)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    yield SimpleNamespace(url=url, client=aclient.client, submitted=submitted,
-                          sdk=openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0))
-    srv.should_exit = True
-    th.join(timeout=10)
+    with serve_in_thread(app) as url:
+        yield SimpleNamespace(url=url, client=aclient.client, submitted=submitted,
+                              sdk=openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0))
     aclient.client.close()
 
 
