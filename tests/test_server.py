@@ -145,8 +145,10 @@ def test_models_health_metrics_parse(server):
                  "spec_runtime:spec_decode_cache_misses_total", "spec_runtime:prompt_tokens_total",
                  "spec_runtime:generation_tokens_total", "spec_runtime:num_requests_running",
                  "spec_runtime:num_requests_waiting", "spec_runtime:time_to_first_token_seconds_count",
-                 "spec_runtime:inter_token_latency_seconds_count", "spec_runtime:e2e_request_latency_seconds_count"):
+                 "spec_runtime:inter_token_latency_seconds_count", "spec_runtime:e2e_request_latency_seconds_count",
+                 "spec_runtime:draft_restarts_total", "spec_runtime:draft_alive"):
         assert (name, ()) in m, name
+    assert m[("spec_runtime:draft_restarts_total", ())] == 0 and m[("spec_runtime:draft_alive", ())] == 1
     for i in range(K):
         assert ("spec_runtime:spec_decode_num_accepted_tokens_per_pos_total", (("position", str(i)),)) in m
 
@@ -314,3 +316,21 @@ def test_engine_stats_endpoint(server):
     assert r.status_code == 200 and body["mode"] == "ssd" and body["num_running"] == 0
     assert body["totals"]["num_accepted_tokens"] <= body["totals"]["num_draft_tokens"]
     assert json.dumps(body)
+
+
+def test_draft_restart_counter_follows_the_launcher():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from spec_runtime.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics("m", k=2)
+
+    def restarts(n):
+        text = metrics.render(None, draft_restarts=n).decode()
+        fam = next(f for f in text_string_to_metric_families(text) if f.name == "spec_runtime:draft_restarts")
+        return next(s.value for s in fam.samples if s.name.endswith("_total"))
+
+    assert restarts(0) == 0
+    assert restarts(2) == 2
+    assert restarts(2) == 2  # counted once
+    assert restarts(3) == 3

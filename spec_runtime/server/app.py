@@ -320,6 +320,7 @@ def build_app(client: AsyncClient, *, served_model_name: str | None = None, api_
 
     @app.get("/metrics")
     async def metrics():
-        return Response(srv.metrics.render(await srv.engine_stats()), media_type=CONTENT_TYPE)
+        restarts = getattr(srv.client.client.launcher, "num_draft_restarts", 0)
+        return Response(srv.metrics.render(await srv.engine_stats(), restarts), media_type=CONTENT_TYPE)
 
     return app

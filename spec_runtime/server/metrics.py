@@ -58,10 +58,15 @@ class ServerMetrics:
         self.requests = counter("request_success", "Finished requests by finish reason.", "finished_reason")
         self.running = Gauge(P + "num_requests_running", "Requests being decoded.", lbl, registry=r)
         self.waiting = Gauge(P + "num_requests_waiting", "Requests waiting for a slot.", lbl, registry=r)
+        self.draft_restarts = counter("draft_restarts", "Draft processes started again after one died.")
+        self.draft_alive = Gauge(P + "draft_alive", "1 while the draft answers, 0 while the target decodes alone.",
+                                 lbl, registry=r)
+        self._restarts_seen = 0
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.")
         self.itl = histogram("inter_token_latency_seconds", "Gap between output chunks (one chunk per round).")
         self.tpot = histogram("time_per_output_token_seconds", "(e2e - TTFT) / (tokens - 1) per request.")
         self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency.")
+        self.draft_restarts.labels(model_name)  # exported as 0 until a restart
         # Make every per-position series exist from the start (0 until it counts).
         for i in range(k):
             self.accepted_per_pos.labels(model_name, str(i))
@@ -92,8 +97,12 @@ class ServerMetrics:
                 self.tpot.labels(m).observe((e2e_s - ttft_s) / (num_completion - 1))
         self.e2e.labels(m).observe(e2e_s)
 
-    def render(self, engine: EngineStats | None) -> bytes:
+    def render(self, engine: EngineStats | None, draft_restarts: int = 0) -> bytes:
         if engine is not None:
             self.running.labels(self._model).set(engine.num_running)
             self.waiting.labels(self._model).set(engine.num_waiting)
+            self.draft_alive.labels(self._model).set(1.0 if engine.draft_alive else 0.0)
+        if draft_restarts > self._restarts_seen:  # the launcher counts; the counter follows it
+            self.draft_restarts.labels(self._model).inc(draft_restarts - self._restarts_seen)
+            self._restarts_seen = draft_restarts
         return generate_latest(self.registry)
