@@ -82,3 +82,13 @@ def serve_in_thread(app, timeout_s: float = 30.0):
     finally:
         srv.should_exit = True
         th.join(timeout=10)
+
+
+def wait_until(predicate, timeout_s: float, poll_s: float = 0.05) -> bool:
+    """Poll predicate() until it is true (True) or timeout_s passes (False)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(poll_s)
+    return False

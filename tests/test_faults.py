@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from conftest import save_tiny_model
-from e2e_util import random_prompts
+from e2e_util import random_prompts, wait_until
 from protocol.messages import SamplingParams
 from spec_runtime.client import Client, RequestFailed
 from spec_runtime.config import ModelConfig, RuntimeConfig, SchedulerConfig, SpeculativeConfig
@@ -69,14 +69,6 @@ def _run_with_fault(client, prompts, fault):
     return [results[r] for r in rids], time.monotonic() - t_fault
 
 
-def _wait(predicate, timeout_s):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
-
 
 def test_draft_killed_mid_generation(setup):
     target, prompts, ar = setup
@@ -86,10 +78,10 @@ def test_draft_killed_mid_generation(setup):
         assert outs == ar  # nothing lost, nothing different
         assert elapsed < 5.0
         # A new draft is started and speculation resumes.
-        assert _wait(lambda: client.launcher.num_draft_restarts == 1, 120)
+        assert wait_until(lambda: client.launcher.num_draft_restarts == 1, 120)
         assert client.launcher.pids()["draft"] != draft_pid
         before = client.engine_stats().totals.num_draft_tokens
-        assert _wait(lambda: client.engine_stats().draft_alive or True, 1)
+        assert wait_until(lambda: client.engine_stats().draft_alive, 10)
         res = client.generate_batch(prompts, LONG)
         assert [r.token_ids for r in res] == ar
         assert client.engine_stats().totals.num_draft_tokens > before
@@ -100,8 +92,8 @@ def test_draft_killed_while_idle(setup):
     target, prompts, ar = setup
     with Client(_cfg(target, target)) as client:
         os.kill(client.launcher.pids()["draft"], signal.SIGKILL)
-        assert _wait(lambda: client.launcher.num_draft_restarts == 1, 120)
-        assert _wait(lambda: client.engine_stats().draft_alive, 10)
+        assert wait_until(lambda: client.launcher.num_draft_restarts == 1, 120)
+        assert wait_until(lambda: client.engine_stats().draft_alive, 10)
         res = client.generate_batch(prompts, LONG)
         assert [r.token_ids for r in res] == ar
         totals = client.engine_stats().totals
@@ -178,6 +170,6 @@ def test_children_exit_when_parent_is_killed(setup, tmp_path):
         def gone():
             return all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE for p in pids)
 
-        assert _wait(gone, 30)
+        assert wait_until(gone, 30)
     finally:
         parent.kill()

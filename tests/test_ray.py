@@ -21,7 +21,7 @@ import zmq
 import ray  # the `test` extra installs ray[serve]
 
 from conftest import save_tiny_model
-from e2e_util import make_config, random_prompts
+from e2e_util import make_config, random_prompts, wait_until
 from protocol.codec import encode
 from protocol.messages import GenerateRequest, SamplingParams
 from protocol.transport import curve_keypair, set_curve_client
@@ -92,14 +92,6 @@ def _stream_all(client, prompts, fault=None):
     return [results[r][0] for r in rids], [results[r][1] for r in rids]
 
 
-def _wait(predicate, timeout_s):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return False
-
 
 def test_two_gpus_one_node_matches_local_launcher(setup, deployment):
     _, prompts, reference = setup
@@ -131,11 +123,11 @@ def test_killed_draft_actor_degrades_then_is_replaced(setup, deployment):
         ids, stats = _stream_all(client, prompts, fault=lambda: ray.kill(old))
         assert ids == reference  # nothing lost, nothing different
         assert sum(s.num_ar_fallback_rounds for s in stats) > 0  # it decoded without the draft for a while
-        assert _wait(lambda: deployment.num_draft_restarts == 1, 120)
+        assert wait_until(lambda: deployment.num_draft_restarts == 1, 120, poll_s=0.1)
         assert deployment.pids()["draft"] != old_pid and deployment.dead_child() is None
         assert deployment.gpu_ids()["draft"] == "1"  # same bundle
         # Speculation resumes over the same address.
-        assert _wait(lambda: client.engine_stats().draft_alive, 30)
+        assert wait_until(lambda: client.engine_stats().draft_alive, 30, poll_s=0.1)
         ids, stats = _stream_all(client, prompts)
         assert ids == reference
         assert sum(s.num_draft_tokens for s in stats) > 0
@@ -173,8 +165,8 @@ def test_serve_app_answers_and_health_fails_with_dead_target(setup, deployment):
             names = _target_actors()
             return len(names) == 1 and names[0] != old
 
-        assert _wait(replaced, 90)
-        assert _wait(lambda: _ok(f"{base}/health"), 90)
+        assert wait_until(replaced, 90, poll_s=0.1)
+        assert wait_until(lambda: _ok(f"{base}/health"), 90, poll_s=0.1)
         r = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
         assert r.json()["choices"][0]["token_ids"] == reference[0][:20]
     finally:
@@ -225,8 +217,8 @@ def test_two_nodes_spread_uses_tcp_with_curve(setup):
                 # Killed mid-generation: see the report on a draft killed while the target is idle.
                 ids, _ = _stream_all(client, prompts[:2], fault=lambda: ray.kill(dep.actors["draft"]))
                 assert ids == reference[:2]
-                assert _wait(lambda: dep.num_draft_restarts == 1, 120)
-                assert _wait(lambda: client.engine_stats().draft_alive, 30)
+                assert wait_until(lambda: dep.num_draft_restarts == 1, 120, poll_s=0.1)
+                assert wait_until(lambda: client.engine_stats().draft_alive, 30, poll_s=0.1)
                 ids, stats = _stream_all(client, prompts[:2])
                 assert ids == reference[:2]
                 assert sum(s.num_draft_tokens for s in stats) > 0
