@@ -66,19 +66,21 @@ class ModelDrafter(Speculator):
         Step 0 feeds `first`; step i >= 1 feeds later(i) (host metadata: positions and KV
         rows do not depend on the sampled tokens) with each row's token from step i - 1
         copied in on the device. So the host builds step i + 1 while the GPU runs step i,
-        and syncs once per speculation instead of once per token. It stays at most one
-        step ahead: flashinfer's plan reuses one pinned host buffer per graph.
+        and syncs once per speculation instead of once per token. With flashinfer graphs
+        it stays at most one step ahead (flashinfer's plan reuses one pinned host buffer
+        per graph); the Triton attention has no plan, so the host may queue every step.
         positions: [R] absolute position of the token sampled at step 0.
         """
         device = self.runner.device
         st = self.sampling_tensors(rows)
         tokens, q_ids, q_probs, done = [], [], [], []
+        plan_bound = getattr(self.runner.backend, "attention", None) == "flashinfer"
         prev = None
         for i in range(num_steps):
             batch = build_forward_batch(first if i == 0 else later(i), device)
             if prev is not None:
                 batch.input_ids.copy_(prev)  # [R]
-            if len(done) >= 2:
+            if plan_bound and len(done) >= 2:
                 done[-2].synchronize()  # sync: keep the host at most one step ahead of the GPU
             logits = self.runner.forward(batch)  # [R, V]
             tok, qi, qp = self.sample(logits, rows, positions + i, st, depth=i)

@@ -10,7 +10,10 @@ ModelRunner.forward does on a graph shape: copy inputs, plan attention, replay t
 graph, LM head on the returned rows; each timed step ends with a sync, as a real
 step does (sampled tokens go to the host). Every request has --context tokens of KV.
 For target-8b and draft-1b it also times batch 1 with eager small ops in the graph
-and with no graph, which is how the fused ops and the graphs are judged.
+and with no graph, which is how the fused ops and the graphs are judged; for the
+8B and the drafts, batch 1 with flashinfer's graph attention instead of the Triton
+kernel, and an 8-step chain (each step's argmax fed to the next on the device, one
+sync at the end: how the drafter runs its steps), reported per step.
 
     python scripts/bench_step.py --out bench.json [--models target-8b,draft-1b]
 
@@ -87,7 +90,7 @@ def bench_model(name: str, args, bw: float, log) -> dict:
     model = random_model(arch, dev)
     wbytes, rbytes = weight_bytes(model), decode_read_bytes(model)
     max_q = max(args.verify_q_lens) if is_target else 1
-    layout = SlotLayout(max(BATCHES), args.context + max_q)
+    layout = SlotLayout(max(BATCHES), args.context + max(max_q, 8))
     kv = KVCache(arch.num_layers, layout.num_rows + 1, arch.num_kv_heads, arch.head_dim, torch.bfloat16, dev)
     backend = FlashInferBackend(arch.num_heads, arch.num_kv_heads, arch.head_dim, torch.bfloat16, dev)
     model.bind(backend, kv)
@@ -98,7 +101,8 @@ def bench_model(name: str, args, bw: float, log) -> dict:
 
     def make_graphs():
         g = CudaGraphRunner(fwd, backend, max_batch_size=max(BATCHES), q_lens=q_lens,
-                            max_kv_len=layout.max_model_len, dummy_row=layout.num_rows, device=dev)
+                            max_kv_len=layout.max_model_len, dummy_row=layout.num_rows, device=dev,
+                            logits_fn=model.compute_logits)
         g.capture()
         return g
 
@@ -119,9 +123,24 @@ def bench_model(name: str, args, bw: float, log) -> dict:
     def graph_step(batch, g):
         def step():
             with torch.inference_mode():
-                hidden = g.run(batch)
-                model.compute_logits(hidden[batch.logits_indices])
+                logits = g.run(batch)  # the graph includes the LM head
+                logits[batch.logits_indices]
         return step
+
+    def chain_step(batch, g, n):
+        def step():
+            with torch.inference_mode():
+                prev = None
+                for i in range(n):
+                    b = batch_for_pos(1, 1, args.context + i)
+                    if prev is not None:
+                        b.input_ids.copy_(prev)
+                    prev = g.run(b).argmax(-1)
+        return step
+
+    def batch_for_pos(b: int, q: int, pos: int):
+        items = [ForwardItem([7] * q, pos, layout.slot_rows(s, pos + q), "last") for s in range(b)]
+        return build_forward_batch(items, dev)
 
     def eager_step(batch):
         def step():
@@ -150,7 +169,8 @@ def bench_model(name: str, args, bw: float, log) -> dict:
             extra["decode_b1_no_graph_eager_ops_ms"] = time_step(torch, eager_step(batch), args.warmup, args.iters)
             with torch.inference_mode():
                 g2 = CudaGraphRunner(fwd, backend, max_batch_size=1, q_lens=(1,),
-                                     max_kv_len=layout.max_model_len, dummy_row=layout.num_rows, device=dev)
+                                     max_kv_len=layout.max_model_len, dummy_row=layout.num_rows, device=dev,
+                                     logits_fn=model.compute_logits)
                 g2.capture()
             extra["decode_b1_graph_eager_ops_ms"] = time_step(torch, graph_step(batch, g2), args.warmup, args.iters)
             del g2
@@ -158,30 +178,34 @@ def bench_model(name: str, args, bw: float, log) -> dict:
             cuda_ops.set_fused_ops(True)
     if name in ("target-8b", "draft-1b", "draft-0.6b"):
         batch = batch_for(1, 1)
-        backend.disable_split_kv = True
+        # The same step with flashinfer's graph attention (planned on the host per step).
+        backend.attention = "flashinfer"
         try:
             with torch.inference_mode():
                 g3 = CudaGraphRunner(fwd, backend, max_batch_size=1, q_lens=(1,),
-                                     max_kv_len=layout.max_model_len, dummy_row=layout.num_rows, device=dev)
+                                     max_kv_len=layout.max_model_len, dummy_row=layout.num_rows, device=dev,
+                                     logits_fn=model.compute_logits)
                 g3.capture()
-            extra["decode_b1_graph_no_split_kv_ms"] = time_step(torch, graph_step(batch, g3), args.warmup, args.iters)
+            extra["decode_b1_graph_flashinfer_ms"] = time_step(torch, graph_step(batch, g3), args.warmup, args.iters)
             del g3
         finally:
-            backend.disable_split_kv = False
-        backend.decode_tensor_cores = False
-        try:
-            with torch.inference_mode():
-                g4 = CudaGraphRunner(fwd, backend, max_batch_size=1, q_lens=(1,),
-                                     max_kv_len=layout.max_model_len, dummy_row=layout.num_rows, device=dev)
-                g4.capture()
-            extra["decode_b1_graph_cuda_core_attn_ms"] = time_step(torch, graph_step(batch, g4), args.warmup,
-                                                                   args.iters)
-            del g4
-        finally:
-            backend.decode_tensor_cores = True
-        log(f"{name:11s} b=1 decode, graph, attention without split-kv: "
-            f"{extra['decode_b1_graph_no_split_kv_ms']:.3f} ms; CUDA-core decode attention: "
-            f"{extra['decode_b1_graph_cuda_core_attn_ms']:.3f} ms")
+            backend.attention = "triton"
+        # Host time of one step (no sync): what the GPU waits for before the graph runs.
+        step, host = graph_step(batch, graphs), []
+        for _ in range(args.iters):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            step()
+            host.append((time.perf_counter() - t) * 1e3)
+        torch.cuda.synchronize()
+        extra["decode_b1_host_ms"] = float(np.median(host))
+        # A draft's steps as SSD and the chain drafter run them: 8 steps back to back,
+        # each step's argmax fed to the next on the device, one sync at the end.
+        extra["decode_b1_chain8_ms_per_step"] = time_step(
+            torch, chain_step(batch, graphs, 8), args.warmup, args.iters) / 8
+        log(f"{name:11s} b=1 decode, graph: host {extra['decode_b1_host_ms']:.3f} ms; "
+            f"flashinfer attention {extra['decode_b1_graph_flashinfer_ms']:.3f} ms; "
+            f"8-step chain {extra['decode_b1_chain8_ms_per_step']:.3f} ms per step")
         if args.profile:
             profile_step(torch, graph_step(batch, graphs), f"{args.profile}", name)
     if "decode_b1_no_graph_fused_ms" in extra:

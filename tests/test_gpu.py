@@ -109,7 +109,9 @@ def model_dir(request, tmp_path_factory) -> str:
     return path
 
 
-def test_gpu_matches_cpu_graphs_and_transformers(model_dir: str) -> None:
+@pytest.mark.parametrize("attention", ["triton", "flashinfer"])
+def test_gpu_matches_cpu_graphs_and_transformers(model_dir: str, attention: str, monkeypatch) -> None:
+    monkeypatch.setenv("SPEC_RUNTIME_ATTENTION", attention)
     gpu = _runner(model_dir, "cuda", graphs=True)
     assert gpu.graphs is not None and len(gpu.graphs.graphs) == 3 * 2  # batch sizes 1, 2, 4 x q_len 1, 5
     vocab = gpu.vocab_size
@@ -185,3 +187,38 @@ def test_flashinfer_causal_is_bottom_right() -> None:
     sdpa.begin(batch)
     ref = sdpa.forward(0, q.float(), k_new.float(), v_new.float(), ref_kv, batch)
     assert rel_err(out, ref) < TOL, f"flashinfer vs SDPA: {rel_err(out, ref):.2e}"
+
+
+@pytest.mark.parametrize("hq,hkv,q_len,kv_lens", [
+    (32, 8, 1, [1, 600, 37] + [300] * 13),  # 8B decode at batch 16
+    (64, 8, 9, [9, 700, 128]),  # 32B verify of K+1 = 9: a 72-row tile
+    (16, 8, 4, [2000, 4]),  # many rows per split
+])
+def test_triton_attention_matches_sdpa(hq: int, hkv: int, q_len: int, kv_lens: list[int]) -> None:
+    """The Triton kernel with bf16 tensor-core dots against SDPA, head_dim 128."""
+    from spec_runtime.model.attention import SDPABackend
+    from spec_runtime.model.forward_batch import build_forward_batch
+    from spec_runtime.model.kv_cache import KVCache
+    from spec_runtime.model.triton_kernels import num_splits_for, paged_attention
+
+    d, rows = 128, 4096
+    torch.manual_seed(0)
+    kv = KVCache(1, rows, hkv, d, torch.bfloat16, "cuda")
+    kv.k_cache[0].normal_()
+    kv.v_cache[0].normal_()
+    rng = np.random.default_rng(0)
+    items = [ForwardItem([1] * q_len, n - q_len, rng.choice(rows, n, replace=False), "all") for n in kv_lens]
+    batch = build_forward_batch(items, "cuda")
+    q = torch.randn(batch.input_ids.shape[0], hq, d, device="cuda", dtype=torch.bfloat16)
+    ref_kv = KVCache(1, rows, hkv, d, torch.float32, "cuda")
+    ref_kv.k_cache[0].copy_(kv.k_cache[0])
+    ref_kv.v_cache[0].copy_(kv.v_cache[0])
+    sdpa = SDPABackend(hq, hkv, d)
+    sdpa.begin(batch)
+    w = batch.kv_write_rows
+    ref = sdpa.forward(0, q.float(), ref_kv.k_cache[0][w].clone(), ref_kv.v_cache[0][w].clone(), ref_kv, batch)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for splits in sorted({1, num_splits_for(len(kv_lens), hkv, sms), 7}):
+        out = paged_attention(q, kv.k_cache[0], kv.v_cache[0], batch.kv_indptr, batch.kv_indices,
+                              q_len=q_len, num_splits=splits, scale=d**-0.5)
+        assert rel_err(out, ref) < TOL, f"{splits} splits: {rel_err(out, ref):.2e}"

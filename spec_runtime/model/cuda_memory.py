@@ -27,8 +27,9 @@ GRAPH_RESERVE_BYTES = 1 << 30
 
 @torch.inference_mode()
 def fit_num_slots(model, backend: AttentionBackend, *, gpu_memory_utilization: float, num_slots: int,
-                  max_model_len: int, num_scratch_rows: int, warmup_tokens: int) -> int:
-    """Slots of max_model_len rows that fit after the weights and a warm-up forward."""
+                  max_model_len: int, num_scratch_rows: int, warmup_tokens: int, reserve_bytes: int = 0) -> int:
+    """Slots of max_model_len rows that fit after the weights, a warm-up forward, the
+    fixed graph reserve and `reserve_bytes` more (the graphs' logits buffers)."""
     device = model.embed_tokens.weight.device
     arch, dtype = model.arch, model.embed_tokens.weight.dtype
     n = max(1, min(warmup_tokens, max_model_len))
@@ -52,7 +53,7 @@ def fit_num_slots(model, backend: AttentionBackend, *, gpu_memory_utilization: f
     total = torch.cuda.get_device_properties(device).total_memory
     tmp_bytes = kv_bytes_per_token(arch, dtype) * (n + 1)
     used = peak - tmp_bytes  # weights + activations + workspaces
-    budget = int(total * gpu_memory_utilization) - used - GRAPH_RESERVE_BYTES
+    budget = int(total * gpu_memory_utilization) - used - GRAPH_RESERVE_BYTES - reserve_bytes
     per_token = kv_bytes_per_token(arch, dtype)
     fixed = per_token * (num_scratch_rows + 1)  # scratch rows + the dummy row
     fit = (budget - fixed) // (per_token * max_model_len)

@@ -7,11 +7,13 @@ but llama.py's eager RMSNorm (7 kernels), RoPE (5 per tensor) and SiLU-and-mul
 made by torch.compile:
 
     add_rmsnorm     residual add + RMSNorm (2 per layer)
-    qk_rope         split of the fused qkv output + optional q/k RMSNorm (Qwen3) + RoPE
     silu_mul        SiLU(gate) * up
     rope_cos_sin    cos/sin of the step's positions (once per forward)
 
-so a layer is ~11 kernels: 2 norms, 3 GEMMs + down, rope, 2 KV writes, attention.
+and one hand-written Triton kernel (triton_kernels.rope_store_kv) splits the fused
+qkv output, applies the optional q/k RMSNorm (Qwen3) and RoPE, and writes k and v to
+their pool rows, so the attention backend only attends (`backend.attend`). A layer is
+~10 kernels: 2 norms, 4 GEMMs, rope+store, attention (2 with split kv), silu_mul.
 `cuda_forward` reads the parameters of a LlamaForCausalLM, so weights are loaded
 once by llama.py's loader; the CPU path (model.forward) is untouched. Numerics
 follow llama.py (float32 norm statistics, bf16 residual stream); the fused
@@ -31,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from spec_runtime.model.forward_batch import ForwardBatch
+from spec_runtime.model.triton_kernels import rope_store_kv
 
 logger = logging.getLogger(__name__)
 
@@ -97,11 +100,10 @@ class _Ops:
             opts = dict(dynamic=True, fullgraph=True)
             self.rmsnorm = torch.compile(_rmsnorm, **opts)
             self.add_rmsnorm = torch.compile(_add_rmsnorm, **opts)
-            self.qk_rope = torch.compile(_qk_rope, **opts)
             self.silu_mul = torch.compile(_silu_mul, **opts)
             self.rope_cos_sin = torch.compile(_rope_cos_sin, **opts)
         else:
-            self.rmsnorm, self.add_rmsnorm, self.qk_rope = _rmsnorm, _add_rmsnorm, _qk_rope
+            self.rmsnorm, self.add_rmsnorm = _rmsnorm, _add_rmsnorm
             self.silu_mul, self.rope_cos_sin = _silu_mul, _rope_cos_sin
         self.fused = fused
 
@@ -143,9 +145,16 @@ def cuda_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, batch:
         qkv = attn.qkv_proj(h)  # [T, (Hq + 2 Hkv) D]
         qn = attn.q_norm.weight if attn.q_norm is not None else None
         kn = attn.k_norm.weight if attn.k_norm is not None else None
-        q, k, v = ops.qk_rope(qkv, cos, sin, arch.num_heads, arch.num_kv_heads, arch.head_dim,
-                              qn, kn, arch.rms_norm_eps)
-        o = backend.forward(attn.layer_idx, q, k, v, kv, batch)  # [T, Hq, D]
+        if ops.fused:
+            li = attn.layer_idx
+            q = rope_store_kv(qkv, cos, sin, kv.k_cache[li], kv.v_cache[li], batch.kv_write_rows,
+                              num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
+                              q_norm_w=qn, k_norm_w=kn, eps=arch.rms_norm_eps)  # [T, Hq, D]
+            o = backend.attend(li, q, kv, batch)  # [T, Hq, D]
+        else:
+            q, k, v = _qk_rope(qkv, cos, sin, arch.num_heads, arch.num_kv_heads, arch.head_dim,
+                                  qn, kn, arch.rms_norm_eps)
+            o = backend.forward(attn.layer_idx, q, k, v, kv, batch)  # [T, Hq, D]
         x = attn.o_proj(o.reshape(t, arch.q_size))  # [T, H]
         ln2 = layer.post_attention_layernorm
         h, residual = ops.add_rmsnorm(x, residual, ln2.weight, ln2.eps)

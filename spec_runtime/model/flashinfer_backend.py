@@ -1,31 +1,33 @@
-"""CUDA attention over the token-granular KV pool with flashinfer 0.5.2 (page_size 1).
+"""CUDA attention over the token-granular KV pool: Triton kernels for every short,
+uniform-q_len forward, flashinfer 0.5.2 (page_size 1) for the rest.
 
 The pool's per-layer [num_rows, H, D] tensors are viewed as NHD pages of one token,
 [num_rows, 1, H, D], so a ForwardBatch's kv_indices *is* the page table and every
-page is full (kv_last_page_len = 1). Two flashinfer wrappers cover every forward:
+page is full (kv_last_page_len = 1).
 
-- q_len 1 for every request (decode, a tree-decode step): BatchDecodeWithPagedKVCacheWrapper
-  with tensor cores, which runs the fa2 prefill kernel underneath, so decode and
-  verify share one JIT-compiled module;
-- anything else (verify of K+1 tokens, glue, prefill): BatchPrefillWithPagedKVCacheWrapper
-  with causal=True. flashinfer aligns the causal mask bottom-right when q_len < kv_len
-  (query i of a request sees kv [0, kv_len - q_len + i]), which is forward_batch.py's
-  rule; tests/test_gpu.py checks it against SDPA.
+- Uniform q_len <= MAX_TRITON_Q_LEN (decode, verify of K+1, SSD glue and tree steps,
+  and so every CUDA graph): triton_kernels.paged_attention, which reads kv_indptr and
+  kv_indices on the device and needs no host planning. That makes a step's host work
+  a few copies and one graph launch, and lets the host queue steps ahead of the GPU.
+- Anything else (prefill, ragged batches): flashinfer's BatchPrefillWithPagedKVCacheWrapper
+  with causal=True (or its decode wrapper for q_len 1). flashinfer aligns the causal
+  mask bottom-right when q_len < kv_len (query i of a request sees kv
+  [0, kv_len - q_len + i]), which is forward_batch.py's rule.
 
-`plan()` is host work (it reads the host indptr arrays and fills flashinfer's
-int workspace with an async copy), so `begin()` runs it once per forward, before
-the first layer's kernels are queued. CUDA graphs (cuda_graphs.py) get their own
-wrappers in flashinfer's use_cuda_graph mode through `make_graph_attention`; the
-plan then writes into preallocated buffers the captured kernels read.
+`attention = "flashinfer"` (or SPEC_RUNTIME_ATTENTION=flashinfer) sends the short forwards and the graphs to flashinfer too
+(its use_cuda_graph wrappers, planned on the host before every replay); the step
+benchmark measures both. tests/test_gpu.py checks every path against SDPA.
 
-flashinfer's plan reuses one pinned host buffer per wrapper, so a wrapper must not
-be planned again while its previous plan's copy is still queued behind older work;
-the callers meet that because every step ends with one host sync (sampled tokens).
+flashinfer's `plan()` is host work (it reads the host indptr arrays and fills its int
+workspace with an async copy from one pinned buffer per wrapper), so a wrapper must
+not be planned again while its previous plan's copy is still queued; callers that
+use flashinfer for graphs stay at most one step ahead of the GPU.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,6 +36,11 @@ import torch
 from spec_runtime.model.attention import AttentionBackend
 from spec_runtime.model.forward_batch import ForwardBatch
 from spec_runtime.model.kv_cache import KVCache
+from spec_runtime.model.triton_kernels import (
+    MAX_TILE_M,
+    num_splits_for,
+    paged_attention,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +51,8 @@ WORKSPACE_BYTES = 256 * 1024 * 1024
 # fa2 explicitly: "auto" picks fa3 on Hopper, which for page_size 1 adds a
 # sparse-index conversion kernel and a second, slower JIT build.
 FI_BACKEND = "fa2"
+# Longest uniform q_len the Triton kernel serves (verify of K+1 <= 16 tokens).
+MAX_TRITON_Q_LEN = 16
 
 
 def _flashinfer():
@@ -65,19 +74,22 @@ def _host_i32(a: np.ndarray) -> torch.Tensor:
 
 @dataclass
 class GraphAttention:
-    """A flashinfer wrapper in CUDA-graph mode for one (batch_size, q_len) shape.
+    """The attention of one captured (batch_size, q_len) shape.
 
-    The captured kernels read `wrapper`'s preallocated index buffers; `plan` refills
-    them (and flashinfer's int workspace) before each replay.
+    Triton (wrapper None): the captured kernels read the static batch's kv_indptr and
+    kv_indices, which the graph runner refills; `num_splits` is fixed at capture.
+    flashinfer: a wrapper in CUDA-graph mode whose preallocated index buffers the
+    captured kernels read; `plan` refills them (and flashinfer's int workspace)
+    before each replay.
     """
 
     batch_size: int
     q_len: int
     max_kv_rows: int  # total kv rows over the batch the index buffer holds
-    wrapper: object
-    kv_indices_buf: torch.Tensor  # [max_kv_rows] int32, owned by the wrapper
-    last_page_len_cpu: torch.Tensor  # [batch_size] int32 ones (page_size 1: every page full)
-    qo_indptr_cpu: torch.Tensor  # [batch_size + 1] int32, fixed: q_len tokens per request
+    wrapper: object | None
+    num_splits: int = 1
+    last_page_len_cpu: torch.Tensor | None = None  # [batch_size] int32 ones (page_size 1)
+    qo_indptr_cpu: torch.Tensor | None = None  # [batch_size + 1] int32, fixed: q_len per request
 
 
 class FlashInferBackend(AttentionBackend):
@@ -101,6 +113,15 @@ class FlashInferBackend(AttentionBackend):
         # q_len-1 graphs: the fa2 prefill kernel on tensor cores (shares verify's JIT module)
         # or flashinfer's CUDA-core decode kernel (a second module); the benchmark measures both.
         self.decode_tensor_cores = True
+        # Who serves short uniform forwards and CUDA graphs: "triton" (no host plan) or
+        # "flashinfer"; set before graphs are captured.
+        self.attention = os.environ.get("SPEC_RUNTIME_ATTENTION", "triton")
+        if self.attention not in ("triton", "flashinfer"):
+            raise ValueError(f"SPEC_RUNTIME_ATTENTION must be triton or flashinfer, got {self.attention!r}")
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        self.num_sms = torch.cuda.get_device_properties(index).multi_processor_count
+        self.scale = head_dim**-0.5
+        self._splits = 1
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self._decode = self.fi.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=True, backend=FI_BACKEND)
@@ -129,9 +150,20 @@ class FlashInferBackend(AttentionBackend):
             non_blocking=True, disable_split_kv=self.disable_split_kv,
         )
 
+    def fits_triton(self, num_tokens: int, num_requests: int, q_len: int) -> bool:
+        """Whether the Triton kernel serves a batch of this shape (uniform, short q_len)."""
+        return (self.attention == "triton" and num_tokens == num_requests * q_len and q_len <= MAX_TRITON_Q_LEN
+                and q_len * (self.num_heads // self.num_kv_heads) <= MAX_TILE_M)
+
     def begin(self, batch: ForwardBatch) -> None:
-        """Plan the eager wrappers for `batch` (host work; no device sync)."""
+        """Plan `batch` (host work; no device sync). Triton batches need no plan."""
         r = batch.num_requests
+        if self.fits_triton(int(batch.input_ids.shape[0]), r, batch.max_q_len):
+            max_kv = int(np.diff(batch.kv_indptr_cpu).max())
+            self._splits = num_splits_for(r, self.num_kv_heads, self.num_sms, max_kv)
+            self._active = "triton"
+            self._active_batch = batch
+            return
         kv_indptr = _host_i32(batch.kv_indptr_cpu)  # [R+1]
         last_page_len = torch.ones(r, dtype=torch.int32)  # [R]
         if batch.is_decode:
@@ -144,7 +176,10 @@ class FlashInferBackend(AttentionBackend):
         self._active_batch = batch
 
     def make_graph_attention(self, batch_size: int, q_len: int, max_kv_rows: int) -> GraphAttention:
-        """A CUDA-graph-mode wrapper for `batch_size` requests of `q_len` tokens each."""
+        """The attention of a graph for `batch_size` requests of `q_len` tokens each."""
+        if self.fits_triton(batch_size * q_len, batch_size, q_len):
+            return GraphAttention(batch_size, q_len, max_kv_rows, wrapper=None,
+                                  num_splits=num_splits_for(batch_size, self.num_kv_heads, self.num_sms))
         dev = self.device
         indptr_buf = torch.zeros(batch_size + 1, dtype=torch.int32, device=dev)
         indices_buf = torch.zeros(max_kv_rows, dtype=torch.int32, device=dev)
@@ -162,19 +197,23 @@ class FlashInferBackend(AttentionBackend):
                 paged_kv_last_page_len_buf=last_buf, backend=FI_BACKEND)
         return GraphAttention(
             batch_size=batch_size, q_len=q_len, max_kv_rows=max_kv_rows, wrapper=wrapper,
-            kv_indices_buf=indices_buf,
             last_page_len_cpu=torch.ones(batch_size, dtype=torch.int32),
             qo_indptr_cpu=torch.arange(0, (batch_size + 1) * q_len, q_len, dtype=torch.int32),
         )
 
     def begin_graph(self, ga: GraphAttention, kv_indptr_cpu: np.ndarray, kv_indices: torch.Tensor,
                     batch: ForwardBatch) -> None:
-        """Plan a graph wrapper: kv_indptr_cpu [B+1] (padded), kv_indices [nnz] on the device.
-
-        `batch` is the static ForwardBatch the captured forward reads kv_write_rows from.
+        """Get a graph's attention ready: kv_indptr_cpu [B+1] (padded), kv_indices [nnz] on
+        the device. For Triton the caller has copied both into `batch` (the static batch
+        the captured forward reads); for flashinfer this plans the graph's wrapper.
         """
         if int(kv_indptr_cpu[-1]) > ga.max_kv_rows:
             raise ValueError(f"{int(kv_indptr_cpu[-1])} kv rows exceed the graph's {ga.max_kv_rows}")
+        if ga.wrapper is None:
+            self._splits = ga.num_splits
+            self._active = "triton"
+            self._active_batch = batch
+            return
         kv_indptr = _host_i32(kv_indptr_cpu)
         if ga.q_len == 1:
             self._plan_decode(ga.wrapper, kv_indptr, kv_indices, ga.last_page_len_cpu)
@@ -194,12 +233,20 @@ class FlashInferBackend(AttentionBackend):
         kv: KVCache,
         batch: ForwardBatch,
     ) -> torch.Tensor:  # [T, Hq, D]
+        # index_copy_ with a device index: no host sync, one kernel per tensor.
+        kv.k_cache[layer_idx].index_copy_(0, batch.kv_write_rows, k)
+        kv.v_cache[layer_idx].index_copy_(0, batch.kv_write_rows, v)
+        return self.attend(layer_idx, q, kv, batch)
+
+    def attend(self, layer_idx: int, q: torch.Tensor, kv: KVCache, batch: ForwardBatch) -> torch.Tensor:
+        """Attention of q [T, Hq, D] over the pool, whose rows for the new tokens are
+        already written (cuda_ops writes them in the fused RoPE kernel)."""
         if self._active is None or self._active_batch is not batch:
             raise ValueError("FlashInferBackend.begin(batch) must be called before forward for that batch")
         k_cache = kv.k_cache[layer_idx]  # [rows, Hkv, D]
         v_cache = kv.v_cache[layer_idx]
-        # index_copy_ with a device index: no host sync, one kernel per tensor.
-        k_cache.index_copy_(0, batch.kv_write_rows, k)
-        v_cache.index_copy_(0, batch.kv_write_rows, v)
+        if self._active == "triton":
+            return paged_attention(q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices,
+                                   q_len=batch.max_q_len, num_splits=self._splits, scale=self.scale)
         paged = (k_cache.unsqueeze(1), v_cache.unsqueeze(1))  # NHD pages of one row: [rows, 1, Hkv, D]
         return self._active.run(q.contiguous(), paged)

@@ -42,6 +42,8 @@ class ModelRunner:
             raise ValueError(f"num_scratch_rows must be >= 0, got {num_scratch_rows}")
         self.cfg = cfg
         self.device = torch.device(cfg.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())  # "cuda" = the current one
         if self.device.type == "cuda":
             # flashinfer and CUDA graphs launch on the current device: make it this one.
             torch.cuda.set_device(self.device)
@@ -57,11 +59,16 @@ class ModelRunner:
         self.backend = self._make_backend()
         is_cuda = self.device.type == "cuda"
         if is_cuda:
+            from spec_runtime.model.cuda_graphs import graph_batch_sizes
             from spec_runtime.model.cuda_memory import fit_num_slots
 
+            # Each graph keeps its float32 logits for every token of its shape.
+            logits_bytes = (sum(graph_batch_sizes(max_batch_size or num_slots)) * sum(set(graph_q_lens))
+                            * self.vocab_size * 4) if cfg.cuda_graphs else 0
             num_slots = fit_num_slots(self.model, self.backend, gpu_memory_utilization=cfg.gpu_memory_utilization,
                                       num_slots=num_slots, max_model_len=max_model_len,
-                                      num_scratch_rows=num_scratch_rows, warmup_tokens=max_model_len)
+                                      num_scratch_rows=num_scratch_rows, warmup_tokens=max_model_len,
+                                      reserve_bytes=logits_bytes)
         self.layout = SlotLayout(num_slots, max_model_len, num_scratch_rows)
         # CUDA: one row past the layout that no sequence owns, for padded graph requests.
         self.dummy_row = self.layout.num_rows
@@ -74,7 +81,8 @@ class ModelRunner:
 
             self.graphs = CudaGraphRunner(
                 self._cuda_forward, self.backend, max_batch_size=max_batch_size or num_slots,
-                q_lens=graph_q_lens, max_kv_len=max_model_len, dummy_row=self.dummy_row, device=self.device)
+                q_lens=graph_q_lens, max_kv_len=max_model_len, dummy_row=self.dummy_row, device=self.device,
+                logits_fn=self.model.compute_logits)
             self.graphs.capture()
         logger.info("%s: %s, layout %s", self.model_name, self.kv_cache, self.layout)
 
@@ -96,10 +104,13 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [N, V] float32 of the rows batch.logits_indices selects."""
         if self.device.type == "cuda":
-            hidden = self.graphs.run(batch) if self.graphs is not None else None  # None: no graph fits
-            if hidden is None:
-                self.backend.begin(batch)
-                hidden = self._cuda_forward(batch.input_ids, batch.positions, batch)  # [T, H]
+            logits = self.graphs.run(batch) if self.graphs is not None else None  # [T, V]; None: no graph fits
+            if logits is not None:
+                # The graph's buffer is overwritten by its next replay: hand out a copy.
+                idx = batch.logits_indices
+                return logits.clone() if idx.shape[0] == logits.shape[0] else logits[idx]  # [N, V]
+            self.backend.begin(batch)
+            hidden = self._cuda_forward(batch.input_ids, batch.positions, batch)  # [T, H]
             return self.model.compute_logits(hidden[batch.logits_indices])  # [N, V]
         self.backend.begin(batch)
         hidden = self.model(batch.input_ids, batch.positions, batch)  # [T, H]

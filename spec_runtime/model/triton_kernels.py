@@ -1,0 +1,259 @@
+"""Triton kernels for the CUDA hot path: paged attention with no host planning, and
+the fused RoPE + KV write.
+
+Why not flashinfer everywhere: flashinfer's `plan()` runs on the host before every
+forward (it reads the kv lengths to split the work) and copies from pageable memory,
+which costs 0.2-0.5 ms per step and lets the host run at most one step ahead. Every
+CUDA-graph shape of this runtime (decode, verify of K+1, SSD glue and tree steps) has
+the same q_len for every request and a short q_len, so a kernel that reads kv_indptr
+and kv_indices from the device and splits the kv range by a fixed number of splits
+needs no plan at all: replaying a graph is copying its inputs and launching it.
+Prefill (long, ragged queries) still goes to flashinfer.
+
+`paged_attention`: the requests of a batch each bring `q_len` queries (token order
+request-major, as ForwardBatch lays them out) and attend to kv rows
+kv_indices[kv_indptr[r]:kv_indptr[r+1]] under forward_batch.py's bottom-right causal
+rule (query i of a request with n rows sees rows [0, n - q_len + i]). One program
+handles (request, kv head, split): the q_len x group queries that share a kv head
+are one [BLOCK_M, D] tile, so a GQA group reads each K/V row once. Each split covers
+an equal share of the request's rows (computed on the device from its length) and
+writes a partial output and log-sum-exp; a second kernel merges the splits.
+
+`rope_store_kv`: one kernel per layer for what was four: split the fused qkv output,
+optional per-head q/k RMSNorm (Qwen3), rotate q and k, and write k and v to their
+pool rows. Rows of q come back as a new [T, Hq, D] tensor.
+
+Both run under TRITON_INTERPRET=1 on the CPU, which is how the tests check them
+against the SDPA backend without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Triton's CPU interpreter multiplies bf16 tiles wrongly in tl.dot; under it the
+# kernel upcasts to float32 first (tests only; on the GPU the dots run in bf16).
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# Queries per (request, kv head) tile this kernel accepts: q_len * group <= MAX_TILE_M.
+MAX_TILE_M = 128
+
+
+@triton.jit
+def _attn_split_kernel(
+    q_ptr, k_ptr, v_ptr, kv_indptr_ptr, kv_indices_ptr, o_part_ptr, lse_part_ptr,
+    stride_qt, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh,
+    scale,
+    Q_LEN: tl.constexpr, GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    req = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+
+    kv_start = tl.load(kv_indptr_ptr + req)
+    kv_len = tl.load(kv_indptr_ptr + req + 1) - kv_start
+    # This split's share of [0, kv_len), in whole BLOCK_N blocks.
+    chunk = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, kv_len)
+
+    offs_m = tl.arange(0, BLOCK_M)  # tile row m: query i = m // GROUP, head kvh * GROUP + m % GROUP
+    offs_d = tl.arange(0, HEAD_DIM)
+    qi = offs_m // GROUP
+    head = kvh * GROUP + offs_m % GROUP
+    m_valid = offs_m < Q_LEN * GROUP
+    tok = req * Q_LEN + qi
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=m_valid[:, None], other=0.0)  # [BLOCK_M, D]
+    if DOT_F32:
+        q = q.to(tl.float32)
+    # Last kv position each row may see (bottom-right causal).
+    last = kv_len - Q_LEN + qi  # [BLOCK_M]
+
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < hi
+        rows = tl.load(kv_indices_ptr + kv_start + offs_n, mask=n_valid, other=0).to(tl.int64)
+        k = tl.load(k_ptr + rows[:, None] * stride_kr + kvh * stride_kh + offs_d[None, :],
+                    mask=n_valid[:, None], other=0.0)  # [BLOCK_N, D]
+        if DOT_F32:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, BLOCK_N] fp32
+        allowed = n_valid[None, :] & (offs_n[None, :] <= last[:, None])
+        s = tl.where(allowed, s, -1.0e30)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.where(allowed, tl.exp(s - m_new[:, None]), 0.0)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + rows[:, None] * stride_vr + kvh * stride_vh + offs_d[None, :],
+                    mask=n_valid[:, None], other=0.0)  # [BLOCK_N, D]
+        if DOT_F32:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    # Partial result of this split; a split that saw no row of a query gets lse -inf.
+    has = l_i > 0.0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+    base = (req * NUM_KV_HEADS + kvh) * NUM_SPLITS + split  # [R, Hkv, S] partial index
+    tl.store(o_part_ptr + (base * BLOCK_M + offs_m)[:, None] * HEAD_DIM + offs_d[None, :], out,
+             mask=m_valid[:, None])
+    tl.store(lse_part_ptr + base * BLOCK_M + offs_m, lse, mask=m_valid)
+
+
+@triton.jit
+def _attn_merge_kernel(
+    o_part_ptr, lse_part_ptr, out_ptr, stride_ot, stride_oh,
+    Q_LEN: tl.constexpr, GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    # One program per (request, kv head, tile row): every output row merges in parallel.
+    rh = tl.program_id(0)
+    m = tl.program_id(1)
+    req = rh // NUM_KV_HEADS
+    kvh = rh % NUM_KV_HEADS
+    offs_s = tl.arange(0, BLOCK_S)
+    s_valid = offs_s < NUM_SPLITS
+    offs_d = tl.arange(0, HEAD_DIM)
+    part_rows = (rh * NUM_SPLITS + offs_s) * BLOCK_M + m  # [BLOCK_S]
+    lse = tl.load(lse_part_ptr + part_rows, mask=s_valid, other=float("-inf"))
+    w = tl.exp(lse - tl.max(lse, axis=0))  # splits with no rows weigh 0
+    w = w / tl.sum(w, axis=0)
+    part = tl.load(o_part_ptr + part_rows[:, None] * HEAD_DIM + offs_d[None, :],
+                   mask=s_valid[:, None], other=0.0)  # [BLOCK_S, D]
+    o = tl.sum(part * w[:, None], axis=0)
+    tok = req * Q_LEN + m // GROUP
+    head = kvh * GROUP + m % GROUP
+    tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
+
+
+def num_splits_for(num_requests: int, num_kv_heads: int, num_sms: int, max_kv_len: int | None = None,
+                   block_n: int = 32) -> int:
+    """Splits per (request, kv head): enough programs to fill the GPU about twice,
+    never so many that a split of `max_kv_len` rows is under one block."""
+    s = max(1, min(32, triton.cdiv(2 * num_sms, num_requests * num_kv_heads)))
+    if max_kv_len is not None:
+        s = max(1, min(s, triton.cdiv(max_kv_len, block_n)))
+    return s
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indptr: torch.Tensor,
+                    kv_indices: torch.Tensor, *, q_len: int, num_splits: int, scale: float,
+                    block_n: int = 32) -> torch.Tensor:
+    """q [R * q_len, Hq, D]; k/v_cache [rows, Hkv, D]; kv_indptr [R+1], kv_indices [nnz]
+    int32 on the device. Returns [R * q_len, Hq, D] in q's dtype. No host sync."""
+    t, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    if t % q_len:
+        raise ValueError(f"{t} query tokens are not a multiple of q_len {q_len}")
+    r = t // q_len
+    group = hq // hkv
+    tile_m = q_len * group
+    if tile_m > MAX_TILE_M:
+        raise ValueError(f"q_len {q_len} x group {group} exceeds the {MAX_TILE_M}-row tile")
+    block_m = max(16, triton.next_power_of_2(tile_m))
+    q = q.contiguous()
+    o_part = torch.empty(r * hkv * num_splits * block_m * d, dtype=torch.float32, device=q.device)
+    lse_part = torch.empty(r * hkv * num_splits * block_m, dtype=torch.float32, device=q.device)
+    _attn_split_kernel[(r, hkv, num_splits)](
+        q, k_cache, v_cache, kv_indptr, kv_indices, o_part, lse_part,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        scale,
+        Q_LEN=q_len, GROUP=group, NUM_KV_HEADS=hkv, NUM_SPLITS=num_splits, HEAD_DIM=d,
+        BLOCK_M=block_m, BLOCK_N=block_n, DOT_F32=_INTERPRET,
+    )
+    out = torch.empty_like(q)
+    _attn_merge_kernel[(r * hkv, tile_m)](
+        o_part, lse_part, out, out.stride(0), out.stride(1),
+        Q_LEN=q_len, GROUP=group, NUM_KV_HEADS=hkv, NUM_SPLITS=num_splits, HEAD_DIM=d,
+        BLOCK_M=block_m, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+    )
+    return out
+
+
+@triton.jit
+def _rope_store_kernel(
+    qkv_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, rows_ptr, q_norm_ptr, k_norm_ptr,
+    stride_qkv, stride_cos, stride_qo_t, stride_qo_h, stride_kr, stride_kh, stride_vr, stride_vh,
+    eps,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr,
+):
+    # Program (token, head): heads [0, Hq) are q heads, [Hq, Hq + Hkv) kv heads (k and v).
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    half: tl.constexpr = HEAD_DIM // 2
+    offs = tl.arange(0, half)
+    is_q = h < NUM_HEADS
+    col = h * HEAD_DIM  # q heads then k heads: consecutive in qkv
+    x1 = tl.load(qkv_ptr + t * stride_qkv + col + offs).to(tl.float32)
+    x2 = tl.load(qkv_ptr + t * stride_qkv + col + half + offs).to(tl.float32)
+    if HAS_NORM:
+        # Per-head RMSNorm in float32, rounded to the model dtype before the weight, as
+        # cuda_ops._rmsnorm does.
+        inv = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HEAD_DIM + eps)
+        if is_q:
+            w1 = tl.load(q_norm_ptr + offs).to(tl.float32)
+            w2 = tl.load(q_norm_ptr + half + offs).to(tl.float32)
+        else:
+            w1 = tl.load(k_norm_ptr + offs).to(tl.float32)
+            w2 = tl.load(k_norm_ptr + half + offs).to(tl.float32)
+        x1 = w1 * (x1 * inv).to(qkv_ptr.dtype.element_ty).to(tl.float32)
+        x2 = w2 * (x2 * inv).to(qkv_ptr.dtype.element_ty).to(tl.float32)
+        x1 = x1.to(qkv_ptr.dtype.element_ty).to(tl.float32)
+        x2 = x2.to(qkv_ptr.dtype.element_ty).to(tl.float32)
+    c1 = tl.load(cos_ptr + t * stride_cos + offs).to(tl.float32)
+    c2 = tl.load(cos_ptr + t * stride_cos + half + offs).to(tl.float32)
+    s1 = tl.load(sin_ptr + t * stride_cos + offs).to(tl.float32)
+    s2 = tl.load(sin_ptr + t * stride_cos + half + offs).to(tl.float32)
+    y1 = x1 * c1 - x2 * s1
+    y2 = x2 * c2 + x1 * s2
+    if is_q:
+        dst = q_out_ptr + t * stride_qo_t + h * stride_qo_h
+        tl.store(dst + offs, y1.to(q_out_ptr.dtype.element_ty))
+        tl.store(dst + half + offs, y2.to(q_out_ptr.dtype.element_ty))
+    else:
+        kvh = h - NUM_HEADS
+        row = tl.load(rows_ptr + t).to(tl.int64)
+        kdst = k_cache_ptr + row * stride_kr + kvh * stride_kh
+        tl.store(kdst + offs, y1.to(k_cache_ptr.dtype.element_ty))
+        tl.store(kdst + half + offs, y2.to(k_cache_ptr.dtype.element_ty))
+        vcol = (NUM_HEADS + NUM_KV_HEADS + kvh) * HEAD_DIM
+        v1 = tl.load(qkv_ptr + t * stride_qkv + vcol + offs)
+        v2 = tl.load(qkv_ptr + t * stride_qkv + vcol + half + offs)
+        vdst = v_cache_ptr + row * stride_vr + kvh * stride_vh
+        tl.store(vdst + offs, v1)
+        tl.store(vdst + half + offs, v2)
+
+
+def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, rows: torch.Tensor, *, num_heads: int, num_kv_heads: int, head_dim: int,
+                  q_norm_w: torch.Tensor | None = None, k_norm_w: torch.Tensor | None = None,
+                  eps: float = 1e-6) -> torch.Tensor:
+    """qkv [T, (Hq + 2 Hkv) D], cos/sin [T, 1, D] or [T, D]; writes rotated k and v at
+    pool rows `rows` [T]; returns rotated q [T, Hq, D]."""
+    t = qkv.shape[0]
+    if qkv.stride(-1) != 1:
+        qkv = qkv.contiguous()
+    cos = cos.reshape(t, head_dim)
+    sin = sin.reshape(t, head_dim)
+    q_out = torch.empty(t, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    has_norm = q_norm_w is not None
+    _rope_store_kernel[(t, num_heads + num_kv_heads)](
+        qkv, cos, sin, q_out, k_cache, v_cache, rows,
+        q_norm_w if has_norm else qkv, k_norm_w if has_norm else qkv,
+        qkv.stride(0), cos.stride(0), q_out.stride(0), q_out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        eps,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HAS_NORM=has_norm,
+    )
+    return q_out

@@ -1,0 +1,121 @@
+"""The Triton kernels of the CUDA path, run on the CPU by Triton's interpreter.
+
+paged_attention is checked against the SDPA backend (the CPU reference) over ragged
+kv lengths, GQA groups, q_len 1 to 9 and several split counts, with the same page
+table a ForwardBatch carries; rope_store_kv against cuda_ops' eager ops plus a plain
+KV write. On the GPU the same kernels run with bf16 tensor-core dots
+(tests/test_gpu.py compares the whole forward there).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import triton_interp  # noqa: F401  (sets TRITON_INTERPRET before triton is imported)
+
+from spec_runtime.model.attention import SDPABackend, write_kv  # noqa: E402
+from spec_runtime.model.cuda_ops import _qk_rope, _rope_cos_sin  # noqa: E402
+from spec_runtime.model.forward_batch import ForwardItem, build_forward_batch  # noqa: E402
+from spec_runtime.model.kv_cache import KVCache  # noqa: E402
+from spec_runtime.model.triton_kernels import (  # noqa: E402
+    num_splits_for,
+    paged_attention,
+    rope_store_kv,
+)
+
+ROWS = 512
+
+
+def _pool(hkv: int, d: int, seed: int = 0) -> KVCache:
+    torch.manual_seed(seed)
+    kv = KVCache(1, ROWS, hkv, d, torch.bfloat16, "cpu")
+    kv.k_cache[0].normal_()
+    kv.v_cache[0].normal_()
+    return kv
+
+
+def _batch(q_len: int, kv_lens: list[int], seed: int):
+    rng = np.random.default_rng(seed)
+    items = [ForwardItem([0] * q_len, n - q_len, rng.choice(ROWS, n, replace=False), "all") for n in kv_lens]
+    return build_forward_batch(items, "cpu")
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(4, 4, 32), (8, 2, 64), (16, 2, 16)])
+@pytest.mark.parametrize("q_len,kv_lens,splits", [
+    (1, [1, 5, 70, 33], 4),  # decode; a one-row request; more splits than some have blocks
+    (4, [4, 50, 100], 3),  # verify-like: bottom-right causal inside the block
+    (9, [9, 40], 1),  # K+1 = 9 with no split: one program sees everything
+    (2, [130, 2, 64], 8),  # splits that end up empty for short requests
+])
+def test_paged_attention_matches_sdpa(hq, hkv, d, q_len, kv_lens, splits):
+    kv = _pool(hkv, d)
+    batch = _batch(q_len, kv_lens, seed=q_len * 7 + hq)
+    q = torch.randn(len(kv_lens) * q_len, hq, d).bfloat16()
+    ref_backend = SDPABackend(hq, hkv, d)
+    ref_backend.begin(batch)
+    # The pool already holds the new tokens' rows: hand SDPA the same values to write.
+    k_new = kv.k_cache[0][batch.kv_write_rows].clone()
+    v_new = kv.v_cache[0][batch.kv_write_rows].clone()
+    ref = ref_backend.forward(0, q, k_new, v_new, kv, batch)
+    out = paged_attention(q, kv.k_cache[0], kv.v_cache[0], batch.kv_indptr, batch.kv_indices,
+                          q_len=q_len, num_splits=splits, scale=d**-0.5)
+    assert out.shape == ref.shape and out.dtype == q.dtype
+    assert _rel_err(out, ref) < 1e-2
+
+
+def test_paged_attention_rejects_ragged_and_oversized_tiles():
+    kv = _pool(1, 16)
+    batch = _batch(1, [3, 4], seed=0)
+    q = torch.randn(3, 2, 16).bfloat16()
+    with pytest.raises(ValueError, match="multiple of q_len"):
+        paged_attention(q, kv.k_cache[0], kv.v_cache[0], batch.kv_indptr, batch.kv_indices,
+                        q_len=2, num_splits=1, scale=0.25)
+    q = torch.randn(2 * 16, 16, 16).bfloat16()  # q_len 16 x group 16 = 256 rows
+    with pytest.raises(ValueError, match="tile"):
+        paged_attention(q, kv.k_cache[0], kv.v_cache[0], batch.kv_indptr, batch.kv_indices,
+                        q_len=16, num_splits=1, scale=0.25)
+
+
+def test_num_splits_fills_the_gpu_but_not_past_the_rows():
+    assert num_splits_for(1, 8, 132) == 32  # capped at 32
+    assert num_splits_for(16, 8, 132) == 3  # 2 * 132 / 128 rounded up
+    assert num_splits_for(64, 8, 132) == 1
+    assert num_splits_for(1, 8, 132, max_kv_len=40) == 2  # 40 rows: two blocks of 32
+
+
+# The interpreter truncates float32 -> bf16 (the GPU rounds to nearest), so in bf16
+# the kernel is ~1 ulp low at each of its casts; float32 checks the math tightly.
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_store_kv_matches_eager_ops(qk_norm, dtype, tol):
+    hq, hkv, d, t = 6, 2, 32, 5
+    torch.manual_seed(1)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d).to(dtype)
+    positions = torch.tensor([0, 3, 17, 100, 4000])
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    cos, sin = _rope_cos_sin(positions, inv_freq, dtype)
+    qn = (torch.rand(d) + 0.5).to(dtype) if qk_norm else None
+    kn = (torch.rand(d) + 0.5).to(dtype) if qk_norm else None
+    rows = torch.tensor([7, 1, 30, 12, 2])
+
+    # Reference in float32 (the eager bf16 ops round after every op, the kernel once).
+    ref_kv = KVCache(1, 40, hkv, d, torch.float32, "cpu")
+    q_ref, k_ref, v_ref = _qk_rope(qkv.float(), cos.float(), sin.float(), hq, hkv, d,
+                                   qn.float() if qk_norm else None, kn.float() if qk_norm else None, 1e-6)
+    write_kv(ref_kv, 0, k_ref, v_ref, rows)
+
+    kv = KVCache(1, 40, hkv, d, dtype, "cpu")
+    q = rope_store_kv(qkv, cos, sin, kv.k_cache[0], kv.v_cache[0], rows, num_heads=hq, num_kv_heads=hkv,
+                      head_dim=d, q_norm_w=qn, k_norm_w=kn, eps=1e-6)
+    assert q.shape == (t, hq, d)
+    assert _rel_err(q, q_ref) < tol
+    assert _rel_err(kv.k_cache[0], ref_kv.k_cache[0]) < tol
+    assert torch.equal(kv.v_cache[0].float(), ref_kv.v_cache[0])  # v is copied bit for bit
+    untouched = torch.ones(40, dtype=torch.bool)
+    untouched[rows] = False
+    assert not kv.k_cache[0][untouched].any()  # nothing else written
