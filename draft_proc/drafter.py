@@ -37,16 +37,19 @@ class ModelDrafter(Speculator):
         )
 
     def sample(self, logits: torch.Tensor, seqs: list[DraftSeq], positions: np.ndarray, st: SamplingTensors,
-               depth: int = 0):
+               depth: int = 0, transform=None):
         """Sample the draft token at `positions` (absolute) for each row; returns device
         tensors (token_ids [R], q_token_ids [R, top] | None, q_probs [R, top] | None).
 
+        transform: the oracle for this step of a chain (OracleTransform.chain), if any.
         depth: index of the token within its speculation (0..K-1). With Saguaro
         rescaling (SSD), q's top F_depth tokens, the ones the tree cache will fork at
         that depth, are scaled by the factor before sampling, and that rescaled q is
         what verification receives, so acceptance stays exact.
         """
-        if self.logits_transform is not None:
+        if transform is not None:
+            logits = transform(logits)  # this step of a chain's precomputed oracle
+        elif self.logits_transform is not None:
             logits = self.logits_transform(logits, seqs, positions)
         if st.all_greedy:
             # No q is sent for greedy rows (it is one-hot on the token): argmax is all.
@@ -75,6 +78,8 @@ class ModelDrafter(Speculator):
         st = self.sampling_tensors(rows)
         tokens, q_ids, q_probs, done = [], [], [], []
         plan_bound = getattr(self.runner.backend, "attention", None) == "flashinfer"
+        chain = getattr(self.logits_transform, "chain", None)
+        steps_tf = [None] * num_steps
         prev = None
         for i in range(num_steps):
             batch = build_forward_batch(first if i == 0 else later(i), device)
@@ -83,7 +88,10 @@ class ModelDrafter(Speculator):
             if plan_bound and len(done) >= 2:
                 done[-2].synchronize()  # sync: keep the host at most one step ahead of the GPU
             logits = self.runner.forward(batch)  # [R, V]
-            tok, qi, qp = self.sample(logits, rows, positions + i, st, depth=i)
+            if i == 0 and chain is not None:
+                # Benchmark oracle for every step at once, while step 0 runs on the GPU.
+                steps_tf = chain(rows, positions, num_steps, self.runner.vocab_size, device)
+            tok, qi, qp = self.sample(logits, rows, positions + i, st, depth=i, transform=steps_tf[i])
             if device.type == "cuda":
                 ev = torch.cuda.Event()
                 ev.record()

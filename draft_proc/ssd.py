@@ -12,6 +12,11 @@ Then, while the target verifies what it was just sent, the draft works ahead:
                attends to its slot's rows [0, n + j) and its own scratch rows;
   store:       the branches replace the sequence's cache entries.
 
+A sequence just added (AddSequence) has no speculation yet; its first outcome is
+(0, t), t the target's first sampled token. `prefetch` works ahead for such sequences
+while the target prefills, so that first look-up can hit too. With no speculation
+(m = 0) depth 0 is the only outcome depth, so it gets the sequence's whole branch budget.
+
 Sampling stays exact at any temperature: a branch's tokens are sampled with the same
 counter-based randomness (request seed, position) the chain drafter uses, and the q
 stored with them is exactly the distribution each was sampled from.
@@ -55,6 +60,9 @@ class SSDEngine:
         self.num_hits = 0
         self.num_misses = 0
         self.last_work_s = 0.0
+        # Work ahead for fresh sequences (prefetch), kept apart from the per-round work.
+        self.num_prefetched = 0
+        self.prefetch_s = 0.0
         # Running per-token acceptance rate (accepted / attempted draft positions), which
         # weighs the outcome depths when forks compete for the budget.
         self._accepted = 7.0
@@ -153,6 +161,40 @@ class SSDEngine:
             torch.cuda.synchronize(self.runner.device)  # sync: measure the work, not its launch
         self.last_work_s = time.perf_counter() - t0
 
+    def prefetch(self, seqs: list[DraftSeq]) -> None:
+        """Work ahead for fresh sequences (added, no outcome yet) at the configured K, so
+        their first outcome (0, t) can hit.
+
+        Their state is (prompt, no speculation, not awaiting an outcome), which work_ahead
+        treats like any round with m = 0: glue prefills the prompt and ranks depth 0, the
+        forks are the likeliest first tokens, and each branch holds K tokens (a later
+        SpecRequest with a smaller k gets a prefix). `last_work_s` keeps describing the
+        last round's work; prefetch time goes to `prefetch_s`.
+        """
+        for s in seqs:
+            if s.awaiting_outcome or s.draft_token_ids:
+                raise ValueError(f"sequence {s.seq_id} already has a speculation; only fresh sequences are prefetched")
+        if not seqs:
+            return
+        t0 = time.perf_counter()
+        round_work_s = self.last_work_s
+        try:
+            self.work_ahead(seqs, self.k)
+        except Exception:
+            # Leave nothing half done: the first outcome misses and the backup starts over.
+            for s in seqs:
+                self.cache.clear(s.seq_id)
+                s.num_cached = 0
+            raise
+        finally:
+            self.last_work_s = round_work_s
+        self.num_prefetched += len(seqs)
+        self.prefetch_s += time.perf_counter() - t0
+
+    def _branches_per_seq(self, batch: int) -> int:
+        # The total budget bounds the tree-decode batch whatever the batch size.
+        return max(1, min(self.cache.max_branches, self.cfg.tree_budget // batch))
+
     def _glue(self, seqs: list[DraftSeq]) -> list[tuple[np.ndarray, np.ndarray]]:
         """Forward [x_n, d_1..d_m]; per sequence the ranked candidates and their draft
         probabilities, each [m + 1, R]."""
@@ -185,6 +227,8 @@ class SSDEngine:
         # Rank by logits: temperature keeps the order, and top-k/top-p only cut the tail
         # (for greedy rows the sampling distribution is one-hot and would rank nothing).
         width = max(max(self.cfg.fan_out_for(True)), max(self.cfg.fan_out_for(False))) + 1
+        if any(not s.draft_token_ids for s in seqs):
+            width = max(width, self._branches_per_seq(len(seqs)))  # m = 0 forks its whole budget at depth 0
         top = torch.topk(torch.softmax(logits.float(), dim=-1), min(width, logits.shape[-1]), dim=-1)
         ranked_ids = top.indices.cpu().numpy()  # sync: forks are chosen on the host
         ranked_probs = top.values.cpu().numpy()
@@ -197,11 +241,12 @@ class SSDEngine:
         return out
 
     def _fork(self, seqs: list[DraftSeq], ranked: list[tuple[np.ndarray, np.ndarray]]) -> list[Fork]:
-        # The total budget bounds the tree-decode batch whatever the batch size.
-        per_seq = max(1, min(self.cache.max_branches, self.cfg.tree_budget // len(seqs)))
+        per_seq = self._branches_per_seq(len(seqs))
         forks: list[Fork] = []
         for s, (ids, probs) in zip(seqs, ranked):
-            fan = self.cfg.fan_out_for(s.last_missed)
+            # No speculation (a fresh sequence, or a backup that drafted nothing): every
+            # outcome is at depth 0, so the whole budget goes there.
+            fan = self.cfg.fan_out_for(s.last_missed) if s.draft_token_ids else (per_seq,)
             forks.extend(select_forks(s.seq_id, ids, probs, np.asarray(s.draft_token_ids, dtype=np.int64), fan,
                                       per_seq, self.accept_rate))
         return forks

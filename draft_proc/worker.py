@@ -5,6 +5,12 @@ and the loop goes on; an outcome that does not fit a sequence's state (unknown s
 wrong length, more accepted tokens than were proposed, a token id outside the
 vocabulary) gets an ErrorReply for that sequence only, whose state is dropped so the
 target re-adds it. The rest of the batch is answered as usual.
+
+SSD: a sequence just added is "fresh" until its first SpecRequest names it. When fresh
+sequences exist and no message is waiting, the loop works ahead for all of them in one
+batch (SSDEngine.prefetch), so their first outcome can hit the tree cache. A message
+always comes first: a sequence whose SpecRequest arrives before that idle moment just
+takes the normal path (a miss) and is never prefetched.
 """
 
 from __future__ import annotations
@@ -42,17 +48,38 @@ class DraftWorker:
         self.seqs: dict[int, DraftSeq] = {}
         self.num_requests = 0
         self.running = True
+        # SSD: ids of sequences added but not yet named by a SpecRequest, in arrival order.
+        self.fresh: dict[int, None] = {}
 
     def run_forever(self) -> None:
         while self.running:
-            try:
-                msg = self.channel.recv(timeout_s=0.5)
-            except ProtocolError as e:
-                logger.warning("rejected a malformed message: %s", e)
-                self.channel.send_error(e.code, str(e))
-                continue
-            if msg is not None:
-                self.handle(msg)
+            self.run_once()
+
+    def run_once(self, timeout_s: float = 0.5) -> None:
+        """Handle the next message; with fresh sequences, do not wait for one: if none is
+        waiting, prefetch for them instead."""
+        try:
+            msg = self.channel.recv(timeout_s=0.0 if self.fresh else timeout_s)
+        except ProtocolError as e:
+            logger.warning("rejected a malformed message: %s", e)
+            self.channel.send_error(e.code, str(e))
+            return
+        if msg is not None:
+            self.handle(msg)
+        elif self.fresh:
+            self.prefetch_fresh()
+
+    def prefetch_fresh(self) -> None:
+        """One SSD work-ahead over every fresh sequence. A failure is logged and costs only
+        hit rate: those sequences miss their first look-up."""
+        ids, self.fresh = list(self.fresh), {}
+        seqs = [self.seqs[sid] for sid in ids if sid in self.seqs]
+        if self.ssd is None or not seqs:
+            return
+        try:
+            self.ssd.prefetch(seqs)
+        except Exception:
+            logger.exception("prefetch for %d new sequences failed; their first look-up will miss", len(seqs))
 
     def handle(self, msg) -> None:
         if isinstance(msg, SpecRequest):
@@ -96,8 +123,11 @@ class DraftWorker:
                        msg.top_p, msg.seed)
         self.seqs[sid] = seq
         self.speculator.add(seq)
+        if self.ssd is not None and self.cfg.spec.ssd_prefetch:
+            self.fresh[sid] = None
 
     def drop(self, sid: int) -> None:
+        self.fresh.pop(sid, None)
         seq = self.seqs.pop(sid, None)
         if seq is not None:
             self.speculator.release(seq)
@@ -115,6 +145,9 @@ class DraftWorker:
             self.channel.send(ErrorReply(code="bad_request", message=f"SpecRequest arrays must all be integer "
                                          f"[{b}] and 1 <= k <= {self.cfg.spec.k}"))
             return
+        # Their state moves on now: a prefetch would work ahead from a stale state.
+        for sid in np.asarray(req.seq_ids).tolist():
+            self.fresh.pop(sid, None)
         ok: list[DraftSeq] = []
         for i in range(b):
             sid = int(req.seq_ids[i])

@@ -38,5 +38,5 @@ done
 timeout ${RUN_TIMEOUT:-240} python3 scripts/bench_e2e.py --target "$TARGET" --draft "$DRAFT" --target-device cuda:0 --draft-device "$DRAFT_DEV" \
   --modes "${MODES:-ssd,sd,ar}" --k "${K:-8}" --fan-out "${FAN_OUT:-}" --batch-sizes "${BATCHES:-1,2,4,8,16}" \
   --temperatures "${TEMPS:-0,0.7}" --max-tokens "${MAX_TOKENS:-96}" --prompt-len 128 --max-model-len 1024 \
-  --synthetic-acceptance 0.8 --synthetic-ranks 0.5,0.2,0.1 ${SSD_EXTRA:-} \
+  --synthetic-acceptance 0.8 --synthetic-ranks 0.5,0.2,0.1 --repeats "${REPEATS:-1}" ${SSD_EXTRA:-} \
   --out "$OUT/e2e_${TAG:-$PAIR}.json" 2>&1 | tee "$OUT/e2e_${TAG:-$PAIR}.log"

@@ -1,6 +1,6 @@
 """Where a draft step's time goes on the GPU: the chain drafter and the SSD work-ahead.
 
-    python scripts/profile_draft.py --model random:draft-0.6b --k 8 --branches 18
+    python scripts/profile_draft.py --model random:draft-0.6b --k 8 --fan-out 3 --oracle
 
 Prints wall time per propose() / work_ahead(), the split between building the batch,
 the forward, and sampling, and torch.profiler's top CPU ops.
@@ -20,6 +20,7 @@ def main() -> None:
     p.add_argument("--model", default="random:draft-0.6b")
     p.add_argument("--k", type=int, default=8)
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--fan-out", type=int, default=3, help="branches per depth (F_j for every j)")
     p.add_argument("--oracle", action="store_true")
     args = p.parse_args()
 
@@ -31,7 +32,7 @@ def main() -> None:
     from spec_runtime.model import forward_batch as fb
     from spec_runtime.model.runner import ModelRunner
 
-    spec = SpeculativeConfig(mode="ssd", k=args.k, fan_out=(2,) * (args.k + 1),
+    spec = SpeculativeConfig(mode="ssd", k=args.k, fan_out=(args.fan_out,) * (args.k + 1),
                              synthetic_acceptance=0.8 if args.oracle else None,
                              synthetic_ranks=(0.5, 0.2, 0.1) if args.oracle else ())
     runner = ModelRunner(ModelConfig(path=args.model, device="cuda:0"), num_slots=max(4, args.batch),
@@ -105,6 +106,11 @@ def main() -> None:
         cycle(seqs)
     torch.cuda.synchronize()
     print(f"chain propose, no instrumentation: {1e3 * (time.perf_counter() - t0) / n:.2f} ms/round")
+    t0 = time.perf_counter()
+    for _ in range(n):
+        ssd.work_ahead(seqs, args.k)
+    torch.cuda.synchronize()
+    print(f"SSD work-ahead, no instrumentation: {1e3 * (time.perf_counter() - t0) / n:.2f} ms/round")
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -112,7 +118,9 @@ def main() -> None:
             cycle(seqs)
             ssd.work_ahead(seqs, args.k)
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+    avg = prof.key_averages()
+    print(avg.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
+    print(avg.table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60))
 
 
 if __name__ == "__main__":

@@ -57,6 +57,7 @@ class SpeculativeConfig:
     fan_out_miss: tuple[int, ...] = _f((), "Fan-out for sequences whose last look-up missed (rejection is likely early).")
     tree_budget: int = _f(64, "SSD: most branches tree-decoded per round over the whole batch; per-sequence fan-out shrinks (deepest depths first) when batch x sum(F) exceeds it, so the draft's work stays inside one verify.")
     backup: Backup = _f("jit", "What answers a tree-cache miss.")
+    ssd_prefetch: bool = _f(True, "SSD: on a new sequence, the draft works ahead for its first outcome while the target prefills, so the first look-up can hit.")
     draft_top_k: int = _f(64, "The draft samples from its top-`draft_top_k` tokens only, so q is sparse and a SpecResponse does not grow with the vocabulary. Verification uses the same q.")
     draft_temperature: float | None = _f(None, "Draft temperature; None means \"the request's temperature\".")
     ngram_max: int = _f(4, "n-gram speculator: longest suffix to match.")

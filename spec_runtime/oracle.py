@@ -109,17 +109,17 @@ def draft_oracle_rank(
     return (u.unsqueeze(-1) >= bounds).sum(-1)  # [*N]
 
 
-def draft_oracle_logits(
-    logits: torch.Tensor,
+def draft_oracle_slots(
     seeds: torch.Tensor,
     positions: torch.Tensor,
+    vocab: int,
     alpha: float,
     ranks: tuple[float, ...] = (),
     top_logit: float = 10.0,
     gap: float = 1.0,
-) -> torch.Tensor:
-    """Draft logits [*N, V] -> logits of the same shape and dtype (module docstring)."""
-    vocab = logits.shape[-1]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft oracle's top slots at (seed, t): token ids [*N, S] int64 on seeds' device
+    and their logits [S] float32 (module docstring). Everything else gets MASKED_LOGIT."""
     num_slots = min(max(MIN_DRAFT_SLOTS, len(ranks) + 2), vocab - 1)
     if num_slots < len(ranks) + 1:
         raise ValueError(f"vocab {vocab} too small for {len(ranks) + 1} ranks")
@@ -134,8 +134,27 @@ def draft_oracle_logits(
     offset = hash32(seeds, positions, STREAM_ORACLE_FILL, _index0(seeds)) % (vocab - 1)  # [*N, 1]
     fill_idx = torch.where(slot < r0, slot, slot - 1).clamp(min=0)  # [*N, S]
     fillers = (o + 1 + (offset + fill_idx) % (vocab - 1)) % vocab  # [*N, S]
-    slot_tokens = _to(torch.where(slot == r0, o, fillers), logits.device)  # [*N, S]
-    slot_logits = (top_logit - gap * torch.arange(num_slots, device=logits.device, dtype=torch.float32)).to(
-        logits.dtype)  # [S]
+    slot_tokens = torch.where(slot == r0, o, fillers)  # [*N, S]
+    slot_logits = top_logit - gap * torch.arange(num_slots, dtype=torch.float32)  # [S]
+    return slot_tokens, slot_logits
+
+
+def scatter_slots(logits: torch.Tensor, slot_tokens: torch.Tensor, slot_logits: torch.Tensor) -> torch.Tensor:
+    """Logits of logits' shape: MASKED_LOGIT except slot_logits [S] at slot_tokens [*N, S]
+    (both already on logits' device)."""
     out = torch.full_like(logits, MASKED_LOGIT)
-    return out.scatter_(-1, slot_tokens, slot_logits.expand(slot_tokens.shape).contiguous())
+    return out.scatter_(-1, slot_tokens, slot_logits.to(logits.dtype).expand(slot_tokens.shape).contiguous())
+
+
+def draft_oracle_logits(
+    logits: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    alpha: float,
+    ranks: tuple[float, ...] = (),
+    top_logit: float = 10.0,
+    gap: float = 1.0,
+) -> torch.Tensor:
+    """Draft logits [*N, V] -> logits of the same shape and dtype (module docstring)."""
+    tokens, slot_logits = draft_oracle_slots(seeds, positions, logits.shape[-1], alpha, ranks, top_logit, gap)
+    return scatter_slots(logits, _to(tokens, logits.device), _to(slot_logits, logits.device))

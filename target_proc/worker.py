@@ -160,6 +160,14 @@ class TargetWorker:
             new.append(seq)
         if not new:
             return
+        # Tell the draft first: it prefills (and, in SSD mode, works ahead for the first
+        # outcome) while the target prefills.
+        if self.draft is not None and self.draft.alive:
+            for seq in new:
+                if not self._will_finish(seq, 1):
+                    self.draft.add(seq.seq_id, seq.token_ids, seq.sampling.temperature, seq.sampling.top_k,
+                                   seq.sampling.top_p, seq.seed)
+                    seq.draft_synced = True
         layout = self.runner.layout
         items = [
             ForwardItem(seq.token_ids, 0, layout.slot_rows(seq.slot, seq.num_tokens), "last") for seq in new
@@ -184,10 +192,7 @@ class TargetWorker:
             self.running[seq.seq_id] = seq
             seq.stats.num_rounds += 1
             seq.stats.ttft_s = now - seq.arrival_s
-            if self.draft is not None and self.draft.alive and not self._will_finish(seq, 1):
-                self.draft.add(seq.seq_id, seq.token_ids, seq.sampling.temperature, seq.sampling.top_k,
-                               seq.sampling.top_p, seq.seed)
-                seq.draft_synced = True
+            if seq.draft_synced:
                 seq.round += 1
                 outcomes.append(Outcome(seq.seq_id, seq.round, 0, tok, seq.num_tokens + 1))
             if self.stop_checker.append(seq, tok, lp):

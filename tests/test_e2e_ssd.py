@@ -48,7 +48,7 @@ def test_ssd_with_draft_equal_to_target_mostly_hits(models):
         batch = client.generate_batch(prompts, GREEDY)
     assert [r.token_ids for r in batch] == ar
     for r in batch:
-        # Every outcome is a bonus token at depth K, which the draft forks first:
-        # only the first look-up of each sequence misses.
-        assert r.stats.num_cache_misses == 1
+        # Every outcome is a bonus token at depth K, which the draft forks first: only
+        # the first look-up of each sequence can miss (the prefetch may catch it too).
+        assert r.stats.num_cache_misses <= 1
         assert r.stats.num_accepted_tokens == r.stats.num_draft_tokens

@@ -4,6 +4,7 @@ real verification path turns alpha into the acceptance rate."""
 from __future__ import annotations
 
 import pytest
+import numpy as np
 import torch
 from scipy import stats
 
@@ -115,3 +116,20 @@ def test_greedy_verification_accepts_at_rate_alpha():
         rate = (res.num_accepted[reached] > i).double().mean().item()
         assert abs(rate - alpha) < 4 * (alpha * (1 - alpha) / reached.sum().item()) ** 0.5
     assert torch.equal(res.last_token_ids, oracle_token(seeds, pos + res.num_accepted, vocab))
+
+
+def test_chain_transform_equals_per_step_transform():
+    """The drafter's precomputed per-step oracle is the per-call oracle, step by step."""
+    from types import SimpleNamespace
+
+    from draft_proc.factory import OracleTransform
+
+    tf = OracleTransform(0.8, (0.5, 0.2, 0.1))
+    seqs = [SimpleNamespace(seed=s) for s in (3, 7, 7, -5)]
+    positions = np.array([10, 10, 400, 0])
+    vocab, steps = 97, 5
+    chained = tf.chain(seqs, positions, steps, vocab, torch.device("cpu"))
+    assert len(chained) == steps
+    for i, step in enumerate(chained):
+        logits = torch.randn(len(seqs), vocab)
+        assert torch.equal(step(logits), tf(logits, seqs, positions + i))

@@ -99,3 +99,23 @@ def test_hit_returns_the_cached_speculation(model_dir):
     assert engine.num_hits == 1 and engine.num_misses == 3
     engine.release(s0)
     assert engine.cache.lookup(0, j0, t0) is None
+
+
+def test_chain_drafter_with_the_oracle_drafts_its_top_slot(model_dir):
+    """With the benchmark oracle, a greedy chain's token at position p is the oracle's
+    top slot at (seed, p): the per-step oracle the drafter precomputes is wired to the
+    right step and position."""
+    import torch
+
+    from draft_proc.factory import make_oracle_transform
+    from spec_runtime.oracle import draft_oracle_slots
+
+    spec = SpeculativeConfig(mode="sd", k=K, synthetic_acceptance=0.8, synthetic_ranks=(0.5, 0.2, 0.1))
+    runner = ModelRunner(ModelConfig(path=model_dir), num_slots=2, max_model_len=128)
+    drafter = ModelDrafter(runner, spec, logits_transform=make_oracle_transform(spec))
+    seqs = _seqs(0.0)
+    prop = drafter.propose(seqs, K)
+    for b, s in enumerate(seqs):
+        pos = torch.arange(s.num_tokens, s.num_tokens + K)
+        top, _ = draft_oracle_slots(torch.full((K,), s.seed), pos, runner.vocab_size, 0.8, (0.5, 0.2, 0.1))
+        assert prop.draft_token_ids[b, :K].tolist() == top[:, 0].tolist()
