@@ -30,10 +30,10 @@ def main() -> None:
             panels.append((a, temp, [r for r in data["rows"] if r["temperature"] == temp]))
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     for ax, (a, temp, rows) in zip(axes[0], panels):
-        for mode, style in (("ar", "o-"), ("sd", "s-"), ("ssd", "^-")):
+        for mode, style, color in (("ar", "o-", "tab:blue"), ("sd", "s-", "tab:orange"), ("ssd", "^-", "tab:green")):
             pts = sorted((r["batch_size"], r["tokens_per_s"]) for r in rows if r["mode"] == mode)
             if pts:
-                ax.plot(*zip(*pts), style, label=mode.upper())
+                ax.plot(*zip(*pts), style, color=color, label=mode.upper())
         ideal = sorted((r["batch_size"], r["ideal_tokens_per_s"]) for r in rows if r["mode"] == "ssd")
         if ideal:
             ax.plot(*zip(*ideal), "k:", label="SSD all-hit ideal")

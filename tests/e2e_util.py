@@ -7,19 +7,23 @@ import shutil
 import socket
 import threading
 import time
+from collections import Counter
 from contextlib import contextmanager
 
 import numpy as np
+from scipy import stats
 
+from protocol.messages import SamplingParams
 from spec_runtime.config import ModelConfig, RuntimeConfig, SchedulerConfig, SpeculativeConfig
 
 
-def make_config(target: str, draft: str = "", mode: str = "sd", k: int = 3, **spec) -> RuntimeConfig:
+def make_config(target: str, draft: str = "", mode: str = "sd", k: int = 3, max_batch_size: int = 4,
+                **spec) -> RuntimeConfig:
     return RuntimeConfig(
         target=ModelConfig(path=target),
         draft=ModelConfig(path=draft),
         spec=SpeculativeConfig(mode=mode, k=k, draft_timeout_s=30.0, **spec),
-        sched=SchedulerConfig(max_batch_size=4, max_model_len=256),
+        sched=SchedulerConfig(max_batch_size=max_batch_size, max_model_len=256),
         startup_timeout_s=240.0,
     )
 
@@ -92,3 +96,20 @@ def wait_until(predicate, timeout_s: float, poll_s: float = 0.05) -> bool:
             return True
         time.sleep(poll_s)
     return False
+
+
+def first_tokens(client, prompt, n, seed0, sp_kw):
+    """n requests in flight together (continuous batching), one seed each."""
+    rids = [client.submit(prompt, SamplingParams(seed=seed0 + i, **sp_kw)) for i in range(n)]
+    return [tuple(client._collect(r).token_ids) for r in rids]
+
+
+def homogeneity_pvalue(a, b, min_count=10) -> float:
+    """p-value of a chi-square test that samples a and b share one distribution."""
+    ca, cb = Counter(a), Counter(b)
+    keys = [k for k in set(ca) | set(cb) if ca[k] + cb[k] >= min_count]
+    rows = [[ca[k] for k in keys] + [len(a) - sum(ca[k] for k in keys)],
+            [cb[k] for k in keys] + [len(b) - sum(cb[k] for k in keys)]]
+    table = np.array(rows)
+    table = table[:, table.sum(0) > 0]
+    return stats.chi2_contingency(table)[1]

@@ -8,13 +8,10 @@ fixes the output at batch 1 and 4.
 
 from __future__ import annotations
 
-from collections import Counter
-
 import numpy as np
 import pytest
-from scipy import stats
 
-from e2e_util import hf_greedy
+from e2e_util import first_tokens, hf_greedy, homogeneity_pvalue
 from protocol.messages import SamplingParams
 from spec_runtime.client import Client
 from spec_runtime.config import ModelConfig, RuntimeConfig, SchedulerConfig, SpeculativeConfig
@@ -76,23 +73,6 @@ def test_ssd_greedy_equals_ar(smollm2_gguf_path, greedy_ar):
     assert sum(r.stats.num_cache_misses for r in batch) > 0
 
 
-def _first_tokens(client, prompt, n, seed0, sp_kw):
-    """n requests in flight together (continuous batching), one seed each."""
-    rids = [client.submit(prompt, SamplingParams(seed=seed0 + i, **sp_kw)) for i in range(n)]
-    return [tuple(client._collect(r).token_ids) for r in rids]
-
-
-def _homogeneous(a, b, min_count=10) -> float:
-    """p-value of a chi-square test that samples a and b share one distribution."""
-    ca, cb = Counter(a), Counter(b)
-    keys = [k for k in set(ca) | set(cb) if ca[k] + cb[k] >= min_count]
-    rows = [[ca[k] for k in keys] + [len(a) - sum(ca[k] for k in keys)],
-            [cb[k] for k in keys] + [len(b) - sum(cb[k] for k in keys)]]
-    table = np.array(rows)
-    table = table[:, table.sum(0) > 0]
-    return stats.chi2_contingency(table)[1]
-
-
 def test_sd_sampling_distribution_matches_ar(smollm2_gguf_path):
     n = 2000
     # Token 1 comes from prefill; tokens 2..3 from verify rounds. The target never
@@ -102,17 +82,17 @@ def test_sd_sampling_distribution_matches_ar(smollm2_gguf_path):
     with Client(_cfg(smollm2_gguf_path, "ar", batch=32)) as client:
         # A short raw prompt keeps the 2,000 prefills cheap; the test is about decoding.
         prompt = client.encode_prompt("Once upon a time")
-        ar = _first_tokens(client, prompt, n, 0, sp_kw)
+        ar = first_tokens(client, prompt, n, 0, sp_kw)
     # The draft is the same model at temperature 0.6: q != p, so rejections and
     # recovery tokens happen; the output must still follow p.
     with Client(_cfg(smollm2_gguf_path, "sd", smollm2_gguf_path, k=2, batch=32, draft_temperature=0.6)) as client:
-        sd = _first_tokens(client, prompt, n, 10**6, sp_kw)
+        sd = first_tokens(client, prompt, n, 10**6, sp_kw)
         totals = client.engine_stats().totals
     assert 0 < totals.num_accepted_tokens < totals.num_draft_tokens
     for pos in range(3):
-        p = _homogeneous([t[pos] for t in ar], [t[pos] for t in sd])
+        p = homogeneity_pvalue([t[pos] for t in ar], [t[pos] for t in sd])
         assert p > 0.001, (pos, p)
-    assert _homogeneous([t[1:3] for t in ar], [t[1:3] for t in sd]) > 0.001
+    assert homogeneity_pvalue([t[1:3] for t in ar], [t[1:3] for t in sd]) > 0.001
 
 
 def test_seed_fixes_output_at_batch_1_and_4(smollm2_gguf_path):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import save_tiny_model
-from e2e_util import make_config, perturbed_copy, random_prompts
+from e2e_util import first_tokens, homogeneity_pvalue, make_config, perturbed_copy, random_prompts
 from protocol.messages import SamplingParams
 from spec_runtime.client import Client
 
@@ -52,3 +52,35 @@ def test_ssd_with_draft_equal_to_target_mostly_hits(models):
         # the first look-up of each sequence can miss (the prefetch may catch it too).
         assert r.stats.num_cache_misses <= 1
         assert r.stats.num_accepted_tokens == r.stats.num_draft_tokens
+
+
+def test_ssd_sampling_distribution_matches_ar(models):
+    """Exact at temperature 1 with the tree cache in the path: the 8 tokens of 1,500
+    seeded requests follow the same distribution in SSD mode (most verify rounds
+    answered from the cache, with rejections and recovery tokens) as in AR mode."""
+    target, _, prompts, _ = models
+    n = 1500
+    # Token 1 comes from prefill, the rest from verify rounds: the first of them usually
+    # misses (continuous batching leaves the draft no idle moment to prefetch), later
+    # ones are answered from the cache. top_k keeps the support small enough for a
+    # chi-square test.
+    sp_kw = dict(max_tokens=8, temperature=1.0, top_k=8, ignore_eos=True)
+    with Client(make_config(target, mode="ar", max_batch_size=32)) as client:
+        ar = first_tokens(client, prompts[0], n, 0, sp_kw)
+    # The draft is the target sampled at temperature 0.6 (q != p, so rejections and
+    # recovery tokens happen, and both rank tokens alike); eight branches per depth and
+    # a budget that grants them at batch 32 keep most outcomes (the target samples
+    # from 8 tokens) in the cache.
+    cfg = make_config(target, target, mode="ssd", k=2, max_batch_size=32, draft_temperature=0.6,
+                      fan_out=(8, 8, 8), tree_budget=32 * 24)
+    with Client(cfg) as client:
+        ssd = first_tokens(client, prompts[0], n, 10**6, sp_kw)
+        totals = client.engine_stats().totals
+    assert totals.num_cache_hits > totals.num_cache_misses > 0, totals
+    assert 0 < totals.num_accepted_tokens < totals.num_draft_tokens
+    for pos in range(8):
+        p = homogeneity_pvalue([t[pos] for t in ar], [t[pos] for t in ssd])
+        assert p > 0.001, (pos, p)
+    for pair in ((1, 3), (4, 6), (6, 8)):
+        p = homogeneity_pvalue([t[slice(*pair)] for t in ar], [t[slice(*pair)] for t in ssd])
+        assert p > 0.001, (pair, p)
