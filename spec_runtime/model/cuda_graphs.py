@@ -17,8 +17,8 @@ the B - b padding requests write their K/V to `dummy_row`, a pool row no sequenc
 owns, and attend to it only. Shapes without a graph (ragged q_len, prefill, more
 requests or kv rows than captured) return None and the caller runs eagerly.
 
-No host sync on this path: inputs are copied device to device, the padded indptr is
-built on the host from the batch's host copies, and planning is host work.
+No host sync on this path: inputs and the page table are copied device to device
+(padding requests' entries are one device add); only flashinfer graphs plan, on the host.
 """
 
 from __future__ import annotations
@@ -81,13 +81,18 @@ class CudaGraphRunner:
         self.dummy_row = dummy_row
         self.device = device
         max_tokens = max(self.batch_sizes) * max(self.q_lens)
-        self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)  # [T_max]
-        self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)  # [T_max]
-        self.kv_write_rows = torch.full((max_tokens,), dummy_row, dtype=torch.int64, device=device)
+        # input_ids, positions and kv_write_rows as the rows of one buffer: a batch built
+        # by build_forward_batch holds them back to back, so one copy refills all three.
+        self.inputs = torch.zeros(3, max_tokens, dtype=torch.int64, device=device)  # [3, T_max]
+        self.input_ids, self.positions, self.kv_write_rows = self.inputs.unbind(0)  # [T_max] each
+        self.kv_write_rows.fill_(dummy_row)
         # Staging for the padded page table: the batch's kv_indices, then dummy rows.
         max_rows = max(self.batch_sizes) * max_kv_len
         self.kv_indices = torch.full((max_rows,), dummy_row, dtype=torch.int32, device=device)
         self.kv_indptr = torch.zeros(max(self.batch_sizes) + 1, dtype=torch.int32, device=device)
+        # Padding requests' kv_indptr steps: q, 2q, ... past the batch's last entry.
+        self._pad_steps = {q: q * torch.arange(1, max(self.batch_sizes) + 1, dtype=torch.int32, device=device)
+                           for q in self.q_lens}
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.pool = None
 
@@ -114,7 +119,7 @@ class CudaGraphRunner:
             self.kv_write_rows[: b * q].fill_(self.dummy_row)
             self.kv_indices[: b * q].fill_(self.dummy_row)
             self.kv_indptr[: b + 1].copy_(torch.from_numpy(batch.kv_indptr_cpu))
-            self.backend.begin_graph(attn, batch.kv_indptr_cpu, self.kv_indices[: b * q], batch)
+            self.backend.begin_graph(attn, batch.kv_indptr_cpu, self.kv_indices[: b * q], batch, b * q)
             # Warm up on a side stream (torch.compile and cuBLAS pick their kernels
             # and workspaces here, not during capture).
             stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -158,21 +163,31 @@ class CudaGraphRunner:
             return None
         r, q, b = batch.num_requests, g.q_len, g.batch_size
         n, n_pad = r * q, b * q
-        self.input_ids[:n].copy_(batch.input_ids)
-        self.positions[:n].copy_(batch.positions)
-        self.kv_write_rows[:n].copy_(batch.kv_write_rows)
+        ids = batch.input_ids
+        if (batch.positions.data_ptr() == ids.data_ptr() + 8 * n
+                and batch.kv_write_rows.data_ptr() == ids.data_ptr() + 16 * n):
+            self.inputs[:, :n].copy_(ids.as_strided((3, n), (n, 1)))  # the three rows in one copy
+        else:
+            self.input_ids[:n].copy_(ids)
+            self.positions[:n].copy_(batch.positions)
+            self.kv_write_rows[:n].copy_(batch.kv_write_rows)
         if n_pad > n:
             # Earlier, larger batches left live rows here: padding must write the dummy row.
             self.kv_write_rows[n:n_pad].fill_(self.dummy_row)
         nnz = int(batch.kv_indptr_cpu[-1])
+        nnz_pad = nnz + q * (b - r)
         self.kv_indices[:nnz].copy_(batch.kv_indices)
-        kv_indptr = np.empty(b + 1, dtype=np.int64)
-        kv_indptr[: r + 1] = batch.kv_indptr_cpu
-        kv_indptr[r + 1:] = nnz + q * np.arange(1, b - r + 1)
+        # kv_indptr on the device: the batch's own, then the padding requests' steps.
+        self.kv_indptr[: r + 1].copy_(batch.kv_indptr)
         if b > r:
-            self.kv_indices[nnz: int(kv_indptr[-1])].fill_(self.dummy_row)
-        # Pinned, so the copy is queued without waiting for the GPU.
-        self.kv_indptr[: b + 1].copy_(torch.from_numpy(kv_indptr.astype(np.int32)).pin_memory(), non_blocking=True)
-        self.backend.begin_graph(g.attn, kv_indptr, self.kv_indices[: int(kv_indptr[-1])], g.batch)
+            self.kv_indices[nnz:nnz_pad].fill_(self.dummy_row)
+            torch.add(self._pad_steps[q][: b - r], nnz, out=self.kv_indptr[r + 1 : b + 1])
+        if g.attn.wrapper is None:  # Triton: nothing to plan
+            self.backend.begin_graph(g.attn, None, None, g.batch, nnz_pad)
+        else:  # flashinfer plans on the host from the padded indptr
+            kv_indptr = np.empty(b + 1, dtype=np.int64)
+            kv_indptr[: r + 1] = batch.kv_indptr_cpu
+            kv_indptr[r + 1:] = nnz + q * np.arange(1, b - r + 1)
+            self.backend.begin_graph(g.attn, kv_indptr, self.kv_indices[:nnz_pad], g.batch, nnz_pad)
         g.graph.replay()
         return g.out[:n]

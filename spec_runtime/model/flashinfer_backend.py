@@ -201,14 +201,16 @@ class FlashInferBackend(AttentionBackend):
             qo_indptr_cpu=torch.arange(0, (batch_size + 1) * q_len, q_len, dtype=torch.int32),
         )
 
-    def begin_graph(self, ga: GraphAttention, kv_indptr_cpu: np.ndarray, kv_indices: torch.Tensor,
-                    batch: ForwardBatch) -> None:
-        """Get a graph's attention ready: kv_indptr_cpu [B+1] (padded), kv_indices [nnz] on
-        the device. For Triton the caller has copied both into `batch` (the static batch
-        the captured forward reads); for flashinfer this plans the graph's wrapper.
+    def begin_graph(self, ga: GraphAttention, kv_indptr_cpu: np.ndarray | None, kv_indices: torch.Tensor | None,
+                    batch: ForwardBatch, num_kv_rows: int) -> None:
+        """Get a graph's attention ready for `num_kv_rows` kv rows over its (padded)
+        requests. For Triton the caller has copied kv_indptr and kv_indices into `batch`
+        (the static batch the captured forward reads) and nothing else is needed; for
+        flashinfer this plans the graph's wrapper from kv_indptr_cpu [B+1] and kv_indices
+        [num_kv_rows] on the device.
         """
-        if int(kv_indptr_cpu[-1]) > ga.max_kv_rows:
-            raise ValueError(f"{int(kv_indptr_cpu[-1])} kv rows exceed the graph's {ga.max_kv_rows}")
+        if num_kv_rows > ga.max_kv_rows:
+            raise ValueError(f"{num_kv_rows} kv rows exceed the graph's {ga.max_kv_rows}")
         if ga.wrapper is None:
             self._splits = ga.num_splits
             self._active = "triton"
