@@ -36,6 +36,7 @@ from spec_runtime.config import RuntimeConfig
 from spec_runtime.model.forward_batch import ForwardItem
 from spec_runtime.sampling import SamplingTensors, rejection_sample
 from target_proc.draft_link import DraftLink, Outcome, Speculation
+from target_proc.outputs import add_totals, merge_outputs, record_round, take_output
 from target_proc.sequence import IncrementalDetokenizer, Sequence, StopChecker
 from target_proc.spec_policy import SpecPolicy
 from target_proc.verify import verify_inputs
@@ -264,24 +265,11 @@ class TargetWorker:
                     outcomes.append(Outcome(seq.seq_id, seq.round, j, out_l[i][j], seq.num_tokens + j + 1))
             self.draft.request(outcomes)
 
+        ssd = self.cfg.spec.mode == "ssd"
         for i, seq in enumerate(seqs):
-            j, m = num_accepted_l[i], num_draft[i]
-            st = seq.stats
-            st.num_rounds += 1
-            st.num_draft_tokens += m
-            st.num_accepted_tokens += j
-            for pos in range(m):
-                st.drafted_per_position[pos] += 1
-                if pos < j:
-                    st.accepted_per_position[pos] += 1
-            spec = specs.get(seq.seq_id)
-            if spec is not None:
-                if spec.cache_hit:
-                    st.num_cache_hits += 1
-                elif self.cfg.spec.mode == "ssd":
-                    st.num_cache_misses += 1
-            elif self.k and speculate:
-                st.num_ar_fallback_rounds += 1
+            j = num_accepted_l[i]
+            record_round(seq.stats, num_draft[i], j, specs.get(seq.seq_id), ssd=ssd,
+                         speculating=bool(self.k and speculate))
             for t in range(j + 1):
                 lp = float(logprobs[i, t]) if logprobs is not None else None
                 if self.stop_checker.append(seq, out_l[i][t], lp):
@@ -361,54 +349,19 @@ class TargetWorker:
             self.draft.release([seq.seq_id])
         seq.stats.num_generated_tokens = seq.num_generated
         seq.stats.e2e_s = time.monotonic() - seq.arrival_s
-        self._add_totals(seq.stats)
+        add_totals(self.totals, seq.stats)
         self._emit([seq])
-
-    def _add_totals(self, st: RequestStats) -> None:
-        t = self.totals
-        for name in ("num_prompt_tokens", "num_generated_tokens", "num_rounds", "num_draft_tokens",
-                     "num_accepted_tokens", "num_cache_hits", "num_cache_misses", "num_ar_fallback_rounds"):
-            setattr(t, name, getattr(t, name) + getattr(st, name))
-        for i in range(self.k):
-            t.accepted_per_position[i] += st.accepted_per_position[i]
-            t.drafted_per_position[i] += st.drafted_per_position[i]
 
     def _emit(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
-            if seq.final_sent or (not seq.pending_token_ids and not seq.finished):
-                continue
-            out = RequestOutput(
-                request_id=seq.request_id,
-                new_token_ids=seq.pending_token_ids,
-                text_delta=seq.take_text_delta(),
-                finished=seq.finished,
-                finish_reason=seq.finish_reason,
-                logprobs=seq.pending_logprobs,
-                stats=seq.stats if seq.finished else None,
-            )
-            seq.pending_token_ids = []
-            seq.pending_logprobs = []
-            self.outputs.setdefault(seq.client, []).append(out)
-            seq.final_sent = seq.finished
+            out = take_output(seq)
+            if out is not None:
+                self.outputs.setdefault(seq.client, []).append(out)
 
     def flush_outputs(self) -> None:
+        # One message per client per step; a finished request appears exactly once.
         for ident, outs in self.outputs.items():
-            # One message per client per step; a finished request appears exactly once.
-            seen: dict[str, RequestOutput] = {}
-            merged: list[RequestOutput] = []
-            for o in outs:
-                prev = seen.get(o.request_id)
-                if prev is None:
-                    seen[o.request_id] = o
-                    merged.append(o)
-                else:
-                    prev.new_token_ids = prev.new_token_ids + o.new_token_ids
-                    prev.text_delta += o.text_delta
-                    prev.logprobs = prev.logprobs + o.logprobs
-                    prev.finished = prev.finished or o.finished
-                    prev.finish_reason = o.finish_reason or prev.finish_reason
-                    prev.stats = o.stats or prev.stats
-            self.clients.send_to(ident, TokenOutputs(step=self.step_id, outputs=merged))
+            self.clients.send_to(ident, TokenOutputs(step=self.step_id, outputs=merge_outputs(outs)))
         self.outputs.clear()
 
     def engine_stats(self) -> EngineStats:

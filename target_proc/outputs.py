@@ -1,0 +1,86 @@
+"""Per-request accounting and the messages that carry results to clients.
+
+Pure bookkeeping over protocol structs, no torch: what one verify round adds to a
+request's RequestStats, how finished requests add up into the engine totals, and how
+a step's outputs become one TokenOutputs message per client.
+"""
+
+from __future__ import annotations
+
+from protocol.messages import RequestOutput, RequestStats
+from target_proc.draft_link import Speculation
+from target_proc.sequence import Sequence
+
+_TOTAL_COUNTERS = ("num_prompt_tokens", "num_generated_tokens", "num_rounds", "num_draft_tokens",
+                   "num_accepted_tokens", "num_cache_hits", "num_cache_misses", "num_ar_fallback_rounds")
+
+
+def record_round(st: RequestStats, num_draft: int, num_accepted: int, spec: Speculation | None, *,
+                 ssd: bool, speculating: bool) -> None:
+    """One verify round of a request: num_accepted of its num_draft tokens accepted.
+
+    spec is the speculation the round verified (None: none arrived, a plain round);
+    speculating says whether the step wanted one (a plain round then counts as a fallback).
+    """
+    st.num_rounds += 1
+    st.num_draft_tokens += num_draft
+    st.num_accepted_tokens += num_accepted
+    for pos in range(num_draft):
+        st.drafted_per_position[pos] += 1
+        if pos < num_accepted:
+            st.accepted_per_position[pos] += 1
+    if spec is not None:
+        if spec.cache_hit:
+            st.num_cache_hits += 1
+        elif ssd:
+            st.num_cache_misses += 1
+    elif speculating:
+        st.num_ar_fallback_rounds += 1
+
+
+def add_totals(totals: RequestStats, st: RequestStats) -> None:
+    """Add a finished request's counters to the engine's totals."""
+    for name in _TOTAL_COUNTERS:
+        setattr(totals, name, getattr(totals, name) + getattr(st, name))
+    for i, (a, d) in enumerate(zip(st.accepted_per_position, st.drafted_per_position)):
+        totals.accepted_per_position[i] += a
+        totals.drafted_per_position[i] += d
+
+
+def take_output(seq: Sequence) -> RequestOutput | None:
+    """What a sequence has to send since its last output (None: nothing); the final
+    output, with the request's stats, goes out exactly once."""
+    if seq.final_sent or (not seq.pending_token_ids and not seq.finished):
+        return None
+    out = RequestOutput(
+        request_id=seq.request_id,
+        new_token_ids=seq.pending_token_ids,
+        text_delta=seq.take_text_delta(),
+        finished=seq.finished,
+        finish_reason=seq.finish_reason,
+        logprobs=seq.pending_logprobs,
+        stats=seq.stats if seq.finished else None,
+    )
+    seq.pending_token_ids = []
+    seq.pending_logprobs = []
+    seq.final_sent = seq.finished
+    return out
+
+
+def merge_outputs(outs: list[RequestOutput]) -> list[RequestOutput]:
+    """A client's outputs of one step, one per request (in first-seen order)."""
+    seen: dict[str, RequestOutput] = {}
+    merged: list[RequestOutput] = []
+    for o in outs:
+        prev = seen.get(o.request_id)
+        if prev is None:
+            seen[o.request_id] = o
+            merged.append(o)
+        else:
+            prev.new_token_ids = prev.new_token_ids + o.new_token_ids
+            prev.text_delta += o.text_delta
+            prev.logprobs = prev.logprobs + o.logprobs
+            prev.finished = prev.finished or o.finished
+            prev.finish_reason = o.finish_reason or prev.finish_reason
+            prev.stats = o.stats or prev.stats
+    return merged

@@ -1,0 +1,139 @@
+"""Shared by the abuse tests: garbage-frame strategies, a socket fuzzer, and the models.
+
+A fuzzed socket gets frames that are not a message (random bytes, wrong frame counts,
+pickles, msgspec values of the wrong shape, valid tags with wild fields) and must answer
+each with an ErrorReply or drop it, then still serve a real request.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import msgspec
+import numpy as np
+from conftest import save_tiny_model
+from e2e_util import perturbed_copy
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from protocol import messages as m
+from protocol.codec import DEFAULT_MAX_FRAMES, Decoder, ProtocolError, encode
+from protocol.transport import Channel
+
+K = 3
+FUZZ = settings(max_examples=1000, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+PWNED = "/tmp/spec-runtime-abuse-pwned"
+
+
+# ---------------------------------------------------------------- garbage frames
+
+
+def frames(msg) -> list[bytes]:
+    return [bytes(f) for f in encode(msg)]
+
+
+class _Evil:
+    """Unpickling this runs a command: proof that no socket ever unpickles."""
+
+    def __reduce__(self):
+        return (os.system, (f"touch {PWNED}",))
+
+
+_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=6)
+    | st.binary(max_size=6),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+    max_leaves=10,
+)
+_tags = st.sampled_from(["gen", "abort", "stats?", "bye", "req", "add", "rel", "dstats?", "resp", "dstats",
+                         "error", "out", "stats", "hello", "init", "ready", "nope", ""])
+
+
+def garbage(valid: list[list[bytes]]):
+    """Frames that must not decode: random bytes, truncated or mangled valid messages,
+    unknown tags, valid msgpack in the wrong schema, messages of the other links, pickles,
+    too many frames."""
+    base = st.sampled_from(valid)
+
+    @st.composite
+    def mangled(draw):
+        frames = list(draw(base))
+        i = draw(st.integers(0, len(frames) - 1))
+        data = bytearray(frames[i])
+        op = draw(st.sampled_from(["truncate", "flip", "insert", "drop", "extra"]))
+        if op == "truncate":
+            data = data[: draw(st.integers(0, max(0, len(data) - 1)))]
+        elif op == "flip" and data:
+            data[draw(st.integers(0, len(data) - 1))] = draw(st.integers(0, 255))
+        elif op == "insert":
+            j = draw(st.integers(0, len(data)))
+            data[j:j] = draw(st.binary(min_size=1, max_size=6))
+        elif op == "drop" and len(frames) > 1:
+            return frames[:i] + frames[i + 1:]
+        elif op == "extra":
+            return frames + [draw(st.binary(max_size=16))]
+        frames[i] = bytes(data)
+        return frames
+
+    schema = st.builds(lambda tag, rest, extra: [msgspec.msgpack.encode([tag, *rest]), *extra],
+                       _tags, st.lists(_values, max_size=8), st.lists(st.binary(max_size=16), max_size=3))
+    other_links = st.sampled_from([frames(x) for x in OTHER_LINK_SAMPLES])
+    pickles = st.builds(lambda obj, proto: [pickle.dumps(obj, protocol=proto)],
+                        _values | st.just(_Evil()) | st.just(m.StatsRequest()), st.integers(0, 5))
+    too_many = st.integers(DEFAULT_MAX_FRAMES + 1, DEFAULT_MAX_FRAMES + 8).map(lambda n: [b"\x91\xa6stats?"] * n)
+    return st.one_of(st.lists(st.binary(max_size=64), min_size=1, max_size=5), mangled(), schema, other_links,
+                     pickles, too_many)
+
+
+OTHER_LINK_SAMPLES = [
+    m.Hello(protocol_version=m.PROTOCOL_VERSION, role="draft", pid=1),
+    m.Init(protocol_version=m.PROTOCOL_VERSION, config={}),
+    m.Init(protocol_version=99, config={}),
+    m.TokenOutputs(step=1, outputs=[m.RequestOutput(request_id="x", new_token_ids=[1])]),
+    m.DraftStats(num_seqs=0, num_cache_entries=0, num_requests=0, num_hits=0, num_misses=0),
+    m.SpecResponse(step=1, seq_ids=np.zeros(1, np.int64), rounds=np.zeros(1, np.int64),
+                   draft_token_ids=np.zeros((1, K), np.int64), num_draft_tokens=np.ones(1, np.int32),
+                   cache_hit=np.zeros(1, bool)),
+    m.GenerateRequest(request_id="g", prompt_token_ids=np.arange(3), sampling=m.SamplingParams()),
+    m.SpecRequest(step=1, seq_ids=np.zeros(1, np.int64), rounds=np.zeros(1, np.int64),
+                  num_accepted=np.zeros(1, np.int32), token_ids=np.zeros(1, np.int64),
+                  seq_lens=np.ones(1, np.int64), k=K),
+]
+
+
+def fuzz_socket(send_and_check, strategy, accepts: Decoder) -> int:
+    """Run >= 1000 hypothesis cases through send_and_check(frames); frames that happen to
+    decode as a valid message of this socket are skipped (they are not malformed)."""
+    count = [0]
+
+    @FUZZ
+    @given(frames=strategy)
+    def case(frames):
+        try:
+            accepts.decode(frames)
+            valid = True  # not malformed; out-of-range values are tested separately
+        except ProtocolError:
+            valid = False
+        assume(not valid)
+        send_and_check(frames)
+        count[0] += 1
+
+    case()
+    return count[0]
+
+
+def expect_error(chan: Channel, what: str) -> m.ErrorReply:
+    reply = chan.recv(timeout_s=10)
+    assert isinstance(reply, m.ErrorReply), f"{what}: expected an ErrorReply, got {reply!r}"
+    assert reply.code in ("bad_message", "too_large", "version"), reply
+    return reply
+
+
+
+def abuse_models(tmp_path_factory) -> tuple[str, str]:
+    """A tiny target and a perturbed copy of it as the draft."""
+    root = tmp_path_factory.mktemp("abuse")
+    target = save_tiny_model(root / "t", "llama")
+    draft = perturbed_copy(target, str(root / "d"), noise=0.2)
+    return target, draft
