@@ -42,7 +42,8 @@ def run_mode(args, mode: str) -> list[dict]:
         target=ModelConfig(path=args.target, device=args.target_device, cuda_graphs=not args.no_cuda_graphs),
         draft=ModelConfig(path=args.draft, device=args.draft_device, cuda_graphs=not args.no_cuda_graphs),
         spec=SpeculativeConfig(mode=mode, k=args.k, fan_out=args.fan_out, fan_out_miss=args.fan_out_miss,
-                               backup=args.backup, synthetic_acceptance=args.synthetic_acceptance,
+                               backup=args.backup, tree_budget=args.tree_budget,
+                               synthetic_acceptance=args.synthetic_acceptance,
                                synthetic_ranks=args.synthetic_ranks, draft_timeout_s=30.0),
         sched=SchedulerConfig(max_batch_size=max(args.batch_sizes), max_model_len=args.max_model_len),
         startup_timeout_s=900.0,
@@ -95,6 +96,7 @@ def _row(mode, temp, bs, wall, decode_wall, results, before, after, args) -> dic
     row = {
         "mode": mode, "temperature": temp, "batch_size": bs, "k": k,
         "fan_out": list(args.fan_out) if mode == "ssd" else None,
+        "tree_budget": args.tree_budget if mode == "ssd" else None,
         "synthetic_acceptance": args.synthetic_acceptance, "synthetic_ranks": list(args.synthetic_ranks),
         "generated_tokens": gen, "repeats": args.repeats, "wall_s": wall, "tokens_per_s": gen / wall,
         "decode_tokens_per_s": (gen - len(results)) / decode_wall if decode_wall > 0 else None,
@@ -125,6 +127,7 @@ def main() -> None:
     p.add_argument("--fan-out", type=_tuple(int), default=())
     p.add_argument("--fan-out-miss", type=_tuple(int), default=())
     p.add_argument("--backup", default="jit")
+    p.add_argument("--tree-budget", type=int, default=64, help="SSD: most branches per round over the batch")
     p.add_argument("--batch-sizes", type=_tuple(int), default=(1, 2, 4, 8, 16))
     p.add_argument("--temperatures", type=_tuple(float), default=(0.0, 0.7))
     p.add_argument("--max-tokens", type=int, default=128)
