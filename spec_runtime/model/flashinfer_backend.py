@@ -14,9 +14,10 @@ page is full (kv_last_page_len = 1).
   mask bottom-right when q_len < kv_len (query i of a request sees kv
   [0, kv_len - q_len + i]), which is forward_batch.py's rule.
 
-`attention = "flashinfer"` (or SPEC_RUNTIME_ATTENTION=flashinfer) sends the short forwards and the graphs to flashinfer too
-(its use_cuda_graph wrappers, planned on the host before every replay); the step
-benchmark measures both. tests/test_gpu.py checks every path against SDPA.
+`attention = "flashinfer"` (or SPEC_RUNTIME_ATTENTION=flashinfer) sends the short
+forwards and the graphs to flashinfer too (its use_cuda_graph wrappers, planned on the
+host before every replay); the step benchmark measures both, and tests/test_gpu.py
+checks every path against SDPA.
 
 flashinfer's `plan()` is host work (it reads the host indptr arrays and fills its int
 workspace with an async copy from one pinned buffer per wrapper), so a wrapper must
@@ -107,11 +108,11 @@ class FlashInferBackend(AttentionBackend):
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        # Graph-mode plans split the kv of every request unless this is set; the benchmark
-        # measures both (one attention kernel vs attention + merge).
+        # flashinfer graphs only (attention = "flashinfer"): graph-mode plans split the kv
+        # of every request unless disable_split_kv is set; q_len-1 graphs run the fa2
+        # prefill kernel on tensor cores (verify's JIT module) unless decode_tensor_cores
+        # is off (flashinfer's CUDA-core decode kernel, a second module).
         self.disable_split_kv = False
-        # q_len-1 graphs: the fa2 prefill kernel on tensor cores (shares verify's JIT module)
-        # or flashinfer's CUDA-core decode kernel (a second module); the benchmark measures both.
         self.decode_tensor_cores = True
         # Who serves short uniform forwards and CUDA graphs: "triton" (no host plan) or
         # "flashinfer"; set before graphs are captured.
