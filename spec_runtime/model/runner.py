@@ -107,6 +107,7 @@ class ModelRunner:
             logits = self.graphs.run(batch) if self.graphs is not None else None  # [T, V]; None: no graph fits
             if logits is not None:
                 # The graph's buffer is overwritten by its next replay: hand out a copy.
+                # logits_indices are ascending and unique, so N == T means every row.
                 idx = batch.logits_indices
                 return logits.clone() if idx.shape[0] == logits.shape[0] else logits[idx]  # [N, V]
             self.backend.begin(batch)
