@@ -99,11 +99,12 @@ def bench_model(name: str, args, bw: float, log) -> dict:
     def fwd(ids, pos, batch):
         return cuda_ops.cuda_forward(model, ids, pos, batch)
 
-    def make_graphs():
-        g = CudaGraphRunner(fwd, backend, max_batch_size=max(BATCHES), q_lens=q_lens,
-                            max_kv_len=layout.max_model_len, dummy_row=layout.num_rows, device=dev,
-                            logits_fn=model.compute_logits)
-        g.capture()
+    def make_graphs(max_batch_size=max(BATCHES), graph_q_lens=q_lens):
+        with torch.inference_mode():
+            g = CudaGraphRunner(fwd, backend, max_batch_size=max_batch_size, q_lens=graph_q_lens,
+                                max_kv_len=layout.max_model_len, dummy_row=layout.num_rows, device=dev,
+                                logits_fn=model.compute_logits)
+            g.capture()
         return g
 
     # Warm-up eager forward (JIT, compile) before capture, as ModelRunner's sizing pass does.
@@ -167,11 +168,7 @@ def bench_model(name: str, args, bw: float, log) -> dict:
         cuda_ops.set_fused_ops(False)
         try:
             extra["decode_b1_no_graph_eager_ops_ms"] = time_step(torch, eager_step(batch), args.warmup, args.iters)
-            with torch.inference_mode():
-                g2 = CudaGraphRunner(fwd, backend, max_batch_size=1, q_lens=(1,),
-                                     max_kv_len=layout.max_model_len, dummy_row=layout.num_rows, device=dev,
-                                     logits_fn=model.compute_logits)
-                g2.capture()
+            g2 = make_graphs(1, (1,))
             extra["decode_b1_graph_eager_ops_ms"] = time_step(torch, graph_step(batch, g2), args.warmup, args.iters)
             del g2
         finally:
@@ -181,11 +178,7 @@ def bench_model(name: str, args, bw: float, log) -> dict:
         # The same step with flashinfer's graph attention (planned on the host per step).
         backend.attention = "flashinfer"
         try:
-            with torch.inference_mode():
-                g3 = CudaGraphRunner(fwd, backend, max_batch_size=1, q_lens=(1,),
-                                     max_kv_len=layout.max_model_len, dummy_row=layout.num_rows, device=dev,
-                                     logits_fn=model.compute_logits)
-                g3.capture()
+            g3 = make_graphs(1, (1,))
             extra["decode_b1_graph_flashinfer_ms"] = time_step(torch, graph_step(batch, g3), args.warmup, args.iters)
             del g3
         finally:

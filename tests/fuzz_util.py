@@ -18,7 +18,13 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from protocol import messages as m
-from protocol.codec import DEFAULT_MAX_FRAMES, Decoder, ProtocolError, encode
+from protocol.codec import (
+    ALLOWED_DTYPES,
+    DEFAULT_MAX_FRAMES,
+    Decoder,
+    ProtocolError,
+    encode,
+)
 from protocol.transport import Channel
 
 K = 3
@@ -40,50 +46,60 @@ class _Evil:
         return (os.system, (f"touch {PWNED}",))
 
 
-_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=6)
-    | st.binary(max_size=6),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
-    max_leaves=10,
+MSGPACK_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=8)
+    | st.binary(max_size=8) | st.sampled_from(sorted(ALLOWED_DTYPES) + ["req", "resp", "init", "gen"]),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=4), inner, max_size=4),
+    max_leaves=12,
 )
-_tags = st.sampled_from(["gen", "abort", "stats?", "bye", "req", "add", "rel", "dstats?", "resp", "dstats",
-                         "error", "out", "stats", "hello", "init", "ready", "nope", ""])
+TAGS = st.sampled_from(["req", "resp", "add", "rel", "gen", "abort", "out", "init", "hello", "ready", "error",
+                        "bye", "stats?", "stats", "dstats", "dstats?", "nope", ""])
+
+
+def mangled(base):
+    """Frames of `base` (a strategy of valid frame lists) with one frame truncated, a
+    byte flipped or inserted, or a frame dropped, duplicated or added."""
+
+    @st.composite
+    def strategy(draw):
+        frames = list(draw(base))
+        i = draw(st.integers(0, len(frames) - 1))
+        data = bytearray(frames[i])
+        op = draw(st.sampled_from(["truncate", "flip", "insert", "drop", "dup", "extra"]))
+        if op == "truncate":
+            data = data[: draw(st.integers(0, len(data)))]
+        elif op == "flip" and data:
+            data[draw(st.integers(0, len(data) - 1))] = draw(st.integers(0, 255))
+        elif op == "insert":
+            j = draw(st.integers(0, len(data)))
+            data[j:j] = draw(st.binary(min_size=1, max_size=8))
+        elif op == "drop" and len(frames) > 1:
+            return frames[:i] + frames[i + 1:]
+        elif op == "dup":
+            return frames + [frames[i]]
+        elif op == "extra":
+            return frames + [draw(st.binary(max_size=16))]
+        frames[i] = bytes(data)
+        return frames
+
+    return strategy()
+
+
+# Valid msgpack with a message tag and wild fields, plus stray extra frames.
+STRUCTURED = st.builds(lambda tag, rest, extra: [msgspec.msgpack.encode([tag, *rest]), *extra],
+                       TAGS, st.lists(MSGPACK_VALUES, max_size=10), st.lists(st.binary(max_size=32), max_size=4))
 
 
 def garbage(valid: list[list[bytes]]):
     """Frames that must not decode: random bytes, truncated or mangled valid messages,
     unknown tags, valid msgpack in the wrong schema, messages of the other links, pickles,
     too many frames."""
-    base = st.sampled_from(valid)
-
-    @st.composite
-    def mangled(draw):
-        frames = list(draw(base))
-        i = draw(st.integers(0, len(frames) - 1))
-        data = bytearray(frames[i])
-        op = draw(st.sampled_from(["truncate", "flip", "insert", "drop", "extra"]))
-        if op == "truncate":
-            data = data[: draw(st.integers(0, max(0, len(data) - 1)))]
-        elif op == "flip" and data:
-            data[draw(st.integers(0, len(data) - 1))] = draw(st.integers(0, 255))
-        elif op == "insert":
-            j = draw(st.integers(0, len(data)))
-            data[j:j] = draw(st.binary(min_size=1, max_size=6))
-        elif op == "drop" and len(frames) > 1:
-            return frames[:i] + frames[i + 1:]
-        elif op == "extra":
-            return frames + [draw(st.binary(max_size=16))]
-        frames[i] = bytes(data)
-        return frames
-
-    schema = st.builds(lambda tag, rest, extra: [msgspec.msgpack.encode([tag, *rest]), *extra],
-                       _tags, st.lists(_values, max_size=8), st.lists(st.binary(max_size=16), max_size=3))
     other_links = st.sampled_from([frames(x) for x in OTHER_LINK_SAMPLES])
     pickles = st.builds(lambda obj, proto: [pickle.dumps(obj, protocol=proto)],
-                        _values | st.just(_Evil()) | st.just(m.StatsRequest()), st.integers(0, 5))
+                        MSGPACK_VALUES | st.just(_Evil()) | st.just(m.StatsRequest()), st.integers(0, 5))
     too_many = st.integers(DEFAULT_MAX_FRAMES + 1, DEFAULT_MAX_FRAMES + 8).map(lambda n: [b"\x91\xa6stats?"] * n)
-    return st.one_of(st.lists(st.binary(max_size=64), min_size=1, max_size=5), mangled(), schema, other_links,
-                     pickles, too_many)
+    return st.one_of(st.lists(st.binary(max_size=64), min_size=1, max_size=5), mangled(st.sampled_from(valid)),
+                     STRUCTURED, other_links, pickles, too_many)
 
 
 OTHER_LINK_SAMPLES = [

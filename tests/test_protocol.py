@@ -12,12 +12,12 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
+from fuzz_util import STRUCTURED, mangled
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from protocol import messages as m
 from protocol.codec import (
-    ALLOWED_DTYPES,
     Decoder,
     ProtocolError,
     check_token_ids,
@@ -271,50 +271,9 @@ def test_size_limits():
 _valid_frames = st.sampled_from([[bytes(f) for f in encode(s)] for s in SAMPLES])
 
 
-@st.composite
-def _mutated(draw):
-    frames = list(draw(_valid_frames))
-    i = draw(st.integers(0, len(frames) - 1))
-    data = bytearray(frames[i])
-    op = draw(st.sampled_from(["flip", "truncate", "insert", "drop_frame", "dup_frame"]))
-    if op == "flip" and data:
-        j = draw(st.integers(0, len(data) - 1))
-        data[j] = draw(st.integers(0, 255))
-    elif op == "truncate":
-        data = data[: draw(st.integers(0, len(data)))]
-    elif op == "insert":
-        j = draw(st.integers(0, len(data)))
-        data[j:j] = draw(st.binary(min_size=1, max_size=8))
-    elif op == "drop_frame" and len(frames) > 1:
-        frames.pop(i)
-        return frames
-    elif op == "dup_frame":
-        frames.append(frames[i])
-        return frames
-    frames[i] = bytes(data)
-    return frames
-
-
-_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=8)
-    | st.binary(max_size=8) | st.sampled_from(sorted(ALLOWED_DTYPES) + ["req", "resp", "init", "gen"]),
-    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=4), inner, max_size=4),
-    max_leaves=12,
-)
-_tags = st.sampled_from(["req", "resp", "add", "rel", "gen", "abort", "out", "init", "hello", "ready",
-                         "error", "bye", "stats?", "stats", "dstats", "dstats?"])
-
-
-@st.composite
-def _structured(draw):
-    body = [draw(_tags), *draw(st.lists(_values, max_size=10))]
-    extra = draw(st.lists(st.binary(max_size=32), max_size=4))
-    return [msgspec.msgpack.encode(body), *extra]
-
-
 @settings(max_examples=1200, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
-    frames=st.one_of(st.lists(st.binary(max_size=64), max_size=5), _mutated(), _structured()),
+    frames=st.one_of(st.lists(st.binary(max_size=64), max_size=5), mangled(_valid_frames), STRUCTURED),
     union=st.sampled_from(UNIONS),
 )
 def test_fuzz_decoder_raises_only_protocol_error(frames, union):
