@@ -60,9 +60,6 @@ class SSDEngine:
         self.num_hits = 0
         self.num_misses = 0
         self.last_work_s = 0.0
-        # Work ahead for fresh sequences (prefetch), kept apart from the per-round work.
-        self.num_prefetched = 0
-        self.prefetch_s = 0.0
         # Running per-token acceptance rate (accepted / attempted draft positions), which
         # weighs the outcome depths when forks compete for the budget.
         self._accepted = 7.0
@@ -169,14 +166,13 @@ class SSDEngine:
         treats like any round with m = 0: glue prefills the prompt and ranks depth 0, the
         forks are the likeliest first tokens, and each branch holds K tokens (a later
         SpecRequest with a smaller k gets a prefix). `last_work_s` keeps describing the
-        last round's work; prefetch time goes to `prefetch_s`.
+        last round's work, not the prefetch.
         """
         for s in seqs:
             if s.awaiting_outcome or s.draft_token_ids:
                 raise ValueError(f"sequence {s.seq_id} already has a speculation; only fresh sequences are prefetched")
         if not seqs:
             return
-        t0 = time.perf_counter()
         round_work_s = self.last_work_s
         try:
             self.work_ahead(seqs, self.k)
@@ -188,8 +184,6 @@ class SSDEngine:
             raise
         finally:
             self.last_work_s = round_work_s
-        self.num_prefetched += len(seqs)
-        self.prefetch_s += time.perf_counter() - t0
 
     def _branches_per_seq(self, batch: int) -> int:
         # The total budget bounds the tree-decode batch whatever the batch size.

@@ -153,7 +153,7 @@ def cuda_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, batch:
             o = backend.attend(li, q, kv, batch)  # [T, Hq, D]
         else:
             q, k, v = _qk_rope(qkv, cos, sin, arch.num_heads, arch.num_kv_heads, arch.head_dim,
-                                  qn, kn, arch.rms_norm_eps)
+                              qn, kn, arch.rms_norm_eps)
             o = backend.forward(attn.layer_idx, q, k, v, kv, batch)  # [T, Hq, D]
         x = attn.o_proj(o.reshape(t, arch.q_size))  # [T, H]
         ln2 = layer.post_attention_layernorm
