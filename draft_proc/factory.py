@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from draft_proc.ngram import NgramSpeculator
+from spec_runtime.oracle import draft_oracle_logits, draft_oracle_slots, scatter_slots
 
 # The n-gram speculator never indexes by token id; the target validates ids anyway.
 NGRAM_VOCAB_BOUND = 2**31 - 1
@@ -24,8 +25,6 @@ class OracleTransform:
         self.ranks = tuple(ranks)
 
     def __call__(self, logits, seqs, positions: np.ndarray):
-        from spec_runtime.oracle import draft_oracle_logits
-
         # Host tensors: the oracle hashes on the CPU and scatters once on the device.
         seeds = torch.tensor([s.seed for s in seqs], dtype=torch.int64)
         pos = torch.from_numpy(np.asarray(positions, dtype=np.int64))
@@ -34,8 +33,6 @@ class OracleTransform:
     def chain(self, seqs, positions: np.ndarray, num_steps: int, vocab: int, device):
         """Per-step transforms for steps 0..num_steps-1 of a chain whose step i predicts
         positions + i ([R]): a list of functions logits [R, V] -> logits."""
-        from spec_runtime.oracle import draft_oracle_slots, scatter_slots
-
         seeds = torch.tensor([s.seed for s in seqs], dtype=torch.int64)[None, :].expand(num_steps, -1)
         pos = torch.from_numpy(np.asarray(positions, dtype=np.int64))[None, :] + torch.arange(num_steps)[:, None]
         tokens, slot_logits = draft_oracle_slots(seeds, pos, vocab, self.alpha, self.ranks)  # [S_steps, R, slots]
