@@ -52,6 +52,11 @@ def graph_batch_sizes(max_batch_size: int) -> list[int]:
     return sizes
 
 
+def graph_logits_bytes(max_batch_size: int, q_lens: Sequence[int], vocab_size: int) -> int:
+    """Memory the graphs' float32 logits outputs take: one per (batch size, q_len)."""
+    return sum(graph_batch_sizes(max_batch_size)) * sum(set(q_lens)) * vocab_size * 4
+
+
 @dataclass
 class _Graph:
     batch_size: int

@@ -59,12 +59,11 @@ class ModelRunner:
         self.backend = self._make_backend()
         is_cuda = self.device.type == "cuda"
         if is_cuda:
-            from spec_runtime.model.cuda_graphs import graph_batch_sizes
+            from spec_runtime.model.cuda_graphs import graph_logits_bytes
             from spec_runtime.model.cuda_memory import fit_num_slots
 
-            # Each graph keeps its float32 logits for every token of its shape.
-            logits_bytes = (sum(graph_batch_sizes(max_batch_size or num_slots)) * sum(set(graph_q_lens))
-                            * self.vocab_size * 4) if cfg.cuda_graphs else 0
+            logits_bytes = (graph_logits_bytes(max_batch_size or num_slots, graph_q_lens, self.vocab_size)
+                            if cfg.cuda_graphs else 0)
             num_slots = fit_num_slots(self.model, self.backend, gpu_memory_utilization=cfg.gpu_memory_utilization,
                                       num_slots=num_slots, max_model_len=max_model_len,
                                       num_scratch_rows=num_scratch_rows, warmup_tokens=max_model_len,
