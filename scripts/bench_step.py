@@ -73,6 +73,18 @@ def time_step(torch, step, warmup: int, iters: int) -> float:
     return float(np.median(times))
 
 
+def host_ms(torch, step, iters: int) -> float:
+    """Median host ms of step() alone, the GPU idle before each call."""
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - t) * 1e3)
+    torch.cuda.synchronize()
+    return float(np.median(times))
+
+
 def bench_model(name: str, args, bw: float, log) -> dict:
     import torch
 
@@ -183,20 +195,28 @@ def bench_model(name: str, args, bw: float, log) -> dict:
             del g3
         finally:
             backend.attention = "triton"
-        # Host time of one step (no sync): what the GPU waits for before the graph runs.
-        step, host = graph_step(batch, graphs), []
-        for _ in range(args.iters):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            step()
-            host.append((time.perf_counter() - t) * 1e3)
-        torch.cuda.synchronize()
-        extra["decode_b1_host_ms"] = float(np.median(host))
+        # The same step with cuBLAS projections and separate norm / SiLU kernels.
+        cuda_ops.set_small_linear(False)
+        try:
+            g4 = make_graphs(1, (1, 6) if is_target else (1,))
+            extra["decode_b1_graph_cublas_ms"] = time_step(torch, graph_step(batch, g4), args.warmup, args.iters)
+            if is_target:
+                extra["verify6_b1_graph_cublas_ms"] = time_step(
+                    torch, graph_step(batch_for(1, 6), g4), args.warmup, args.iters)
+            del g4
+        finally:
+            cuda_ops.set_small_linear(True)
+        # Host time of one step (no sync): what the GPU waits for before the graph runs;
+        # and of the graph launch alone (replay with the inputs already in place).
+        extra["decode_b1_host_ms"] = host_ms(torch, graph_step(batch, graphs), args.iters)
+        extra["decode_b1_replay_host_ms"] = host_ms(torch, graphs.graphs[(1, 1)].graph.replay, args.iters)
         # A draft's steps as SSD and the chain drafter run them: 8 steps back to back,
         # each step's argmax fed to the next on the device, one sync at the end.
         extra["decode_b1_chain8_ms_per_step"] = time_step(
             torch, chain_step(batch, graphs, 8), args.warmup, args.iters) / 8
-        log(f"{name:11s} b=1 decode, graph: host {extra['decode_b1_host_ms']:.3f} ms; "
+        log(f"{name:11s} b=1 decode, graph: host {extra['decode_b1_host_ms']:.3f} ms "
+            f"(replay alone {extra['decode_b1_replay_host_ms']:.3f}); "
+            f"cuBLAS projections {extra['decode_b1_graph_cublas_ms']:.3f} ms; "
             f"flashinfer attention {extra['decode_b1_graph_flashinfer_ms']:.3f} ms; "
             f"8-step chain {extra['decode_b1_chain8_ms_per_step']:.3f} ms per step")
         if args.profile:

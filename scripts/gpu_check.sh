@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The one script a GPU run executes (issue 3): install the carried wheels, build
-# flashinfer's kernels, run tests/test_gpu.py, then scripts/bench_step.py.
+# flashinfer's kernels, run tests/test_gpu.py, scripts/bench_linear.py, then scripts/bench_step.py.
 # Everything it writes goes under $OUT (the device tool brings that folder back).
 #
 #   run(command="bash scripts/gpu_check.sh", carry=[".whl"], kind="nvidia-h100-x1")
 #
-# Env: BENCH_MODELS (default: all four), SKIP_TESTS=1, SKIP_BENCH=1, TEST_TIMEOUT, BENCH_TIMEOUT.
+# Env: BENCH_MODELS (default: all four), SKIP_TESTS=1, SKIP_LINEAR=1, SKIP_BENCH=1, TEST_TIMEOUT, BENCH_TIMEOUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check_out}
@@ -43,6 +43,11 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
 fi
 wait
 cat "$OUT"/jit_*.log
+
+if [ "${SKIP_LINEAR:-0}" != 1 ]; then
+  stamp "scripts/bench_linear.py"
+  timeout 200 python3 scripts/bench_linear.py --out "$OUT/bench_linear.json" 2>&1 | tee "$OUT/bench_linear.log"
+fi
 
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   stamp "scripts/bench_step.py"

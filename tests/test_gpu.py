@@ -153,7 +153,13 @@ def test_gpu_matches_cpu_graphs_and_transformers(model_dir: str, attention: str,
             errs[f"branch {i}/hf"] = rel_err(gpu_out[6][i], ref)
     table = ", ".join(f"{k}: {v:.1e}" for k, v in errs.items())
     print(f"relative errors: {table}")
-    assert max(errs.values()) < TOL, f"relative errors above {TOL}: {table}"
+    # Each GPU path against the float32 references within TOL. Graphs and eager may run
+    # a step with different projection kernels (a graph pads one request to a batch of
+    # two, which goes to cuBLAS, not triton_linear), so two independent bf16 roundings
+    # separate them: up to about twice TOL.
+    worst = max(v for k, v in errs.items() if not k.endswith("graphs/eager"))
+    assert worst < TOL, f"relative errors above {TOL}: {table}"
+    assert max(errs.values()) < 2 * TOL, f"graphs and eager differ by over {2 * TOL}: {table}"
 
 
 def test_flashinfer_causal_is_bottom_right() -> None:

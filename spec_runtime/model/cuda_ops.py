@@ -19,6 +19,12 @@ once by llama.py's loader; the CPU path (model.forward) is untouched. Numerics
 follow llama.py (float32 norm statistics, bf16 residual stream); the fused
 kernels round at fewer points, which tests/test_gpu.py bounds against the CPU path.
 
+With one token (triton_linear.MAX_ROWS), a decode or draft step of one sequence, the
+projections are triton_linear.small_linear with the norms, the residual adds and
+SiLU-and-mul folded in: 7 kernels per layer (4 projections, rope+store, attention
+and its split merge) where there were 11. SPEC_RUNTIME_SMALL_LINEAR=0 (or `set_small_linear(False)`)
+keeps cuBLAS and the separate small ops at every size.
+
 `set_fused_ops(False)` (or SPEC_RUNTIME_FUSED_OPS=0) runs the same function with eager
 torch ops instead; the benchmark measures both. Compile cost is paid once per process
 and shape class (T = 1 and T > 1).
@@ -34,6 +40,7 @@ import torch.nn.functional as F
 
 from spec_runtime.model.forward_batch import ForwardBatch
 from spec_runtime.model.triton_kernels import rope_store_kv
+from spec_runtime.model.triton_linear import MAX_ROWS, small_linear
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +97,7 @@ class _Ops:
 
     def __init__(self) -> None:
         self.fused = False
+        self.small_linear = os.environ.get("SPEC_RUNTIME_SMALL_LINEAR", "1") != "0"
         # Compilation is lazy (first call), so enabling it here costs nothing on a CPU host.
         self.set(os.environ.get("SPEC_RUNTIME_FUSED_OPS", "1") != "0")
 
@@ -122,6 +130,48 @@ def fused_ops_enabled() -> bool:
     return OPS.fused
 
 
+def set_small_linear(enabled: bool) -> None:
+    """Use triton_linear.small_linear for forwards of <= MAX_ROWS tokens (True) or cuBLAS."""
+    OPS.small_linear = enabled
+
+
+def _attend(model, layer, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            batch: ForwardBatch) -> torch.Tensor:
+    """qkv [T, (Hq + 2 Hkv) D] -> attention output [T, Hq * D]; writes the step's K/V."""
+    arch, attn, kv = model.arch, layer.self_attn, model.kv_cache
+    qn = attn.q_norm.weight if attn.q_norm is not None else None
+    kn = attn.k_norm.weight if attn.k_norm is not None else None
+    li = attn.layer_idx
+    if OPS.fused:
+        q = rope_store_kv(qkv, cos, sin, kv.k_cache[li], kv.v_cache[li], batch.kv_write_rows,
+                          num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
+                          q_norm_w=qn, k_norm_w=kn, eps=arch.rms_norm_eps)  # [T, Hq, D]
+        o = model.backend.attend(li, q, kv, batch)  # [T, Hq, D]
+    else:
+        q, k, v = _qk_rope(qkv, cos, sin, arch.num_heads, arch.num_kv_heads, arch.head_dim,
+                          qn, kn, arch.rms_norm_eps)
+        o = model.backend.forward(li, q, k, v, kv, batch)  # [T, Hq, D]
+    return o.reshape(qkv.shape[0], arch.q_size)
+
+
+def _layers_small(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  batch: ForwardBatch) -> torch.Tensor:
+    """The decoder layers for <= MAX_ROWS tokens: four small_linear calls per layer
+    with the norms, residual adds and SiLU-and-mul inside. Returns the residual stream."""
+    residual = x  # [T, H], updated in place by the o and down projections
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+        qkv = small_linear(residual, attn.qkv_proj.weight, bias=attn.qkv_proj.bias,
+                           norm_weight=ln1.weight, eps=ln1.eps)  # [T, (Hq + 2 Hkv) D]
+        o = _attend(model, layer, qkv, cos, sin, batch)  # [T, Hq * D]
+        small_linear(o, attn.o_proj.weight, bias=attn.o_proj.bias, add_to=residual)
+        act = small_linear(residual, mlp.gate_up_proj.weight, norm_weight=ln2.weight, eps=ln2.eps,
+                           silu_mul=True)  # [T, I]
+        small_linear(act, mlp.down_proj.weight, add_to=residual)
+    return residual
+
+
 def cuda_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
     """input_ids/positions [T] -> final-normed hidden [T, H], as model.forward computes it.
 
@@ -129,10 +179,13 @@ def cuda_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, batch:
     """
     if model.backend is None or model.kv_cache is None or model.inv_freq is None:
         raise ValueError("call init_rope() and bind(backend, kv) before forward")
-    arch, backend, kv, ops = model.arch, model.backend, model.kv_cache, OPS
+    ops = OPS
     x = model.embed_tokens(input_ids)  # [T, H]
     t = x.shape[0]
     cos, sin = ops.rope_cos_sin(positions, model.inv_freq, x.dtype)  # [T, 1, D] each
+    if ops.fused and ops.small_linear and t <= MAX_ROWS:
+        residual = _layers_small(model, x, cos, sin, batch)
+        return ops.rmsnorm(residual, model.norm.weight, model.norm.eps)
     residual = None
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -142,20 +195,8 @@ def cuda_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, batch:
             h = ops.rmsnorm(x, ln1.weight, ln1.eps)
         else:
             h, residual = ops.add_rmsnorm(x, residual, ln1.weight, ln1.eps)
-        qkv = attn.qkv_proj(h)  # [T, (Hq + 2 Hkv) D]
-        qn = attn.q_norm.weight if attn.q_norm is not None else None
-        kn = attn.k_norm.weight if attn.k_norm is not None else None
-        if ops.fused:
-            li = attn.layer_idx
-            q = rope_store_kv(qkv, cos, sin, kv.k_cache[li], kv.v_cache[li], batch.kv_write_rows,
-                              num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
-                              q_norm_w=qn, k_norm_w=kn, eps=arch.rms_norm_eps)  # [T, Hq, D]
-            o = backend.attend(li, q, kv, batch)  # [T, Hq, D]
-        else:
-            q, k, v = _qk_rope(qkv, cos, sin, arch.num_heads, arch.num_kv_heads, arch.head_dim,
-                              qn, kn, arch.rms_norm_eps)
-            o = backend.forward(attn.layer_idx, q, k, v, kv, batch)  # [T, Hq, D]
-        x = attn.o_proj(o.reshape(t, arch.q_size))  # [T, H]
+        o = _attend(model, layer, attn.qkv_proj(h), cos, sin, batch)  # [T, Hq * D]
+        x = attn.o_proj(o)  # [T, H]
         ln2 = layer.post_attention_layernorm
         h, residual = ops.add_rmsnorm(x, residual, ln2.weight, ln2.eps)
         x = mlp.down_proj(ops.silu_mul(mlp.gate_up_proj(h)))  # [T, H]

@@ -1,0 +1,147 @@
+"""A Triton linear layer for one token (a decode or draft step of one sequence) with
+the small ops around it fused in.
+
+At batch 1 a layer of a draft model is four GEMVs and, around them, an RMSNorm with
+the residual add, a second one, and SiLU-and-mul: three kernels of 1-2 us each plus a
+launch gap each, and cuBLAS adds a split-K reduce to the down projection. On draft-1b
+that is ~25% of a step (scripts/bench_step.py's profile). Here a layer's projections
+are four kernels and nothing else:
+
+    qkv      = W_qkv · rmsnorm(h)         norm folded in (NORM)
+    h       += W_o · attn                 residual add in the epilogue (ADD)
+    act      = silu(W_g · n) * (W_u · n)  n = rmsnorm(h) (NORM, SILU_MUL)
+    h       += W_down · act               (ADD)
+
+The norm needs the whole row, and each program walks the whole K anyway, so it sums
+x^2 as it goes and scales its outputs by rsqrt(mean + eps) at the end:
+W · (x * g * r) = r * (W · (x * g)) for a per-row r. The residual stream `h` is
+updated in place: each output element belongs to one program. Numerics: float32
+accumulation, the residual rounded to its dtype once per add (cuda_ops rounds the
+projection output first, then adds), and x * g rounded to the weight dtype before
+the product.
+
+One row only (MAX_ROWS): a decode or draft step of one sequence, the latency case
+speculative decoding lives on. One program per BLOCK_N output columns walks K in
+BLOCK_K steps, multiplying and adding elementwise, and sums over K once at the end.
+Programs cover a few output columns each, so many of them load at once (block sizes:
+`block_sizes`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# Token counts this kernel serves; more go to cuBLAS. scripts/bench_linear.py on an
+# H100 (bench/results/bench_linear_nvidia-h100-x1_2026-11-22_rows16.json, run with
+# the 2-16-row paths this file had before): with one row the fused layer beat cuBLAS
+# plus the separate ops for every BENCH.md shape (7-40% less time per layer); with 2
+# rows it won in that run and lost in the next after a config change; with 4 to 16
+# rows, as a [rows, 1, BK] product or a 16-row tensor-core dot, it lost by 1.1-2x.
+# Those paths were dropped.
+MAX_ROWS = 1
+
+
+def block_sizes(k: int, *, norm: bool, silu_mul: bool) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for a projection: the configs that came out fastest
+    for each kind of projection when Triton's autotuner chose among 8 (few output
+    columns, 256-2048-long K steps) in four scripts/bench_linear.py runs on an H100.
+    The autotuner's own picks varied from run to run by up to 3x in a kernel's time
+    (the microsecond timings are noisy), so the choice is fixed here."""
+    if silu_mul:  # gate and up: two weight tiles per step
+        bn, bk, warps = (2, 2048, 4) if k >= 2048 else (8, 512, 4)
+    elif norm:
+        bn, bk, warps = (4, 2048, 8) if k % 2048 == 0 and k > 2048 else (4, 1024, 4)
+    else:  # o and down, with or without the residual add
+        bn, bk, warps = 8, 1024, 8
+    return bn, min(bk, triton.next_power_of_2(k)), warps
+
+
+@triton.jit
+def _small_linear_kernel(
+    x_ptr, w_ptr, out_ptr, bias_ptr, norm_ptr,
+    N, K, stride_wn, eps,
+    HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, ADD: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # x [K] times w [N, K]^T -> out [N]: one program per BLOCK_N outputs.
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn  # [BN, 1]
+    # Elementwise products summed over the K steps, reduced across K once at the end.
+    part = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    part_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # SILU_MUL: the up half
+    sumsq = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)  # [BK]
+        if HAS_NORM:
+            sumsq += x * x
+            g = tl.load(norm_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            x = (x * g).to(w_ptr.dtype.element_ty).to(tl.float32)
+        wmask = mask_n[:, None] & mask_k[None, :]
+        w = tl.load(w_rows + offs_k[None, :], mask=wmask, other=0.0)  # [BN, BK]
+        part += w.to(tl.float32) * x[None, :]
+        if SILU_MUL:
+            w_up = tl.load(w_rows + N * stride_wn + offs_k[None, :], mask=wmask, other=0.0)
+            part_up += w_up.to(tl.float32) * x[None, :]
+    acc = tl.sum(part, axis=1)  # [BN]
+    if HAS_NORM:
+        rstd = tl.rsqrt(tl.sum(sumsq, axis=0) / K + eps)
+        acc = acc * rstd
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    if SILU_MUL:
+        up = tl.sum(part_up, axis=1)
+        if HAS_NORM:
+            up = up * rstd
+        acc = acc / (1.0 + tl.exp(-acc)) * up
+    if ADD:
+        acc += tl.load(out_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
+def small_linear(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor | None = None,
+                 norm_weight: torch.Tensor | None = None, eps: float = 1e-6, silu_mul: bool = False,
+                 add_to: torch.Tensor | None = None) -> torch.Tensor:
+    """x [1, K] times weight [N, K]^T, with optional fusions:
+
+    norm_weight: x is RMSNorm'ed (weight norm_weight, eps) first;
+    bias: added to the product;
+    silu_mul: weight is [2I, K] = [gate; up] and the result is silu(gate) * up, [M, I];
+    add_to: [M, N] tensor the product is added to in place (and returned).
+    Returns [1, N] (or [1, I]) in x's dtype.
+    """
+    m, k = x.shape
+    if m > MAX_ROWS:
+        raise ValueError(f"small_linear takes at most {MAX_ROWS} row, got {m}")
+    if weight.shape[1] != k:
+        raise ValueError(f"weight {tuple(weight.shape)} does not take {k} inputs")
+    if silu_mul and (add_to is not None or bias is not None):
+        raise ValueError("silu_mul does not combine with bias or add_to")
+    x = x.contiguous()
+    n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
+    if add_to is not None:
+        if tuple(add_to.shape) != (m, n) or not add_to.is_contiguous():
+            raise ValueError(f"add_to must be a contiguous [{m}, {n}] tensor, got {tuple(add_to.shape)}")
+        out = add_to
+    else:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    args = (x, weight, out, bias if bias is not None else x, norm_weight if norm_weight is not None else x,
+            n, k, weight.stride(0), eps)
+    flags = dict(HAS_NORM=norm_weight is not None, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
+                 ADD=add_to is not None)
+    bn, bk, warps = block_sizes(k, norm=norm_weight is not None, silu_mul=silu_mul)
+    if _INTERPRET:  # small blocks, so the tests' sizes take several of them
+        bn, bk, warps = 16, 64, 4
+    _small_linear_kernel[(triton.cdiv(n, bn),)](*args, **flags, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+                                                num_stages=2)
+    return out
+
