@@ -7,7 +7,7 @@
 #    T 0 and 0.7; then SSD with fan-out 2 at batch 1 (which fan-out wins).
 # b. target-8b + draft-1b, K=4 (AR, SD, SSD) and K=2 (SD, SSD) at batch 1, 4, 16, T 0.
 # steps. scripts/bench_step.py (target-32b included) on GPU 0 while GPU 1 runs
-#    tests/test_gpu.py and then scripts/profile_draft.py (the SSD work-ahead).
+#    tests/test_gpu.py, scripts/profile_draft.py (the SSD work-ahead) and bench_linear.py.
 # The draft's tree-decode graphs come in batch sizes 1, 2, 4, ..., so 9 depths x 2
 # branches (18) already run on the 32-row graph: fan-out 3 (27 branches) costs the same
 # draft step and raises the expected hit rate.
@@ -36,12 +36,15 @@ case "${PART:-a}" in
     ( CUDA_VISIBLE_DEVICES=1 timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py \
         > "$OUT/test_gpu.log" 2>&1
       CUDA_VISIBLE_DEVICES=1 timeout 150 python3 scripts/profile_draft.py --model random:draft-0.6b --k 8 \
-        --fan-out 3 --oracle > "$OUT/profile_draft.txt" 2>&1 ) &
+        --fan-out 3 --oracle > "$OUT/profile_draft.txt" 2>&1
+      CUDA_VISIBLE_DEVICES=1 timeout 150 python3 scripts/bench_linear.py --out "$OUT/bench_linear.json" \
+        > "$OUT/bench_linear.log" 2>&1 ) &
     CUDA_VISIBLE_DEVICES=0 timeout 420 python3 scripts/bench_step.py --out "$OUT/bench_step.json" \
       --models target-32b,target-8b,draft-1b,draft-0.6b 2>&1 | grep -v capturing | tee "$OUT/bench.log"
     wait
     tail -3 "$OUT/test_gpu.log"
     grep -E "ms/round" "$OUT/profile_draft.txt"
+    cat "$OUT/bench_linear.log"
     python3 scripts/bench_step.py --plot-from "$OUT/bench_step.json" --png "$OUT/bench_step.png" || echo "plot failed"
     ;;
   *) echo "PART must be a, b or steps"; exit 2 ;;
