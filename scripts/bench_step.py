@@ -119,11 +119,16 @@ def bench_model(name: str, args, bw: float, log) -> dict:
             g.capture()
         return g
 
-    # Warm-up eager forward (JIT, compile) before capture, as ModelRunner's sizing pass does.
+    # Warm-up eager forward (JIT, compile) before capture, as ModelRunner's sizing pass does,
+    # and its choice of one-token projections.
     with torch.inference_mode():
         warm = build_forward_batch([ForwardItem(list(range(64)), 0, layout.slot_rows(0, 64), "last")], dev)
         backend.begin(warm)
         fwd(warm.input_ids, warm.positions, warm)
+        picked = cuda_ops.pick_small_linear(model)
+        if picked:
+            log(f"{name:11s} one-token projections: Triton {picked[0]:.1f} us/layer, cuBLAS+ops {picked[1]:.1f}"
+                f" -> {'Triton' if model.small_linear else 'cuBLAS'}")
         t1 = time.perf_counter()
         graphs = make_graphs()
     t_capture = time.perf_counter() - t1
@@ -195,17 +200,17 @@ def bench_model(name: str, args, bw: float, log) -> dict:
             del g3
         finally:
             backend.attention = "triton"
-        # The same step with cuBLAS projections and separate norm / SiLU kernels.
-        cuda_ops.set_small_linear(False)
-        try:
-            g4 = make_graphs(1, (1, 6) if is_target else (1,))
-            extra["decode_b1_graph_cublas_ms"] = time_step(torch, graph_step(batch, g4), args.warmup, args.iters)
-            if is_target:
-                extra["verify6_b1_graph_cublas_ms"] = time_step(
-                    torch, graph_step(batch_for(1, 6), g4), args.warmup, args.iters)
-            del g4
-        finally:
-            cuda_ops.set_small_linear(True)
+        # The step with each kind of one-token projection forced: cuBLAS with separate norm
+        # and SiLU kernels, and triton_linear.small_linear.
+        setting = cuda_ops.OPS.small_linear
+        for forced, key in ((False, "decode_b1_graph_cublas_ms"), (True, "decode_b1_graph_small_linear_ms")):
+            cuda_ops.set_small_linear(forced)
+            try:
+                g4 = make_graphs(1, (1,))
+                extra[key] = time_step(torch, graph_step(batch, g4), args.warmup, args.iters)
+                del g4
+            finally:
+                cuda_ops.set_small_linear(setting)
         # Host time of one step (no sync): what the GPU waits for before the graph runs;
         # and of the graph launch alone (replay with the inputs already in place).
         extra["decode_b1_host_ms"] = host_ms(torch, graph_step(batch, graphs), args.iters)
@@ -216,7 +221,8 @@ def bench_model(name: str, args, bw: float, log) -> dict:
             torch, chain_step(batch, graphs, 8), args.warmup, args.iters) / 8
         log(f"{name:11s} b=1 decode, graph: host {extra['decode_b1_host_ms']:.3f} ms "
             f"(replay alone {extra['decode_b1_replay_host_ms']:.3f}); "
-            f"cuBLAS projections {extra['decode_b1_graph_cublas_ms']:.3f} ms; "
+            f"forced cuBLAS / Triton projections {extra['decode_b1_graph_cublas_ms']:.3f} / "
+            f"{extra['decode_b1_graph_small_linear_ms']:.3f} ms; "
             f"flashinfer attention {extra['decode_b1_graph_flashinfer_ms']:.3f} ms; "
             f"8-step chain {extra['decode_b1_chain8_ms_per_step']:.3f} ms per step")
         if args.profile:
@@ -231,7 +237,9 @@ def bench_model(name: str, args, bw: float, log) -> dict:
                                      tied=arch.tie_word_embeddings),
                weight_bytes=wbytes, decode_read_bytes=rbytes, floor_ms=floor_ms,
                read_floor_ms=rbytes / bw * 1e3, build_s=t1 - t0, capture_s=t_capture,
-               num_graphs=len(graphs.graphs), steps=rows, **extra)
+               num_graphs=len(graphs.graphs), steps=rows,
+               small_linear=bool(getattr(model, "small_linear", False)),
+               pick_small_linear_us=dict(zip(("triton", "cublas"), picked)) if picked else None, **extra)
     del graphs, model, kv, backend
     gc.collect()
     torch.cuda.empty_cache()

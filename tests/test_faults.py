@@ -45,6 +45,11 @@ def setup(tmp_path_factory):
     return target, prompts, ar
 
 
+# Seconds the batch may take to finish after a fault: a 5.5 s finish was seen once on
+# the 2-core CI-sized host with other tests running beside it; a hang costs 60 s.
+STALL_BOUND_S = 15.0
+
+
 def _run_with_fault(client, prompts, fault):
     """Generate all prompts at once; call fault() once the first tokens stream back."""
     rids = [client.submit(p, LONG) for p in prompts]
@@ -76,7 +81,10 @@ def test_draft_killed_mid_generation(setup):
         draft_pid = client.launcher.pids()["draft"]
         outs, elapsed = _run_with_fault(client, prompts, lambda: os.kill(draft_pid, signal.SIGKILL))
         assert outs == ar  # nothing lost, nothing different
-        assert elapsed < 5.0
+        # Not a speed check: the rest of the batch (a few seconds of CPU decoding, more
+        # on a loaded 2-core host) finishes without waiting on the dead peer round after
+        # round (draft_timeout_s each), which would take minutes.
+        assert elapsed < STALL_BOUND_S
         # A new draft is started and speculation resumes.
         assert wait_until(lambda: client.launcher.num_draft_restarts == 1, 120)
         assert client.launcher.pids()["draft"] != draft_pid
@@ -106,7 +114,7 @@ def test_draft_stalled_then_resumed(setup):
         draft = psutil.Process(client.launcher.pids()["draft"])
         outs, elapsed = _run_with_fault(client, prompts, draft.suspend)
         assert outs == ar
-        assert elapsed < 5.0  # one timeout of 0.5 s, then plain decoding
+        assert elapsed < STALL_BOUND_S  # one timeout of 0.5 s, then plain decoding
         fallback = client.engine_stats().totals.num_ar_fallback_rounds
         assert fallback > 0
         draft.resume()

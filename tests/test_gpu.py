@@ -112,6 +112,13 @@ def model_dir(request, tmp_path_factory) -> str:
 @pytest.mark.parametrize("attention", ["triton", "flashinfer"])
 def test_gpu_matches_cpu_graphs_and_transformers(model_dir: str, attention: str, monkeypatch) -> None:
     monkeypatch.setenv("SPEC_RUNTIME_ATTENTION", attention)
+    # One-token steps: Triton projections (triton_linear) with the Triton attention,
+    # cuBLAS with flashinfer's, so each kind runs here whatever pick_small_linear picks.
+    # (Imported here: importing Triton kernels at collection would compile them for the
+    # GPU before tests/triton_interp.py can select the interpreter on a CPU host.)
+    from spec_runtime.model import cuda_ops
+
+    monkeypatch.setattr(cuda_ops.OPS, "small_linear", attention == "triton")
     gpu = _runner(model_dir, "cuda", graphs=True)
     assert gpu.graphs is not None and len(gpu.graphs.graphs) == 3 * 2  # batch sizes 1, 2, 4 x q_len 1, 5
     vocab = gpu.vocab_size
@@ -228,3 +235,15 @@ def test_triton_attention_matches_sdpa(hq: int, hkv: int, q_len: int, kv_lens: l
         out = paged_attention(q, kv.k_cache[0], kv.v_cache[0], batch.kv_indptr, batch.kv_indices,
                               q_len=q_len, num_splits=splits, scale=d**-0.5)
         assert rel_err(out, ref) < TOL, f"{splits} splits: {rel_err(out, ref):.2e}"
+
+
+def test_pick_small_linear_times_both_and_keeps_the_faster(model_dir: str, monkeypatch) -> None:
+    from spec_runtime.model import cuda_ops
+
+    monkeypatch.setattr(cuda_ops.OPS, "small_linear", None)  # not forced by the environment
+    gpu = _runner(model_dir, "cuda", graphs=False)
+    picked = cuda_ops.pick_small_linear(gpu.model)
+    assert picked is not None
+    us_triton, us_cublas = picked
+    assert us_triton > 0 and us_cublas > 0
+    assert gpu.model.small_linear == (us_triton < us_cublas)

@@ -20,10 +20,15 @@ follow llama.py (float32 norm statistics, bf16 residual stream); the fused
 kernels round at fewer points, which tests/test_gpu.py bounds against the CPU path.
 
 With one token (triton_linear.MAX_ROWS), a decode or draft step of one sequence, the
-projections are triton_linear.small_linear with the norms, the residual adds and
+projections can be triton_linear.small_linear with the norms, the residual adds and
 SiLU-and-mul folded in: 7 kernels per layer (4 projections, rope+store, attention
-and its split merge) where there were 11. SPEC_RUNTIME_SMALL_LINEAR=0 (or `set_small_linear(False)`)
-keeps cuBLAS and the separate small ops at every size.
+and its split merge) where there were 11. Whether that is faster depends on the
+model and the GPU: in scripts/bench_linear.py it took 7-50% less time per layer
+than cuBLAS for every BENCH.md shape on an H100, and for the draft shapes on an
+H200, but 5-7% more for the 8B and 32B shapes on the H200, whose cuBLAS GEMVs reach
+higher bandwidth. So `pick_small_linear(model)` times both on the model's own first
+layers at start-up (ModelRunner calls it before capturing graphs) and keeps the
+faster. SPEC_RUNTIME_SMALL_LINEAR=1 or 0 (or `set_small_linear`) forces either.
 
 `set_fused_ops(False)` (or SPEC_RUNTIME_FUSED_OPS=0) runs the same function with eager
 torch ops instead; the benchmark measures both. Compile cost is paid once per process
@@ -97,7 +102,9 @@ class _Ops:
 
     def __init__(self) -> None:
         self.fused = False
-        self.small_linear = os.environ.get("SPEC_RUNTIME_SMALL_LINEAR", "1") != "0"
+        # None: per model, as pick_small_linear decided; True/False: forced.
+        forced = os.environ.get("SPEC_RUNTIME_SMALL_LINEAR", "auto")
+        self.small_linear: bool | None = None if forced == "auto" else forced != "0"
         # Compilation is lazy (first call), so enabling it here costs nothing on a CPU host.
         self.set(os.environ.get("SPEC_RUNTIME_FUSED_OPS", "1") != "0")
 
@@ -130,9 +137,80 @@ def fused_ops_enabled() -> bool:
     return OPS.fused
 
 
-def set_small_linear(enabled: bool) -> None:
-    """Use triton_linear.small_linear for forwards of <= MAX_ROWS tokens (True) or cuBLAS."""
+def set_small_linear(enabled: bool | None) -> None:
+    """Force triton_linear.small_linear for one-token forwards (True) or cuBLAS (False);
+    None: each model as pick_small_linear decided (cuBLAS where it did not run)."""
     OPS.small_linear = enabled
+
+
+def _uses_small_linear(model) -> bool:
+    return OPS.small_linear if OPS.small_linear is not None else getattr(model, "small_linear", False)
+
+
+def _graph_us(fn, replays: int = 5) -> float:
+    """Median us of one replay of a CUDA graph of fn (warmed up on a side stream first)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()  # sync: start-up timing, once per model
+        times.append(a.elapsed_time(b) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+@torch.inference_mode()
+def pick_small_linear(model, max_layers: int = 8) -> tuple[float, float] | None:
+    """Time the projections of the model's first layers at one token, with small_linear
+    and with cuBLAS plus the separate ops; set model.small_linear to whether the first
+    is faster. Returns (small_linear, cuBLAS) us per layer. Each layer's own weights, so
+    they come from memory, as in a forward. Needs the fused ops (OPS.fused). Returns
+    None, timing nothing, where SPEC_RUNTIME_SMALL_LINEAR forces the choice."""
+    if OPS.small_linear is not None:
+        logger.info("one-token projections: %s (forced)", "Triton" if OPS.small_linear else "cuBLAS")
+        return None
+    layers = model.layers[:max_layers]
+    w = model.embed_tokens.weight
+    arch = model.arch
+    res = torch.randn(1, arch.hidden_size, device=w.device, dtype=w.dtype)
+    res2 = torch.randn_like(res)
+    # Zero attention output and activation: the in-place residual adds leave res as is.
+    attn_out = torch.zeros(1, arch.q_size, device=w.device, dtype=w.dtype)
+    act = torch.zeros(1, arch.intermediate_size, device=w.device, dtype=w.dtype)
+
+    def fused() -> None:
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+            small_linear(res, attn.qkv_proj.weight, bias=attn.qkv_proj.bias, norm_weight=ln1.weight, eps=ln1.eps)
+            small_linear(attn_out, attn.o_proj.weight, bias=attn.o_proj.bias, add_to=res)
+            small_linear(res, mlp.gate_up_proj.weight, norm_weight=ln2.weight, eps=ln2.eps, silu_mul=True)
+            small_linear(act, mlp.down_proj.weight, add_to=res)
+
+    def unfused() -> None:  # the sequence cuda_forward runs at larger sizes
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+            h, r = OPS.add_rmsnorm(res2, res, ln1.weight, ln1.eps)
+            attn.qkv_proj(h)
+            h, r = OPS.add_rmsnorm(attn.o_proj(attn_out), r, ln2.weight, ln2.eps)
+            mlp.down_proj(OPS.silu_mul(mlp.gate_up_proj(h)))
+
+    us_small, us_cublas = (_graph_us(f) / len(layers) for f in (fused, unfused))
+    model.small_linear = us_small < us_cublas
+    logger.info("one-token projections: %s (Triton %.1f us per layer, cuBLAS and separate ops %.1f)",
+                "Triton" if model.small_linear else "cuBLAS", us_small, us_cublas)
+    return us_small, us_cublas
 
 
 def _attend(model, layer, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -183,7 +261,7 @@ def cuda_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, batch:
     x = model.embed_tokens(input_ids)  # [T, H]
     t = x.shape[0]
     cos, sin = ops.rope_cos_sin(positions, model.inv_freq, x.dtype)  # [T, 1, D] each
-    if ops.fused and ops.small_linear and t <= MAX_ROWS:
+    if ops.fused and t <= MAX_ROWS and _uses_small_linear(model):
         residual = _layers_small(model, x, cos, sin, batch)
         return ops.rmsnorm(residual, model.norm.weight, model.norm.eps)
     residual = None

@@ -75,6 +75,11 @@ class ModelRunner:
                                 self.arch.head_dim, self.dtype, self.device)
         self.model.bind(self.backend, self.kv_cache)
         self.graphs = None
+        if is_cuda:
+            from spec_runtime.model.cuda_ops import fused_ops_enabled, pick_small_linear
+
+            if fused_ops_enabled():
+                pick_small_linear(self.model)  # before capture: the graphs bake the choice in
         if is_cuda and cfg.cuda_graphs:
             from spec_runtime.model.cuda_graphs import CudaGraphRunner
 
