@@ -23,10 +23,10 @@ With one token (triton_linear.MAX_ROWS), a decode or draft step of one sequence,
 projections can be triton_linear.small_linear with the norms, the residual adds and
 SiLU-and-mul folded in: 7 kernels per layer (4 projections, rope+store, attention
 and its split merge) where there were 11. Whether that is faster depends on the
-model and the GPU: in scripts/bench_linear.py it took 7-50% less time per layer
-than cuBLAS for every BENCH.md shape on an H100, and for the draft shapes on an
-H200, but 5-7% more for the 8B and 32B shapes on the H200, whose cuBLAS GEMVs reach
-higher bandwidth. So `pick_small_linear(model)` times both on the model's own first
+model and the GPU. In scripts/bench_linear.py it took less time per layer than cuBLAS
+plus the ops for every BENCH.md shape on an H100 (20-40% less for the draft shapes,
+2-12% for 8B and 32B) and for the draft shapes on an H200 (17-50%), but 4-7% more
+for the 8B and 32B shapes on the H200, whose cuBLAS GEMVs reach higher bandwidth. So `pick_small_linear(model)` times both on the model's own first
 layers at start-up (ModelRunner calls it before capturing graphs) and keeps the
 faster. SPEC_RUNTIME_SMALL_LINEAR=1 or 0 (or `set_small_linear`) forces either.
 
