@@ -238,7 +238,7 @@ def bench_model(name: str, args, bw: float, log) -> dict:
                weight_bytes=wbytes, decode_read_bytes=rbytes, floor_ms=floor_ms,
                read_floor_ms=rbytes / bw * 1e3, build_s=t1 - t0, capture_s=t_capture,
                num_graphs=len(graphs.graphs), steps=rows,
-               small_linear=bool(getattr(model, "small_linear", False)),
+               small_linear=model.small_linear,
                pick_small_linear_us=dict(zip(("triton", "cublas"), picked)) if picked else None, **extra)
     del graphs, model, kv, backend
     gc.collect()

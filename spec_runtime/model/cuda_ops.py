@@ -144,7 +144,7 @@ def set_small_linear(enabled: bool | None) -> None:
 
 
 def _uses_small_linear(model) -> bool:
-    return OPS.small_linear if OPS.small_linear is not None else getattr(model, "small_linear", False)
+    return OPS.small_linear if OPS.small_linear is not None else model.small_linear
 
 
 def _graph_us(fn, replays: int = 5) -> float:

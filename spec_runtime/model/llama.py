@@ -154,6 +154,8 @@ class LlamaForCausalLM(nn.Module):
         self.inv_freq: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None
         self.kv_cache: KVCache | None = None
+        # CUDA one-token forwards use triton_linear's projections (cuda_ops.pick_small_linear decides).
+        self.small_linear = False
 
     def init_rope(self) -> None:
         self.inv_freq = rope_inv_freq(self.arch).to(self.embed_tokens.weight.device)  # [D/2] fp32
