@@ -26,9 +26,10 @@ and its split merge) where there were 11. Whether that is faster depends on the
 model and the GPU. In scripts/bench_linear.py it took less time per layer than cuBLAS
 plus the ops for every BENCH.md shape on an H100 (20-40% less for the draft shapes,
 2-12% for 8B and 32B) and for the draft shapes on an H200 (17-50%), but 4-7% more
-for the 8B and 32B shapes on the H200, whose cuBLAS GEMVs reach higher bandwidth. So `pick_small_linear(model)` times both on the model's own first
-layers at start-up (ModelRunner calls it before capturing graphs) and keeps the
-faster. SPEC_RUNTIME_SMALL_LINEAR=1 or 0 (or `set_small_linear`) forces either.
+for the 8B and 32B shapes on the H200, whose cuBLAS GEMVs reach higher bandwidth.
+So `pick_small_linear(model)` times both on the model's own first layers at start-up
+(ModelRunner calls it before capturing graphs) and keeps the faster.
+SPEC_RUNTIME_SMALL_LINEAR=1 or 0 (or `set_small_linear`) forces either.
 
 `set_fused_ops(False)` (or SPEC_RUNTIME_FUSED_OPS=0) runs the same function with eager
 torch ops instead; the benchmark measures both. Compile cost is paid once per process
