@@ -48,11 +48,13 @@ MAX_ROWS = 1
 
 
 def block_sizes(k: int, *, norm: bool, silu_mul: bool) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) for a projection: the configs that came out fastest
-    for each kind of projection when Triton's autotuner chose among 8 (few output
-    columns, 256-2048-long K steps) in four scripts/bench_linear.py runs on an H100.
-    The autotuner's own picks varied from run to run by up to 3x in a kernel's time
-    (the microsecond timings are noisy), so the choice is fixed here."""
+    """(BLOCK_N, BLOCK_K, num_warps) for a projection, fixed per kind of projection.
+
+    Triton's autotuner, choosing among 8 configs (few output columns, 256-2048-long K
+    steps) in four scripts/bench_linear.py runs on an H100, made picks that varied
+    from run to run, up to 3x apart in a kernel's time (microsecond timings are
+    noisy). These are its most frequent picks per kind. They are not best everywhere:
+    8B's o_proj took 11.5 us with (8, 1024, 8) against 7.1 us with (16, 512, 8)."""
     if silu_mul:  # gate and up: two weight tiles per step
         bn, bk, warps = (2, 2048, 4) if k >= 2048 else (8, 512, 4)
     elif norm:
