@@ -117,8 +117,8 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor | 
 
     norm_weight: x is RMSNorm'ed (weight norm_weight, eps) first;
     bias: added to the product;
-    silu_mul: weight is [2I, K] = [gate; up] and the result is silu(gate) * up, [M, I];
-    add_to: [M, N] tensor the product is added to in place (and returned).
+    silu_mul: weight is [2I, K] = [gate; up] and the result is silu(gate) * up, [1, I];
+    add_to: [1, N] tensor the product is added to in place (and returned).
     Returns [1, N] (or [1, I]) in x's dtype.
     """
     m, k = x.shape
