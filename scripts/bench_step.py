@@ -125,6 +125,11 @@ def bench_model(name: str, args, bw: float, log) -> dict:
         warm = build_forward_batch([ForwardItem(list(range(64)), 0, layout.slot_rows(0, 64), "last")], dev)
         backend.begin(warm)
         fwd(warm.input_ids, warm.positions, warm)
+        t_tune = time.perf_counter()
+        tuned = cuda_ops.tune_small_linear(model)  # pick_small_linear would tune too; this records it
+        t_tune = time.perf_counter() - t_tune
+        for proj, (block, us, us_default) in tuned.items():
+            log(f"{name:11s} small_linear {proj:7s} block {block}: {us:.1f} us/layer (default {us_default:.1f})")
         picked = cuda_ops.pick_small_linear(model)
         if picked:
             log(f"{name:11s} one-token projections: Triton {picked[0]:.1f} us/layer, cuBLAS+ops {picked[1]:.1f}"
@@ -219,12 +224,15 @@ def bench_model(name: str, args, bw: float, log) -> dict:
         # each step's argmax fed to the next on the device, one sync at the end.
         extra["decode_b1_chain8_ms_per_step"] = time_step(
             torch, chain_step(batch, graphs, 8), args.warmup, args.iters) / 8
+        # The table's b=1 step once more, last: whether the table's figure depends on when it was taken.
+        extra["decode_b1_graph_again_ms"] = time_step(torch, graph_step(batch, graphs), args.warmup, args.iters)
         log(f"{name:11s} b=1 decode, graph: host {extra['decode_b1_host_ms']:.3f} ms "
             f"(replay alone {extra['decode_b1_replay_host_ms']:.3f}); "
             f"forced cuBLAS / Triton projections {extra['decode_b1_graph_cublas_ms']:.3f} / "
             f"{extra['decode_b1_graph_small_linear_ms']:.3f} ms; "
             f"flashinfer attention {extra['decode_b1_graph_flashinfer_ms']:.3f} ms; "
-            f"8-step chain {extra['decode_b1_chain8_ms_per_step']:.3f} ms per step")
+            f"8-step chain {extra['decode_b1_chain8_ms_per_step']:.3f} ms per step; "
+            f"the table's step again {extra['decode_b1_graph_again_ms']:.3f} ms")
         if args.profile:
             profile_step(torch, graph_step(batch, graphs), f"{args.profile}", name)
     if "decode_b1_no_graph_fused_ms" in extra:
@@ -238,7 +246,8 @@ def bench_model(name: str, args, bw: float, log) -> dict:
                weight_bytes=wbytes, decode_read_bytes=rbytes, floor_ms=floor_ms,
                read_floor_ms=rbytes / bw * 1e3, build_s=t1 - t0, capture_s=t_capture,
                num_graphs=len(graphs.graphs), steps=rows,
-               small_linear=model.small_linear,
+               small_linear=model.small_linear, tune_s=t_tune,
+               small_linear_blocks={k: dict(block=b, us=u, default_us=d) for k, (b, u, d) in tuned.items()},
                pick_small_linear_us=dict(zip(("triton", "cublas"), picked)) if picked else None, **extra)
     del graphs, model, kv, backend
     gc.collect()

@@ -8,7 +8,6 @@ fixes the output at batch 1 and 4.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from e2e_util import first_tokens, hf_greedy, homogeneity_pvalue

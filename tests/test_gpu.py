@@ -237,7 +237,7 @@ def test_triton_attention_matches_sdpa(hq: int, hkv: int, q_len: int, kv_lens: l
         assert rel_err(out, ref) < TOL, f"{splits} splits: {rel_err(out, ref):.2e}"
 
 
-def test_pick_small_linear_times_both_and_keeps_the_faster(model_dir: str, monkeypatch) -> None:
+def test_pick_small_linear_tunes_times_both_and_keeps_the_faster(model_dir: str, monkeypatch) -> None:
     from spec_runtime.model import cuda_ops
 
     monkeypatch.setattr(cuda_ops.OPS, "small_linear", None)  # not forced by the environment
@@ -247,3 +247,12 @@ def test_pick_small_linear_times_both_and_keeps_the_faster(model_dir: str, monke
     us_triton, us_cublas = picked
     assert us_triton > 0 and us_cublas > 0
     assert gpu.model.small_linear == (us_triton < us_cublas)
+    # It tuned the block sizes of the model's four projection shapes first, each to one
+    # of the candidates (test_gpu_matches_cpu_graphs_and_transformers runs them).
+    from spec_runtime.model import triton_linear
+
+    for layer_args in cuda_ops._projections(gpu.model.layers[0]):
+        rows, k = layer_args["weight"].shape
+        shape = dict(norm=layer_args.get("norm_weight") is not None, silu_mul=layer_args.get("silu_mul", False))
+        assert triton_linear.is_tuned(rows, k, **shape)
+        assert triton_linear.block_sizes(rows, k, **shape) in triton_linear.candidates(k, **shape)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import triton_interp  # noqa: F401  (sets TRITON_INTERPRET before triton is imported)
 
 from spec_runtime.model.cuda_ops import _rmsnorm, _silu_mul  # noqa: E402
+from spec_runtime.model import triton_linear  # noqa: E402
 from spec_runtime.model.triton_linear import MAX_ROWS, small_linear  # noqa: E402
 
 
@@ -70,3 +71,78 @@ def test_wrong_shapes_are_refused() -> None:
         small_linear(x, w, add_to=torch.zeros(1, 31, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="silu_mul"):
         small_linear(x, w, silu_mul=True, add_to=torch.zeros(1, 16, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("kind", ["plain_add", "norm", "norm_silu_mul"])
+def test_every_candidate_block_gives_the_same_result(kind: str) -> None:
+    """cuda_ops.tune_small_linear may pick any of triton_linear.candidates on a GPU: each
+    must compute the same thing, here with K past one block for the smaller BLOCK_Ks
+    and N not a multiple of BLOCK_N."""
+    n, k = 44, 1100
+    x, w, g = _data(1, n, k, seed=4)
+    nw = (1 + 0.3 * torch.randn(k, generator=g)).to(torch.bfloat16)
+    residual = (torch.randn(1, n, generator=g) * 4).to(torch.bfloat16)
+    norm, silu = kind != "plain_add", kind == "norm_silu_mul"
+    h = _rmsnorm(x, nw, 1e-5).float() if norm else x.float()
+    want = F.linear(h, w.float())
+    want = _silu_mul(want) if silu else want if norm else residual.float() + want
+    blocks = triton_linear.candidates(k, norm=norm, silu_mul=silu)
+    assert len(blocks) >= 4 and blocks[0] == triton_linear.block_sizes(n, k, norm=norm, silu_mul=silu)
+    for block in blocks:
+        add_to = residual.clone() if kind == "plain_add" else None
+        got = small_linear(x, w, norm_weight=nw if norm else None, eps=1e-5, silu_mul=silu, add_to=add_to,
+                           block=block)
+        _close(got, want, tol=1e-2 if kind == "plain_add" else 2e-2)
+
+
+def test_set_block_sizes_is_per_shape_and_resettable() -> None:
+    shape = dict(norm=True, silu_mul=False)
+    default = triton_linear.block_sizes(96, 4096, **shape)
+    assert default == triton_linear.candidates(4096, **shape)[0]
+    other = triton_linear.candidates(4096, **shape)[1]
+    try:
+        triton_linear.set_block_sizes(96, 4096, **shape, block=other)
+        assert triton_linear.is_tuned(96, 4096, **shape)
+        assert triton_linear.block_sizes(96, 4096, **shape) == other
+        assert triton_linear.block_sizes(96, 4096, norm=False, silu_mul=False) != other  # another kind
+        assert triton_linear.block_sizes(128, 4096, **shape) == default  # another shape
+        assert triton_linear.tuned_block_sizes() == {"norm 96x4096": other}
+    finally:
+        triton_linear.set_block_sizes(96, 4096, **shape, block=None)
+    assert not triton_linear.is_tuned(96, 4096, **shape)
+    assert triton_linear.block_sizes(96, 4096, **shape) == default
+
+
+@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir"])
+def test_layer_with_small_linear_matches_the_cublas_layer(model: str, request) -> None:
+    """cuda_ops runs a one-token layer as _layer_small (four small_linear calls) and
+    larger ones as _layer (projections, then the separate norms and SiLU-and-mul);
+    pick_small_linear times both. On the same weights and the same attention they must
+    agree: _layer_small's residual stream after the layer is _layer's output plus its
+    residual. qwen2 has a qkv bias."""
+    from spec_runtime.config import ModelConfig
+    from spec_runtime.model import ModelRunner
+    from spec_runtime.model.cuda_ops import _layer, _layer_small, set_fused_ops
+
+    runner = ModelRunner(ModelConfig(path=request.getfixturevalue(model), dtype="bfloat16"),
+                         num_slots=1, max_model_len=32)
+    m = runner.model
+    arch = m.arch
+
+    def attend(qkv: torch.Tensor) -> torch.Tensor:  # some fixed function of q, k and v
+        return qkv[:, :arch.q_size] * 0.5 + qkv[:, arch.q_size:arch.q_size + arch.kv_size].repeat(
+            1, arch.num_heads // arch.num_kv_heads)
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1, arch.hidden_size, generator=g).to(torch.bfloat16)
+    set_fused_ops(False)  # eager norms and SiLU-and-mul on a CPU
+    try:
+        with torch.inference_mode():
+            residual, want = x.clone(), None
+            for layer in m.layers:
+                _layer_small(layer, residual, attend)
+                out, r = _layer(layer, x if want is None else want[0], None if want is None else want[1], attend)
+                want = (out, r)
+    finally:
+        set_fused_ops(True)
+    _close(residual, want[0].float() + want[1].float())

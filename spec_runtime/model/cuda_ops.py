@@ -170,42 +170,133 @@ def _graph_us(fn, replays: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
+_PROJECTIONS = ("qkv", "o", "gate_up", "down")
+
+
+def _projections(layer) -> tuple[dict, dict, dict, dict]:
+    """small_linear's arguments for a layer's four one-token projections, in order: qkv
+    (input norm folded in), o (added to the residual by the caller), gate_up
+    (post-attention norm and SiLU-and-mul folded in), down (added to the residual)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+    return (dict(weight=attn.qkv_proj.weight, bias=attn.qkv_proj.bias, norm_weight=ln1.weight, eps=ln1.eps),
+            dict(weight=attn.o_proj.weight, bias=attn.o_proj.bias),
+            dict(weight=mlp.gate_up_proj.weight, norm_weight=ln2.weight, eps=ln2.eps, silu_mul=True),
+            dict(weight=mlp.down_proj.weight))
+
+
+def _layer_small(layer, residual: torch.Tensor, attend) -> None:
+    """One decoder layer at one token (triton_linear.MAX_ROWS) with four small_linear
+    calls; the norms, residual adds and SiLU-and-mul are inside them. attend: qkv
+    [1, (Hq + 2 Hkv) D] -> attention output [1, Hq * D]. residual [1, H] is updated in place."""
+    qkv_args, o_args, gate_up_args, down_args = _projections(layer)
+    qkv = small_linear(residual, **qkv_args)
+    small_linear(attend(qkv), add_to=residual, **o_args)
+    act = small_linear(residual, **gate_up_args)  # [1, I]
+    small_linear(act, add_to=residual, **down_args)
+
+
+def _layer(layer, x: torch.Tensor, residual: torch.Tensor | None, attend) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoder layer with cuBLAS projections and OPS' norms and SiLU-and-mul.
+    x: the previous layer's output [T, H] (the embeddings, with residual None, for the
+    first layer). Returns (this layer's output, the residual stream before it is added)."""
+    ops, attn, mlp = OPS, layer.self_attn, layer.mlp
+    ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+    if residual is None:
+        residual = x
+        h = ops.rmsnorm(x, ln1.weight, ln1.eps)
+    else:
+        h, residual = ops.add_rmsnorm(x, residual, ln1.weight, ln1.eps)
+    x = attn.o_proj(attend(attn.qkv_proj(h)))  # [T, H]
+    h, residual = ops.add_rmsnorm(x, residual, ln2.weight, ln2.eps)
+    return mlp.down_proj(ops.silu_mul(mlp.gate_up_proj(h))), residual
+
+
+@torch.inference_mode()
+def tune_small_linear(model) -> dict[str, tuple[tuple[int, int, int], float, float]]:
+    """Choose small_linear's block sizes for each of the model's four projection shapes.
+
+    Each of triton_linear.candidates is timed in a CUDA graph running that projection
+    for every layer, each layer with its own weights, so they stream from memory as
+    in a forward (one layer's weights would stay in L2 across repeats). The fastest is
+    recorded with triton_linear.set_block_sizes. Shapes this process already tuned are
+    skipped. Returns {projection: (block, its us per layer, the default's us per layer)}
+    for the shapes it tuned."""
+    from tqdm import tqdm
+
+    from spec_runtime.model import triton_linear
+
+    layers = model.layers
+    w = model.embed_tokens.weight
+    arch = model.arch
+    res = torch.randn(1, arch.hidden_size, device=w.device, dtype=w.dtype)
+    # Zero attention output and activation: the in-place residual adds leave res as is.
+    attn_out = torch.zeros(1, arch.q_size, device=w.device, dtype=w.dtype)
+    act = torch.zeros(1, arch.intermediate_size, device=w.device, dtype=w.dtype)
+    inputs, add_to = (res, attn_out, res, act), (None, res, None, res)
+    todo = []
+    for j, name in enumerate(_PROJECTIONS):
+        args = _projections(layers[0])[j]
+        rows, k = args["weight"].shape
+        shape = dict(norm=args.get("norm_weight") is not None, silu_mul=args.get("silu_mul", False))
+        if not triton_linear.is_tuned(rows, k, **shape):
+            todo.append((j, name, rows, k, shape, triton_linear.candidates(k, **shape)))
+    out = {}
+    with tqdm(total=sum(len(c) for *_, c in todo), desc="tuning one-token projections", unit="config",
+              leave=False) as bar:
+        for j, name, rows, k, shape, blocks in todo:
+            calls = [_projections(layer)[j] for layer in layers]
+
+            def run(block) -> None:
+                for args in calls:
+                    small_linear(inputs[j], add_to=add_to[j], block=block, **args)
+
+            us = {}
+            for block in blocks:
+                us[block] = _graph_us(lambda: run(block), replays=7) / len(layers)
+                bar.update()
+            best = min(us, key=us.get)
+            triton_linear.set_block_sizes(rows, k, **shape, block=best)
+            out[name] = (best, us[best], us[blocks[0]])
+            logger.info("small_linear %s [%d, %d]: block %s, %.1f us per layer (default %s: %.1f)",
+                        name, rows, k, best, us[best], blocks[0], us[blocks[0]])
+    return out
+
+
 @torch.inference_mode()
 def pick_small_linear(model, max_layers: int = 8) -> tuple[float, float] | None:
-    """Time the projections of the model's first layers at one token, with small_linear
-    and with cuBLAS plus the separate ops; set model.small_linear to whether the first
-    is faster. Returns (small_linear, cuBLAS) us per layer. Each layer's own weights, so
-    they come from memory, as in a forward. Needs the fused ops (OPS.fused). Returns
-    None, timing nothing, where SPEC_RUNTIME_SMALL_LINEAR forces the choice."""
+    """Tune small_linear's block sizes for the model (tune_small_linear), then time the
+    projections of its first layers at one token with small_linear and with cuBLAS plus
+    the separate ops; set model.small_linear to whether the first is faster. Returns
+    (small_linear, cuBLAS) us per layer. Each layer's own weights, so they come from
+    memory, as in a forward. Needs the fused ops (OPS.fused). Where
+    SPEC_RUNTIME_SMALL_LINEAR forces the choice it times nothing and returns None
+    (forced on, it still tunes). SPEC_RUNTIME_TUNE_SMALL_LINEAR=0 skips the tuning."""
+    if OPS.small_linear is not False and os.environ.get("SPEC_RUNTIME_TUNE_SMALL_LINEAR", "1") != "0":
+        tune_small_linear(model)
     if OPS.small_linear is not None:
         logger.info("one-token projections: %s (forced)", "Triton" if OPS.small_linear else "cuBLAS")
         return None
     layers = model.layers[:max_layers]
     w = model.embed_tokens.weight
     arch = model.arch
-    res = torch.randn(1, arch.hidden_size, device=w.device, dtype=w.dtype)
-    res2 = torch.randn_like(res)
-    # Zero attention output and activation: the in-place residual adds leave res as is.
-    attn_out = torch.zeros(1, arch.q_size, device=w.device, dtype=w.dtype)
-    act = torch.zeros(1, arch.intermediate_size, device=w.device, dtype=w.dtype)
+    res0 = torch.randn(1, arch.hidden_size, device=w.device, dtype=w.dtype)
+    res, res2 = torch.empty_like(res0), torch.randn_like(res0)
+    attn_out = torch.randn(1, arch.q_size, device=w.device, dtype=w.dtype)
+
+    def attend(qkv: torch.Tensor) -> torch.Tensor:  # attention is the same in both: left out
+        return attn_out
 
     def fused() -> None:
+        res.copy_(res0)  # the layers add to res in place: the same input every replay
         for layer in layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
-            small_linear(res, attn.qkv_proj.weight, bias=attn.qkv_proj.bias, norm_weight=ln1.weight, eps=ln1.eps)
-            small_linear(attn_out, attn.o_proj.weight, bias=attn.o_proj.bias, add_to=res)
-            small_linear(res, mlp.gate_up_proj.weight, norm_weight=ln2.weight, eps=ln2.eps, silu_mul=True)
-            small_linear(act, mlp.down_proj.weight, add_to=res)
+            _layer_small(layer, res, attend)
 
     def unfused() -> None:  # the sequence cuda_forward runs at larger sizes
+        res.copy_(res0)
+        x, r = res2, res
         for layer in layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
-            h, r = OPS.add_rmsnorm(res2, res, ln1.weight, ln1.eps)
-            attn.qkv_proj(h)
-            h, r = OPS.add_rmsnorm(attn.o_proj(attn_out), r, ln2.weight, ln2.eps)
-            mlp.down_proj(OPS.silu_mul(mlp.gate_up_proj(h)))
+            x, r = _layer(layer, x, r, attend)
 
     us_small, us_cublas = (_graph_us(f) / len(layers) for f in (fused, unfused))
     model.small_linear = us_small < us_cublas
@@ -233,24 +324,6 @@ def _attend(model, layer, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     return o.reshape(qkv.shape[0], arch.q_size)
 
 
-def _layers_small(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  batch: ForwardBatch) -> torch.Tensor:
-    """The decoder layers for <= MAX_ROWS tokens: four small_linear calls per layer
-    with the norms, residual adds and SiLU-and-mul inside. Returns the residual stream."""
-    residual = x  # [T, H], updated in place by the o and down projections
-    for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
-        qkv = small_linear(residual, attn.qkv_proj.weight, bias=attn.qkv_proj.bias,
-                           norm_weight=ln1.weight, eps=ln1.eps)  # [T, (Hq + 2 Hkv) D]
-        o = _attend(model, layer, qkv, cos, sin, batch)  # [T, Hq * D]
-        small_linear(o, attn.o_proj.weight, bias=attn.o_proj.bias, add_to=residual)
-        act = small_linear(residual, mlp.gate_up_proj.weight, norm_weight=ln2.weight, eps=ln2.eps,
-                           silu_mul=True)  # [T, I]
-        small_linear(act, mlp.down_proj.weight, add_to=residual)
-    return residual
-
-
 def cuda_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
     """input_ids/positions [T] -> final-normed hidden [T, H], as model.forward computes it.
 
@@ -262,22 +335,17 @@ def cuda_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, batch:
     x = model.embed_tokens(input_ids)  # [T, H]
     t = x.shape[0]
     cos, sin = ops.rope_cos_sin(positions, model.inv_freq, x.dtype)  # [T, 1, D] each
+
+    def attend(layer):
+        return lambda qkv: _attend(model, layer, qkv, cos, sin, batch)  # [T, Hq * D]
+
     if ops.fused and t <= MAX_ROWS and _uses_small_linear(model):
-        residual = _layers_small(model, x, cos, sin, batch)
+        residual = x  # updated in place by each layer's o and down projections
+        for layer in model.layers:
+            _layer_small(layer, residual, attend(layer))
         return ops.rmsnorm(residual, model.norm.weight, model.norm.eps)
     residual = None
     for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        ln1 = layer.input_layernorm
-        if residual is None:
-            residual = x
-            h = ops.rmsnorm(x, ln1.weight, ln1.eps)
-        else:
-            h, residual = ops.add_rmsnorm(x, residual, ln1.weight, ln1.eps)
-        o = _attend(model, layer, attn.qkv_proj(h), cos, sin, batch)  # [T, Hq * D]
-        x = attn.o_proj(o)  # [T, H]
-        ln2 = layer.post_attention_layernorm
-        h, residual = ops.add_rmsnorm(x, residual, ln2.weight, ln2.eps)
-        x = mlp.down_proj(ops.silu_mul(mlp.gate_up_proj(h)))  # [T, H]
+        x, residual = _layer(layer, x, residual, attend(layer))
     hidden, _ = ops.add_rmsnorm(x, residual, model.norm.weight, model.norm.eps)
     return hidden

@@ -23,8 +23,10 @@ the product.
 One row only (MAX_ROWS): a decode or draft step of one sequence, the latency case
 speculative decoding lives on. One program per BLOCK_N output columns walks K in
 BLOCK_K steps, multiplying and adding elementwise, and sums over K once at the end.
-Programs cover a few output columns each, so many of them load at once (block sizes:
-`block_sizes`).
+Programs cover a few output columns each, so many of them load at once. Which few
+pays depends on the shape and the GPU: cuda_ops.tune_small_linear times the
+`candidates` on a model's own weights at start-up and records its choice
+(`set_block_sizes`), which `block_sizes` then returns.
 """
 
 from __future__ import annotations
@@ -47,21 +49,75 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 MAX_ROWS = 1
 
 
-def block_sizes(k: int, *, norm: bool, silu_mul: bool) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) for a projection, fixed per kind of projection.
+Block = tuple[int, int, int]  # (BLOCK_N, BLOCK_K, num_warps)
 
-    Triton's autotuner, choosing among 8 configs (few output columns, 256-2048-long K
-    steps) in four scripts/bench_linear.py runs on an H100, made picks that varied
-    from run to run, up to 3x apart in a kernel's time (microsecond timings are
-    noisy). These are its most frequent picks per kind. They are not best everywhere:
-    8B's o_proj took 11.5 us with (8, 1024, 8) against 7.1 us with (16, 512, 8)."""
-    if silu_mul:  # gate and up: two weight tiles per step
-        bn, bk, warps = (2, 2048, 4) if k >= 2048 else (8, 512, 4)
-    elif norm:
-        bn, bk, warps = (4, 2048, 8) if k % 2048 == 0 and k > 2048 else (4, 1024, 4)
-    else:  # o and down, with or without the residual add
-        bn, bk, warps = 8, 1024, 8
+# Block sizes to choose from per kind of projection, the default first. The defaults
+# are the picks Triton's autotuner made most often in four scripts/bench_linear.py runs
+# on an H100; its picks varied from run to run, up to 3x apart in a kernel's time, so
+# the choice is made on a model's own weights instead (cuda_ops.tune_small_linear):
+# 8B's o_proj took 11.5 us with (8, 1024, 8) and 7.1 us with (16, 512, 8).
+_CANDIDATES: dict[str, tuple[Block, ...]] = {
+    # gate and up: two [BLOCK_N, BLOCK_K] float32 products live per step
+    "silu_mul": ((2, 2048, 4), (8, 512, 4), (4, 1024, 4), (2, 1024, 4), (4, 512, 4)),
+    "norm": ((4, 2048, 8), (4, 1024, 4), (8, 1024, 8), (8, 512, 4), (16, 512, 8)),
+    # o and down, with or without the residual add
+    "plain": ((8, 1024, 8), (16, 512, 8), (4, 1024, 4), (8, 512, 4), (4, 2048, 8), (16, 256, 4)),
+}
+# (weight rows, K, norm, silu_mul) -> the block chosen for that projection in this process.
+_TUNED: dict[tuple[int, int, bool, bool], Block] = {}
+
+
+def _kind(norm: bool, silu_mul: bool) -> str:
+    return "silu_mul" if silu_mul else "norm" if norm else "plain"
+
+
+def _clamp(block: Block, k: int) -> Block:
+    bn, bk, warps = block
     return bn, min(bk, triton.next_power_of_2(k)), warps
+
+
+def _default(k: int, norm: bool, silu_mul: bool) -> Block:
+    if silu_mul:
+        block = (2, 2048, 4) if k >= 2048 else (8, 512, 4)
+    elif norm:
+        block = (4, 2048, 8) if k % 2048 == 0 and k > 2048 else (4, 1024, 4)
+    else:
+        block = (8, 1024, 8)
+    return _clamp(block, k)
+
+
+def candidates(k: int, *, norm: bool, silu_mul: bool) -> list[Block]:
+    """The distinct block sizes to try for a projection with K inputs, the default first."""
+    out = [_default(k, norm, silu_mul)]
+    for block in _CANDIDATES[_kind(norm, silu_mul)]:
+        block = _clamp(block, k)
+        if block not in out:
+            out.append(block)
+    return out
+
+
+def block_sizes(weight_rows: int, k: int, *, norm: bool, silu_mul: bool) -> Block:
+    """(BLOCK_N, BLOCK_K, num_warps) for a [weight_rows, k] weight: the tuned block where
+    set_block_sizes chose one, else the default for its kind."""
+    return _TUNED.get((weight_rows, k, norm, silu_mul)) or _default(k, norm, silu_mul)
+
+
+def set_block_sizes(weight_rows: int, k: int, *, norm: bool, silu_mul: bool, block: Block | None) -> None:
+    """Use `block` for this projection shape from now on (None: back to the default)."""
+    key = (weight_rows, k, norm, silu_mul)
+    if block is None:
+        _TUNED.pop(key, None)
+    else:
+        _TUNED[key] = block
+
+
+def is_tuned(weight_rows: int, k: int, *, norm: bool, silu_mul: bool) -> bool:
+    return (weight_rows, k, norm, silu_mul) in _TUNED
+
+
+def tuned_block_sizes() -> dict[str, Block]:
+    """The tuned blocks, keyed "<kind> <rows>x<K>" (for logs and benchmark records)."""
+    return {f"{_kind(norm, silu)} {n}x{k}": b for (n, k, norm, silu), b in _TUNED.items()}
 
 
 @triton.jit
@@ -112,13 +168,14 @@ def _small_linear_kernel(
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor | None = None,
                  norm_weight: torch.Tensor | None = None, eps: float = 1e-6, silu_mul: bool = False,
-                 add_to: torch.Tensor | None = None) -> torch.Tensor:
+                 add_to: torch.Tensor | None = None, block: Block | None = None) -> torch.Tensor:
     """x [1, K] times weight [N, K]^T, with optional fusions:
 
     norm_weight: x is RMSNorm'ed (weight norm_weight, eps) first;
     bias: added to the product;
     silu_mul: weight is [2I, K] = [gate; up] and the result is silu(gate) * up, [1, I];
-    add_to: [1, N] tensor the product is added to in place (and returned).
+    add_to: [1, N] tensor the product is added to in place (and returned);
+    block: (BLOCK_N, BLOCK_K, num_warps) for this call, else `block_sizes`'.
     Returns [1, N] (or [1, I]) in x's dtype.
     """
     m, k = x.shape
@@ -140,9 +197,12 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor | 
             n, k, weight.stride(0), eps)
     flags = dict(HAS_NORM=norm_weight is not None, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
                  ADD=add_to is not None)
-    bn, bk, warps = block_sizes(k, norm=norm_weight is not None, silu_mul=silu_mul)
-    if _INTERPRET:  # small blocks, so the tests' sizes take several of them
+    if block is not None:
+        bn, bk, warps = _clamp(block, k)
+    elif _INTERPRET:  # small blocks, so the tests' sizes take several of them
         bn, bk, warps = 16, 64, 4
+    else:
+        bn, bk, warps = block_sizes(weight.shape[0], k, norm=norm_weight is not None, silu_mul=silu_mul)
     _small_linear_kernel[(triton.cdiv(n, bn),)](*args, **flags, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
                                                 num_stages=2)
     return out
