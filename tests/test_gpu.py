@@ -237,51 +237,6 @@ def test_triton_attention_matches_sdpa(hq: int, hkv: int, q_len: int, kv_lens: l
         assert rel_err(out, ref) < TOL, f"{splits} splits: {rel_err(out, ref):.2e}"
 
 
-@pytest.mark.parametrize("num_requests,kv_len", [(1, 512), (16, 300)])
-def test_triton_attention_split_merge_is_deterministic(num_requests: int, kv_len: int) -> None:
-    """The last split of each (request, kv head) to finish merges all of them, found by an
-    atomic counter. The merge reads the splits in a fixed order, so every launch gives
-    the same bits whichever program came last: a partial read before it was written
-    (a missing fence) shows up as a difference. Eager launches and CUDA-graph replays
-    of 32 launches back to back, as the layers of an 8B decode step run them."""
-    from spec_runtime.model import triton_kernels
-    from spec_runtime.model.forward_batch import build_forward_batch
-    from spec_runtime.model.kv_cache import KVCache
-    from spec_runtime.model.triton_kernels import num_splits_for, paged_attention
-
-    hq, hkv, d, rows = 32, 8, 128, 8192
-    torch.manual_seed(1)
-    kv = KVCache(1, rows, hkv, d, torch.bfloat16, "cuda")
-    kv.k_cache[0].normal_()
-    kv.v_cache[0].normal_()
-    rng = np.random.default_rng(1)
-    batch = build_forward_batch([ForwardItem([1], kv_len - 1, rng.choice(rows, kv_len, replace=False), "all")
-                                 for _ in range(num_requests)], "cuda")
-    q = torch.randn(num_requests, hq, d, device="cuda", dtype=torch.bfloat16)
-    splits = num_splits_for(num_requests, hkv, torch.cuda.get_device_properties(0).multi_processor_count,
-                            max_kv_len=kv_len)
-    assert splits > 1
-
-    def attend() -> torch.Tensor:
-        return paged_attention(q, kv.k_cache[0], kv.v_cache[0], batch.kv_indptr, batch.kv_indices,
-                               q_len=1, num_splits=splits, scale=d**-0.5)
-
-    first = attend()
-    for _ in range(300):
-        assert torch.equal(attend(), first)
-    outs = torch.empty(32, *first.shape, device="cuda", dtype=first.dtype)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(32):
-            outs[i].copy_(attend())
-    for _ in range(20):
-        outs.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert bool((outs == first).all())
-    assert int(triton_kernels._COUNTERS[q.device].abs().sum()) == 0
-
-
 def test_pick_small_linear_tunes_times_both_and_keeps_the_faster(model_dir: str, monkeypatch) -> None:
     from spec_runtime.model import cuda_ops
 

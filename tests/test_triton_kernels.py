@@ -17,7 +17,6 @@ import triton_interp  # noqa: F401  (sets TRITON_INTERPRET before triton is impo
 from spec_runtime.model.attention import SDPABackend, write_kv  # noqa: E402
 from spec_runtime.model.cuda_ops import _qk_rope, _rope_cos_sin  # noqa: E402
 from spec_runtime.model.forward_batch import ForwardItem, build_forward_batch  # noqa: E402
-from spec_runtime.model import triton_kernels  # noqa: E402
 from spec_runtime.model.kv_cache import KVCache  # noqa: E402
 from spec_runtime.model.triton_kernels import (  # noqa: E402
     num_splits_for,
@@ -67,13 +66,6 @@ def test_paged_attention_matches_sdpa(hq, hkv, d, q_len, kv_lens, splits):
                           q_len=q_len, num_splits=splits, scale=d**-0.5)
     assert out.shape == ref.shape and out.dtype == q.dtype
     assert _rel_err(out, ref) < 1e-2
-    if splits > 1:
-        # The last split of each (request, kv head) merged and zeroed its counter again,
-        # so a second launch (the next layer, a graph replay) merges as well.
-        assert int(triton_kernels._COUNTERS[q.device].abs().sum()) == 0
-        again = paged_attention(q, kv.k_cache[0], kv.v_cache[0], batch.kv_indptr, batch.kv_indices,
-                                q_len=q_len, num_splits=splits, scale=d**-0.5)
-        assert torch.equal(again, out)
 
 
 def test_paged_attention_rejects_ragged_and_oversized_tiles():

@@ -13,8 +13,7 @@ made by torch.compile:
 and one hand-written Triton kernel (triton_kernels.rope_store_kv) splits the fused
 qkv output, applies the optional q/k RMSNorm (Qwen3) and RoPE, and writes k and v to
 their pool rows, so the attention backend only attends (`backend.attend`). A layer is
-~9 kernels: 2 norms, 4 GEMMs, rope+store, attention (its split kv merged in the
-same kernel), silu_mul.
+~10 kernels: 2 norms, 4 GEMMs, rope+store, attention (2 with split kv), silu_mul.
 `cuda_forward` reads the parameters of a LlamaForCausalLM, so weights are loaded
 once by llama.py's loader; the CPU path (model.forward) is untouched. Numerics
 follow llama.py (float32 norm statistics, bf16 residual stream); the fused
@@ -22,15 +21,15 @@ kernels round at fewer points, which tests/test_gpu.py bounds against the CPU pa
 
 With one token (triton_linear.MAX_ROWS), a decode or draft step of one sequence, the
 projections can be triton_linear.small_linear with the norms, the residual adds and
-SiLU-and-mul folded in: 6 kernels per layer (4 projections, rope+store, attention)
-where there were 10. Whether that is faster depends on the model and the GPU: with
-the blocks of the time (session 3's scripts/bench_linear.py) it took less time per
-layer than cuBLAS plus the ops for every BENCH.md shape on an H100 and for the draft
-shapes on an H200, but 4-7% more for the 8B and 32B shapes on the H200, whose cuBLAS
-GEMVs reach higher bandwidth. So at start-up (ModelRunner, before capturing graphs)
-`pick_small_linear(model)` first tunes small_linear's block sizes per projection
-shape on the model's own weights (`tune_small_linear`), then times both variants on
-its first layers and keeps the faster.
+SiLU-and-mul folded in: 7 kernels per layer (4 projections, rope+store, attention
+and its split merge) where there were 11. Whether that is faster depends on the
+model and the GPU: with the fixed blocks of session 3, scripts/bench_linear.py found
+it faster per layer than cuBLAS plus the ops for every BENCH.md shape on an H100 and
+for the draft shapes on an H200, but 4-7% slower for the 8B and 32B shapes on the
+H200, whose cuBLAS GEMVs reach higher bandwidth. So at start-up (ModelRunner, before
+capturing graphs) `pick_small_linear(model)` first tunes small_linear's block sizes
+per projection shape on the model's own weights (`tune_small_linear`), then times
+both variants on its first layers and keeps the faster.
 SPEC_RUNTIME_SMALL_LINEAR=1 or 0 (or `set_small_linear`) forces either.
 
 `set_fused_ops(False)` (or SPEC_RUNTIME_FUSED_OPS=0) runs the same function with eager

@@ -19,8 +19,7 @@ rule (query i of a request with n rows sees rows [0, n - q_len + i]). One progra
 handles (request, kv head, split): the q_len x group queries that share a kv head
 are one [BLOCK_M, D] tile, so a GQA group reads each K/V row once. Each split covers
 an equal share of the request's rows (computed on the device from its length) and
-writes a partial output and log-sum-exp; the last split of a (request, kv head) to
-finish, counted by an atomic, merges them (one kernel per layer where there were two).
+writes a partial output and log-sum-exp; a second kernel merges the splits.
 
 `rope_store_kv`: one kernel per layer for what was four: split the fused qkv output,
 optional per-head q/k RMSNorm (Qwen3), rotate q and k, and write k and v to their
@@ -48,8 +47,8 @@ MAX_TILE_M = 128
 
 @triton.jit
 def _attn_split_kernel(
-    q_ptr, k_ptr, v_ptr, kv_indptr_ptr, kv_indices_ptr, o_part_ptr, lse_part_ptr, count_ptr, out_ptr,
-    stride_qt, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh, stride_ot, stride_oh,
+    q_ptr, k_ptr, v_ptr, kv_indptr_ptr, kv_indices_ptr, o_part_ptr, lse_part_ptr,
+    stride_qt, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh,
     scale,
     Q_LEN: tl.constexpr, GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
@@ -104,46 +103,40 @@ def _attn_split_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
+    # Partial result of this split; a split that saw no row of a query gets lse -inf.
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
-    out_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-    if NUM_SPLITS == 1:
-        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=m_valid[:, None])
-    else:
-        # Partial result of this split; a split that saw no row of a query gets lse -inf.
-        lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
-        rh = req * NUM_KV_HEADS + kvh
-        part = (rh * NUM_SPLITS + split) * BLOCK_M + offs_m  # [R, Hkv, S, BLOCK_M] partial rows
-        tl.store(o_part_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=m_valid[:, None])
-        tl.store(lse_part_ptr + part, lse, mask=m_valid)
-        # The last split of (request, kv head) to finish merges them all, so no second
-        # kernel (and launch) is needed. The pattern of a grid-wide sync: every thread's
-        # stores precede the CTA barrier; the counter's acq_rel atomic (one thread) then
-        # publishes them at GPU scope and, in the last program, acquires the others'.
-        # Its loads bypass L1 (.cg), which may hold lines of an earlier launch.
-        tl.debug_barrier()
-        done = tl.atomic_add(count_ptr + rh, 1, sem="acq_rel", scope="gpu")
-        if done == NUM_SPLITS - 1:
-            rows0 = rh * NUM_SPLITS * BLOCK_M + offs_m
-            m_all = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-            for s in range(NUM_SPLITS):
-                ls = tl.load(lse_part_ptr + rows0 + s * BLOCK_M, mask=m_valid, other=float("-inf"),
-                             cache_modifier=".cg")
-                m_all = tl.maximum(m_all, ls)
-            m_all = tl.where(m_all == float("-inf"), 0.0, m_all)  # padding rows: no split saw a row
-            o = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-            w_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for s in range(NUM_SPLITS):
-                ls = tl.load(lse_part_ptr + rows0 + s * BLOCK_M, mask=m_valid, other=float("-inf"),
-                             cache_modifier=".cg")
-                w = tl.exp(ls - m_all)  # a split with no rows of a query weighs 0
-                o_s = tl.load(o_part_ptr + (rows0 + s * BLOCK_M)[:, None] * HEAD_DIM + offs_d[None, :],
-                             mask=m_valid[:, None], other=0.0, cache_modifier=".cg")
-                o += w[:, None] * o_s
-                w_sum += w
-            o = o / tl.where(w_sum > 0.0, w_sum, 1.0)[:, None]
-            tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=m_valid[:, None])
-            tl.atomic_xchg(count_ptr + rh, 0)  # zero again for the next launch (kernels run in order)
+    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+    base = (req * NUM_KV_HEADS + kvh) * NUM_SPLITS + split  # [R, Hkv, S] partial index
+    tl.store(o_part_ptr + (base * BLOCK_M + offs_m)[:, None] * HEAD_DIM + offs_d[None, :], out,
+             mask=m_valid[:, None])
+    tl.store(lse_part_ptr + base * BLOCK_M + offs_m, lse, mask=m_valid)
+
+
+@triton.jit
+def _attn_merge_kernel(
+    o_part_ptr, lse_part_ptr, out_ptr, stride_ot, stride_oh,
+    Q_LEN: tl.constexpr, GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    # One program per (request, kv head, tile row): every output row merges in parallel.
+    rh = tl.program_id(0)
+    m = tl.program_id(1)
+    req = rh // NUM_KV_HEADS
+    kvh = rh % NUM_KV_HEADS
+    offs_s = tl.arange(0, BLOCK_S)
+    s_valid = offs_s < NUM_SPLITS
+    offs_d = tl.arange(0, HEAD_DIM)
+    part_rows = (rh * NUM_SPLITS + offs_s) * BLOCK_M + m  # [BLOCK_S]
+    lse = tl.load(lse_part_ptr + part_rows, mask=s_valid, other=float("-inf"))
+    w = tl.exp(lse - tl.max(lse, axis=0))  # splits with no rows weigh 0
+    w = w / tl.sum(w, axis=0)
+    part = tl.load(o_part_ptr + part_rows[:, None] * HEAD_DIM + offs_d[None, :],
+                   mask=s_valid[:, None], other=0.0)  # [BLOCK_S, D]
+    o = tl.sum(part * w[:, None], axis=0)
+    tok = req * Q_LEN + m // GROUP
+    head = kvh * GROUP + m % GROUP
+    tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
 
 
 def num_splits_for(num_requests: int, num_kv_heads: int, num_sms: int, max_kv_len: int | None = None,
@@ -154,24 +147,6 @@ def num_splits_for(num_requests: int, num_kv_heads: int, num_sms: int, max_kv_le
     if max_kv_len is not None:
         s = max(1, min(s, triton.cdiv(max_kv_len, block_n)))
     return s
-
-
-# Per device: int32 counters, one per (request, kv head), of splits done; zero between launches.
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """n zeroed counters that persist across launches (and CUDA-graph replays). Made
-    on the first eager call (a warm-up forward precedes every capture); a capture
-    cannot allocate them."""
-    counters = _COUNTERS.get(device)
-    if counters is None or counters.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("paged_attention: run it once outside CUDA-graph capture first "
-                               f"(its {n} split counters are made then)")
-        counters = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
-        _COUNTERS[device] = counters
-    return counters
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indptr: torch.Tensor,
@@ -190,18 +165,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise ValueError(f"q_len {q_len} x group {group} exceeds the {MAX_TILE_M}-row tile")
     block_m = max(16, triton.next_power_of_2(tile_m))
     q = q.contiguous()
-    out = torch.empty_like(q)
-    o_part = lse_part = count = out  # unused with one split
-    if num_splits > 1:
-        o_part = torch.empty(r * hkv * num_splits * block_m * d, dtype=torch.float32, device=q.device)
-        lse_part = torch.empty(r * hkv * num_splits * block_m, dtype=torch.float32, device=q.device)
-        count = _split_counters(q.device, r * hkv)
+    o_part = torch.empty(r * hkv * num_splits * block_m * d, dtype=torch.float32, device=q.device)
+    lse_part = torch.empty(r * hkv * num_splits * block_m, dtype=torch.float32, device=q.device)
     _attn_split_kernel[(r, hkv, num_splits)](
-        q, k_cache, v_cache, kv_indptr, kv_indices, o_part, lse_part, count, out,
+        q, k_cache, v_cache, kv_indptr, kv_indices, o_part, lse_part,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        out.stride(0), out.stride(1), scale,
+        scale,
         Q_LEN=q_len, GROUP=group, NUM_KV_HEADS=hkv, NUM_SPLITS=num_splits, HEAD_DIM=d,
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_F32=_INTERPRET,
+    )
+    out = torch.empty_like(q)
+    _attn_merge_kernel[(r * hkv, tile_m)](
+        o_part, lse_part, out, out.stride(0), out.stride(1),
+        Q_LEN=q_len, GROUP=group, NUM_KV_HEADS=hkv, NUM_SPLITS=num_splits, HEAD_DIM=d,
+        BLOCK_M=block_m, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
     )
     return out
 
