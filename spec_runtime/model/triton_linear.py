@@ -58,10 +58,13 @@ Block = tuple[int, int, int]  # (BLOCK_N, BLOCK_K, num_warps)
 # 8B's o_proj took 11.5 us with (8, 1024, 8) and 7.1 us with (16, 512, 8).
 _CANDIDATES: dict[str, tuple[Block, ...]] = {
     # gate and up: two [BLOCK_N, BLOCK_K] float32 products live per step
-    "silu_mul": ((2, 2048, 4), (8, 512, 4), (4, 1024, 4), (2, 1024, 4), (4, 512, 4)),
-    "norm": ((4, 2048, 8), (4, 1024, 4), (8, 1024, 8), (8, 512, 4), (16, 512, 8)),
+    "silu_mul": ((2, 2048, 4), (8, 512, 4), (4, 1024, 4), (2, 1024, 4), (4, 512, 4), (8, 1024, 8),
+                 (16, 512, 8), (4, 2048, 8)),
+    "norm": ((4, 2048, 8), (4, 1024, 4), (8, 1024, 8), (8, 512, 4), (16, 512, 8), (8, 2048, 8),
+             (16, 1024, 8)),
     # o and down, with or without the residual add
-    "plain": ((8, 1024, 8), (16, 512, 8), (4, 1024, 4), (8, 512, 4), (4, 2048, 8), (16, 256, 4)),
+    "plain": ((8, 1024, 8), (16, 512, 8), (4, 1024, 4), (8, 512, 4), (4, 2048, 8), (16, 256, 4),
+              (8, 2048, 8), (32, 256, 8)),
 }
 # (weight rows, K, norm, silu_mul) -> the block chosen for that projection in this process.
 _TUNED: dict[tuple[int, int, bool, bool], Block] = {}
