@@ -118,11 +118,6 @@ def is_tuned(weight_rows: int, k: int, *, norm: bool, silu_mul: bool) -> bool:
     return (weight_rows, k, norm, silu_mul) in _TUNED
 
 
-def tuned_block_sizes() -> dict[str, Block]:
-    """The tuned blocks, keyed "<kind> <rows>x<K>" (for logs and benchmark records)."""
-    return {f"{_kind(norm, silu)} {n}x{k}": b for (n, k, norm, silu), b in _TUNED.items()}
-
-
 @triton.jit
 def _small_linear_kernel(
     x_ptr, w_ptr, out_ptr, bias_ptr, norm_ptr,
