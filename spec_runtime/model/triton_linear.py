@@ -145,7 +145,7 @@ def _small_linear_kernel(
         wmask = mask_n[:, None] & mask_k[None, :]
         # Each weight is read once per forward: evict_first keeps it from pushing x, the
         # norm weight and the residual out of L2. In a one-off sweep on an H200 it was at
-        # most 1% slower for a BENCH.md projection and up to 4% faster (32B's o and down).
+        # most 1.1% slower for a BENCH.md projection and up to 3% faster (the o projections).
         w = tl.load(w_rows + offs_k[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")  # [BN, BK]
         part += w.to(tl.float32) * x[None, :]
         if SILU_MUL:
