@@ -68,11 +68,30 @@ class ModelDrafter(Speculator):
 
         Step 0 feeds `first`; step i >= 1 feeds later(i) (host metadata: positions and KV
         rows do not depend on the sampled tokens) with each row's token from step i - 1
-        copied in on the device. So the host builds step i + 1 while the GPU runs step i,
-        and syncs once per speculation instead of once per token. With flashinfer graphs
-        it stays at most one step ahead (flashinfer's plan reuses one pinned host buffer
-        per graph); the Triton attention has no plan, so the host may queue every step.
-        positions: [R] absolute position of the token sampled at step 0.
+        copied in on the device. positions: [R] absolute position of the token sampled
+        at step 0.
+        """
+        device = self.runner.device
+
+        def make_batch(i, prev):
+            batch = build_forward_batch(first if i == 0 else later(i), device)
+            if prev is not None:
+                batch.input_ids.copy_(prev)  # [R]
+            return batch
+
+        return self.run_chain(make_batch, rows, positions, num_steps)
+
+    def run_chain(self, make_batch, rows: list[DraftSeq], positions: np.ndarray, num_steps: int,
+                  select: torch.Tensor | None = None):
+        """The loop under decode_chain and the SSD tree decode. make_batch(i, prev) is
+        step i's ForwardBatch, prev the [T] device tokens of step i - 1 (None at step 0).
+        select: [R] device indices of the logits rows that belong to `rows` (a tree step
+        carries padding tokens); None: every row. Returns what decode_chain returns.
+
+        The host builds step i + 1 while the GPU runs step i and syncs once per
+        speculation instead of once per token. With flashinfer graphs it stays at most
+        one step ahead (flashinfer's plan reuses one pinned host buffer per graph); the
+        Triton attention has no plan, so the host may queue every step.
         """
         device = self.runner.device
         st = self.sampling_tensors(rows)
@@ -82,12 +101,12 @@ class ModelDrafter(Speculator):
         steps_tf = [None] * num_steps
         prev = None
         for i in range(num_steps):
-            batch = build_forward_batch(first if i == 0 else later(i), device)
-            if prev is not None:
-                batch.input_ids.copy_(prev)  # [R]
+            batch = make_batch(i, prev)
             if plan_bound and len(done) >= 2:
                 done[-2].synchronize()  # sync: keep the host at most one step ahead of the GPU
-            logits = self.runner.forward(batch)  # [R, V]
+            logits = self.runner.forward(batch)  # [T, V]
+            if select is not None:
+                logits = logits[select]  # [R, V]
             if i == 0 and chain is not None:
                 # Benchmark oracle for every step at once, while step 0 runs on the GPU.
                 steps_tf = chain(rows, positions, num_steps, self.runner.vocab_size, device)
@@ -96,7 +115,11 @@ class ModelDrafter(Speculator):
                 ev = torch.cuda.Event()
                 ev.record()
                 done.append(ev)
-            prev = tok
+            if select is None:
+                prev = tok
+            else:  # padding tokens feed 0
+                prev = torch.zeros(batch.input_ids.shape[0], dtype=torch.int64, device=device)
+                prev.index_copy_(0, select, tok)
             tokens.append(tok)
             q_ids.append(qi)
             q_probs.append(qp)

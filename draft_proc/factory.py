@@ -62,16 +62,19 @@ def make_speculators(cfg):
     from spec_runtime.model.runner import ModelRunner
 
     num_slots = cfg.sched.max_draft_seqs or cfg.sched.max_batch_size
-    scratch = 0
+    scratch, shapes, local_rows = 0, (), 0
     if spec.mode == "ssd":
-        from draft_proc.ssd import scratch_rows_needed
+        from draft_proc.ssd import scratch_rows_needed, tree_local_rows, tree_shapes
 
         scratch = scratch_rows_needed(spec, num_slots)
-    # Graph shapes: decode steps and tree steps (q_len 1, up to tree_budget branches), the
-    # two-token catch-up after an outcome, and the K+1-token SSD glue.
+        shapes, local_rows = tree_shapes(spec, num_slots), tree_local_rows(spec)
+    # Graph shapes: decode steps (q_len 1, also the per-branch tree steps near the context
+    # limit, up to tree_budget branches), the two-token catch-up after an outcome, the
+    # K+1-token SSD glue, and the shared-prefix tree steps.
     max_batch = max(num_slots, spec.tree_budget) if spec.mode == "ssd" else num_slots
     runner = ModelRunner(cfg.draft, num_slots=num_slots, max_model_len=max_len, num_scratch_rows=scratch,
-                         max_batch_size=max_batch, graph_q_lens=(1, 2, spec.k + 1))
+                         max_batch_size=max_batch, graph_q_lens=(1, 2, spec.k + 1), tree_shapes=shapes,
+                         tree_local_rows=local_rows)
     drafter = ModelDrafter(runner, spec, logits_transform=make_oracle_transform(spec))
     ssd = None
     if spec.mode == "ssd":

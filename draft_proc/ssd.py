@@ -9,7 +9,12 @@ Then, while the target verifies what it was just sent, the draft works ahead:
                slot and yields the draft's distribution at every depth 0..m;
   fork:        the top-F_j tokens at depth j (excluding d_{j+1}), see tree_cache.py;
   tree decode: K steps over all branches of all sequences in one batch; a branch
-               attends to its slot's rows [0, n + j) and its own scratch rows;
+               attends to its slot's rows [0, n + j) and its own scratch rows. The
+               branches of a sequence are the tokens of one request under a
+               shared-prefix mask (forward_batch.TreeMask): the prefix [0, n) is read
+               once per sequence per step, and a step's metadata is built once per
+               work-ahead and moved on by device adds, so neither the GPU's nor the
+               host's work per branch grows with the context;
   store:       the branches replace the sequence's cache entries.
 
 A sequence just added (AddSequence) has no speculation yet; its first outcome is
@@ -33,7 +38,7 @@ import torch
 from draft_proc.speculator import Proposal, Speculator
 from draft_proc.state import DraftSeq
 from draft_proc.tree_cache import CachedSpeculation, Fork, TreeCache, select_forks
-from spec_runtime.model.forward_batch import ForwardItem
+from spec_runtime.model.forward_batch import ForwardItem, TreeBranch, build_tree_batch, tree_step_batch
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +49,32 @@ def max_branches(spec_cfg) -> int:
 
 def scratch_rows_needed(spec_cfg, num_slots: int) -> int:
     return num_slots * max_branches(spec_cfg) * spec_cfg.k
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def branches_per_seq(spec_cfg, num_seqs: int) -> int:
+    """Branches each sequence gets when `num_seqs` work ahead together: the tree budget
+    split over the batch padded to a power of two (the tree step's graph shape)."""
+    return max(1, min(max_branches(spec_cfg), spec_cfg.tree_budget // _pow2_at_least(num_seqs)))
+
+
+def tree_shapes(spec_cfg, max_seqs: int) -> list[tuple[int, int]]:
+    """(sequences, branches per sequence) of the tree-step CUDA graphs: one per power of
+    two up to max_seqs (and max_seqs), branches padded to a power of two."""
+    sizes, b = [], 1
+    while b < max_seqs:
+        sizes.append(b)
+        b *= 2
+    sizes.append(max_seqs)
+    return [(s, _pow2_at_least(branches_per_seq(spec_cfg, s))) for s in sizes]
+
+
+def tree_local_rows(spec_cfg) -> int:
+    """Rows a branch sees beyond its sequence's prefix: up to K accepted drafts, then K scratch rows."""
+    return 2 * spec_cfg.k
 
 
 class SSDEngine:
@@ -81,7 +112,9 @@ class SSDEngine:
     def accept_rate(self) -> float:
         return self._accepted / self._attempted
 
-    def propose(self, seqs: list[DraftSeq], k: int) -> tuple[Proposal, np.ndarray, list[int]]:
+    def propose(self, seqs: list[DraftSeq], k: int, count_misses: bool = True) -> tuple[Proposal, np.ndarray, list[int]]:
+        """Answer each sequence from the tree cache, misses from the backup. count_misses:
+        False after a round without work-ahead (a synchronous SD round, not a miss)."""
         prop = Proposal.empty(len(seqs), k)
         hits = np.zeros(len(seqs), dtype=bool)
         hits_by_depth = [0] * (self.k + 1)
@@ -108,7 +141,8 @@ class SSDEngine:
             seq.set_speculation(entry.draft_token_ids[:m].tolist(), num_cached=min(seq.num_cached, seq.num_tokens - 1))
             seq.last_missed = False
         self.num_hits += int(hits.sum())
-        self.num_misses += len(misses)
+        if count_misses:
+            self.num_misses += len(misses)
         if misses:
             miss_seqs = [seqs[b] for b in misses]
             for s in miss_seqs:
@@ -158,6 +192,12 @@ class SSDEngine:
             torch.cuda.synchronize(self.runner.device)  # sync: measure the work, not its launch
         self.last_work_s = time.perf_counter() - t0
 
+    def skip_work_ahead(self, seqs: list[DraftSeq]) -> None:
+        """No work-ahead this round: drop the entries that answered it."""
+        for s in seqs:
+            self.cache.clear(s.seq_id)
+        self.last_work_s = 0.0
+
     def prefetch(self, seqs: list[DraftSeq]) -> None:
         """Work ahead for fresh sequences (added, no outcome yet) at the configured K, so
         their first outcome (0, t) can hit.
@@ -187,7 +227,7 @@ class SSDEngine:
 
     def _branches_per_seq(self, batch: int) -> int:
         # The total budget bounds the tree-decode batch whatever the batch size.
-        return max(1, min(self.cache.max_branches, self.cfg.tree_budget // batch))
+        return branches_per_seq(self.cfg, batch)
 
     def _glue(self, seqs: list[DraftSeq]) -> list[tuple[np.ndarray, np.ndarray]]:
         """Forward [x_n, d_1..d_m]; per sequence the ranked candidates and their draft
@@ -257,6 +297,11 @@ class SSDEngine:
         tokens = np.full((len(forks), k), -1, dtype=np.int64)
         q_ids = np.zeros((len(forks), k, top), dtype=np.int64) if sampled else None
         q_probs = np.zeros((len(forks), k, top), dtype=np.float32) if sampled else None
+        q_len = self._tree_q_len(seqs, forks)
+        if k > 0 and (lens == k).all() and q_len is not None:
+            self._tree_decode_shared(f_seqs, forks, k, q_len, tokens, q_ids, q_probs, sampled)
+            self._store(seqs, forks, lens, tokens, q_ids, q_probs, sampled)
+            return
         # All branches of all sequences step together (one batch per step); branches near
         # the context limit are shorter, so there is one pipelined chain per length.
         for steps in sorted(set(lens.tolist()) - {0}):
@@ -284,6 +329,59 @@ class SSDEngine:
                 else:  # greedy branches in a sampled batch: one-hot q
                     q_ids[idx, :steps, 0] = toks
                     q_probs[idx, :steps, 0] = 1.0
+        self._store(seqs, forks, lens, tokens, q_ids, q_probs, sampled)
+
+    def _tree_q_len(self, seqs: list[DraftSeq], forks: list[Fork]) -> int | None:
+        """Branches per request of the shared-prefix tree step, or None where the backend
+        cannot run one (the per-branch layout is used then)."""
+        q_len = max(np.bincount([f.branch for f in forks]).size, 1)  # most branches of one sequence
+        if self.runner.graphs is not None:
+            q_len = max(q_len, _pow2_at_least(self._branches_per_seq(len(seqs))))  # the graph's shape
+        return q_len if self.runner.backend.supports_tree(q_len) else None
+
+    def _tree_decode_shared(self, f_seqs, forks, k, q_len, tokens, q_ids, q_probs, sampled) -> None:
+        """K tree steps with one request per sequence and its branches as the request's
+        tokens; the prefix [0, n) is shared, each branch sees its accepted drafts
+        [n, n + j) and its scratch rows."""
+        order: dict[int, list[int]] = {}
+        for b, f in enumerate(forks):
+            order.setdefault(f.seq_id, []).append(b)
+        by_id = {s.seq_id: s for s in f_seqs}
+        prefixes, branches, select = [], [], []
+        max_len = self.layout.max_model_len
+        for r, (sid, idx) in enumerate(order.items()):
+            s = by_id[sid]
+            n, base = s.num_tokens, s.slot * max_len
+            prefixes.append(self.layout.slot_rows(s.slot, n))
+            brs = []
+            for j, b in enumerate(idx):
+                f = forks[b]
+                local = np.concatenate([np.arange(base + n, base + n + f.depth, dtype=np.int64),
+                                        self.cache.scratch_rows(s.slot, f.branch, k)])
+                brs.append(TreeBranch(f.token_id, n + f.depth, local, f.depth + 1))
+                select.append(r * q_len + j)
+            branches.append(brs)
+        first = build_tree_batch(prefixes, branches, q_len, self.runner.dummy_row, self.runner.device)
+        perm = np.concatenate(list(order.values()))  # fork index of each selected row
+        select_d = torch.from_numpy(np.asarray(select, dtype=np.int64)).to(self.runner.device)
+        rows = [f_seqs[b] for b in perm]
+        positions = np.array([f_seqs[b].num_tokens + forks[b].depth + 1 for b in perm], dtype=np.int64)
+
+        def make_batch(i, prev):
+            return first if i == 0 else tree_step_batch(first, i, prev)
+
+        toks, qi, qp = self.drafter.run_chain(make_batch, rows, positions, k, select=select_d)
+        tokens[perm] = toks
+        if sampled:
+            if qi is not None:
+                w = qi.shape[-1]
+                q_ids[perm, :, :w] = qi
+                q_probs[perm, :, :w] = qp
+            else:  # greedy branches in a sampled batch: one-hot q
+                q_ids[perm, :, 0] = toks
+                q_probs[perm, :, 0] = 1.0
+
+    def _store(self, seqs, forks, lens, tokens, q_ids, q_probs, sampled) -> None:
         entries: dict[int, dict[tuple[int, int], CachedSpeculation]] = {s.seq_id: {} for s in seqs}
         for b, f in enumerate(forks):
             m = int(lens[b])

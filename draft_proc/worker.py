@@ -50,6 +50,7 @@ class DraftWorker:
         self.running = True
         # SSD: ids of sequences added but not yet named by a SpecRequest, in arrival order.
         self.fresh: dict[int, None] = {}
+        self._worked_ahead = True  # the last SpecRequest's work_ahead flag
 
     def run_forever(self) -> None:
         while self.running:
@@ -149,6 +150,9 @@ class DraftWorker:
         for sid in np.asarray(req.seq_ids).tolist():
             self.fresh.pop(sid, None)
         ok: list[DraftSeq] = []
+        # A sequence the draft did not work ahead for has no cache entries: its miss is a
+        # synchronous SD round the target chose, not a cache miss.
+        counted = self._worked_ahead
         for i in range(b):
             sid = int(req.seq_ids[i])
             seq = self.seqs.get(sid)
@@ -169,13 +173,19 @@ class DraftWorker:
         if not ok:
             return
         if self.ssd is not None:
-            prop, hits, hits_by_depth = self.ssd.propose(ok, req.k)
+            prop, hits, hits_by_depth = self.ssd.propose(ok, req.k, count_misses=counted)
         else:
             prop, hits, hits_by_depth = self.speculator.propose(ok, req.k), np.zeros(len(ok), bool), []
         self.channel.send(self._response(req.step, ok, prop, hits, hits_by_depth))
         if self.ssd is not None:
-            # Answer first, then work ahead for the outcomes expected next round.
-            self.ssd.work_ahead(ok, req.k)
+            self._worked_ahead = bool(req.work_ahead)
+            if req.work_ahead:
+                # Answer first, then work ahead for the outcomes expected next round.
+                self.ssd.work_ahead(ok, req.k)
+            else:
+                # The next round is synchronous SD: entries for this round's outcomes
+                # would answer a speculation that is no longer outstanding.
+                self.ssd.skip_work_ahead(ok)
 
     def _response(self, step: int, seqs: list[DraftSeq], prop: Proposal, hits: np.ndarray, hits_by_depth) -> SpecResponse:
         return SpecResponse(

@@ -121,6 +121,8 @@ class RequestStats(_Cold):
     num_cache_hits: int = 0
     num_cache_misses: int = 0
     num_ar_fallback_rounds: int = 0
+    # SSD mode: rounds answered by a chain drafted on request (the work-ahead policy chose SD).
+    num_sd_rounds: int = 0
     ttft_s: float = 0.0
     e2e_s: float = 0.0
 
@@ -167,6 +169,10 @@ class EngineStats(_Cold, tag="stats"):
     draft_work_s: float = 0.0
     # Steps the speculation policy ran as plain decoding (spec_policy="adaptive").
     num_plain_steps: int = 0
+    # SSD: speculative steps after a request with work-ahead (SSD rounds) and without
+    # (synchronous SD rounds, chosen by the work-ahead policy).
+    num_ssd_rounds: int = 0
+    num_sd_rounds: int = 0
     # SSD tree-cache hits by the depth j of the outcome they answered (index 0..K).
     hits_by_depth: list[int] = []
 
@@ -214,6 +220,9 @@ class SpecRequest(_Hot, tag="req"):
     seq_lens: np.ndarray  # [B] int64
     # The K the target wants this round (<= configured K).
     k: int
+    # SSD: whether the draft works ahead after answering (False: the next answer is a
+    # chain drafted on request, a synchronous SD round; target_proc.spec_policy).
+    work_ahead: bool = True
 
 
 class SpecResponse(_Hot, tag="resp"):

@@ -42,10 +42,13 @@ def run_mode(args, mode: str) -> list[dict]:
         target=ModelConfig(path=args.target, device=args.target_device, cuda_graphs=not args.no_cuda_graphs),
         draft=ModelConfig(path=args.draft, device=args.draft_device, cuda_graphs=not args.no_cuda_graphs),
         spec=SpeculativeConfig(mode=mode, k=args.k, fan_out=args.fan_out, fan_out_miss=args.fan_out_miss,
-                               backup=args.backup, tree_budget=args.tree_budget,
+                               backup=args.backup, tree_budget=args.tree_budget, work_ahead=args.work_ahead,
                                synthetic_acceptance=args.synthetic_acceptance,
                                synthetic_ranks=args.synthetic_ranks, draft_timeout_s=30.0),
-        sched=SchedulerConfig(max_batch_size=max(args.batch_sizes), max_model_len=args.max_model_len),
+        # SD is the synchronous baseline: it speculates every step. SSD runs with the
+        # policies a user gets (--spec-policy), which may choose SD rounds or plain steps.
+        sched=SchedulerConfig(max_batch_size=max(args.batch_sizes), max_model_len=args.max_model_len,
+                              spec_policy=args.spec_policy if mode == "ssd" else "always"),
         startup_timeout_s=900.0,
         log_level=args.log_level,
     )
@@ -55,29 +58,44 @@ def run_mode(args, mode: str) -> list[dict]:
         print(f"[{mode}] runtime up in {time.perf_counter() - t_start:.1f} s", file=sys.stderr, flush=True)
         vocab = client.ready.vocab_size
         rng = np.random.default_rng(0)
-        prompts = [rng.integers(10, vocab, size=args.prompt_len).tolist() for _ in range(max(args.batch_sizes))]
-        for temp in args.temperatures:
-            for bs in args.batch_sizes:
-                sp = SamplingParams(max_tokens=args.max_tokens, temperature=temp, ignore_eos=True, seed=None)
-                client.generate_batch(prompts[:bs], SamplingParams(max_tokens=8, temperature=temp, ignore_eos=True))
-                before = client.engine_stats()
-                results, wall, decode_wall = [], 0.0, 0.0
-                for _ in range(args.repeats):
-                    t0 = time.perf_counter()
-                    res = client.generate_batch(prompts[:bs], sp)
-                    w = time.perf_counter() - t0
-                    wall += w
-                    decode_wall += w - float(np.mean([r.stats.ttft_s for r in res]))
-                    results += res
-                after = client.engine_stats()
-                rows.append(_row(mode, temp, bs, wall, decode_wall, results, before, after, args))
-                r = rows[-1]
-                print(f"[{mode}] T={temp} B={bs}: {r['tokens_per_s']:.1f} tok/s (decode {r['decode_tokens_per_s']:.1f}), "
-                      f"{r['mean_tokens_per_round']:.2f} "
-                      f"tok/round, hit {r['cache_hit_rate']}, v={r['verify_ms_per_step']:.2f} ms, "
-                      f"wait={r['draft_wait_ms_per_step']:.2f} ms, work={r['draft_work_ms_per_step']:.2f} ms",
-                      file=sys.stderr, flush=True)
+        for prompt_len, temp, bs in _points(args):
+            prompts = [rng.integers(10, vocab, size=prompt_len).tolist() for _ in range(bs)]
+            sp = SamplingParams(max_tokens=args.max_tokens, temperature=temp, ignore_eos=True, seed=None)
+            client.generate_batch(prompts[:bs], SamplingParams(max_tokens=8, temperature=temp, ignore_eos=True))
+            before = client.engine_stats()
+            results, wall, decode_wall = [], 0.0, 0.0
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                res = client.generate_batch(prompts[:bs], sp)
+                w = time.perf_counter() - t0
+                wall += w
+                decode_wall += w - float(np.mean([r.stats.ttft_s for r in res]))
+                results += res
+            after = client.engine_stats()
+            rows.append(_row(mode, temp, bs, wall, decode_wall, results, before, after, args))
+            r = rows[-1]
+            r["prompt_len"] = prompt_len
+            r["ssd_rounds"] = after.num_ssd_rounds - before.num_ssd_rounds
+            r["sd_rounds"] = after.num_sd_rounds - before.num_sd_rounds
+            r["plain_steps"] = after.num_plain_steps - before.num_plain_steps
+            print(f"[{mode}] P={prompt_len} T={temp} B={bs}: {r['tokens_per_s']:.1f} tok/s (decode {r['decode_tokens_per_s']:.1f}), "
+                  f"{r['mean_tokens_per_round']:.2f} "
+                  f"tok/round, hit {r['cache_hit_rate']}, v={r['verify_ms_per_step']:.2f} ms, "
+                  f"wait={r['draft_wait_ms_per_step']:.2f} ms, work={r['draft_work_ms_per_step']:.2f} ms, "
+                  f"ssd/sd rounds {r['ssd_rounds']}/{r['sd_rounds']}, plain steps {r['plain_steps']}",
+                  file=sys.stderr, flush=True)
     return rows
+
+
+def _points(args):
+    """(prompt length, temperature, batch) of the matrix; temperatures other than 0 only
+    at the prompt lengths --sampled-prompt-lens names (all of them by default)."""
+    for prompt_len in args.prompt_lens:
+        for temp in args.temperatures:
+            if temp > 0 and args.sampled_prompt_lens and prompt_len not in args.sampled_prompt_lens:
+                continue
+            for bs in args.batch_sizes:
+                yield prompt_len, temp, bs
 
 
 def _row(mode, temp, bs, wall, decode_wall, results, before, after, args) -> dict:
@@ -128,30 +146,36 @@ def main() -> None:
     p.add_argument("--fan-out-miss", type=_tuple(int), default=())
     p.add_argument("--backup", default="jit")
     p.add_argument("--tree-budget", type=int, default=64, help="SSD: most branches per round over the batch")
+    p.add_argument("--work-ahead", default="auto", help="SSD: auto (SSD or SD rounds by measurement) or always")
+    p.add_argument("--spec-policy", default="adaptive", help="SSD's speculation policy (SD always speculates)")
     p.add_argument("--batch-sizes", type=_tuple(int), default=(1, 2, 4, 8, 16))
     p.add_argument("--temperatures", type=_tuple(float), default=(0.0, 0.7))
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=1, help="runs of each batch, summed")
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--prompt-lens", type=_tuple(int), default=(128,))
+    p.add_argument("--sampled-prompt-lens", type=_tuple(int), default=(),
+                   help="prompt lengths at which temperatures > 0 run (default: all)")
+    p.add_argument("--max-model-len", type=int, default=None, help="default: longest prompt + max tokens + 64")
     p.add_argument("--synthetic-acceptance", type=float, default=None)
     p.add_argument("--synthetic-ranks", type=_tuple(float), default=())
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--log-level", default="WARNING")
     p.add_argument("--out", required=True, help="JSON file to write")
     args = p.parse_args()
+    if args.max_model_len is None:
+        args.max_model_len = max(args.prompt_lens) + args.max_tokens + 64
 
     rows = []
     for mode in args.modes:
         rows.extend(run_mode(args, mode))
         with open(args.out, "w") as f:  # after every mode: a run cut short keeps what it measured
             json.dump({"args": vars(args), "host": platform.node(), "rows": rows}, f, indent=1)
-    print(f"{'mode':5} {'T':>4} {'B':>3} {'tok/s':>8} {'decode':>8} {'tok/rnd':>7} {'hit':>5} {'v ms':>6} {'wait':>6} "
+    print(f"{'mode':5} {'P':>5} {'T':>4} {'B':>3} {'tok/s':>8} {'decode':>8} {'tok/rnd':>7} {'hit':>5} {'v ms':>6} {'wait':>6} "
           f"{'work':>6} {'ideal':>8}")
     for r in rows:
         hit = f"{r['cache_hit_rate']:.2f}" if r["cache_hit_rate"] is not None else "-"
         ideal = f"{r['ideal_tokens_per_s']:.1f}" if r["mode"] == "ssd" and r["ideal_tokens_per_s"] else "-"
-        print(f"{r['mode']:5} {r['temperature']:4.1f} {r['batch_size']:3d} {r['tokens_per_s']:8.1f} "
+        print(f"{r['mode']:5} {r['prompt_len']:5d} {r['temperature']:4.1f} {r['batch_size']:3d} {r['tokens_per_s']:8.1f} "
               f"{r['decode_tokens_per_s']:8.1f} "
               f"{r['mean_tokens_per_round']:7.2f} {hit:>5} {r['verify_ms_per_step']:6.2f} "
               f"{r['draft_wait_ms_per_step']:6.2f} {r['draft_work_ms_per_step']:6.2f} {ideal:>8}")

@@ -1,18 +1,33 @@
-"""Where a draft step's time goes on the GPU: the chain drafter and the SSD work-ahead.
+"""Where a draft step's time goes on the GPU: the chain drafter and the SSD work-ahead,
+at several context lengths.
 
-    python scripts/profile_draft.py --model random:draft-0.6b --k 8 --fan-out 3 --oracle
+    python scripts/profile_draft.py --model random:draft-0.6b --k 8 --fan-out 3 --oracle \
+        --contexts 512,8192 --out bench/results/profile_draft.json
 
-Prints wall time per propose() / work_ahead(), the split between building the batch,
-the forward, and sampling, and torch.profiler's top CPU ops.
+Per context length: the chain drafter's propose(), the SSD work-ahead (glue + K tree
+steps), and the K tree steps alone, with the shared-prefix layout (one request per
+sequence, forward_batch.TreeMask) and with the per-branch layout (one request per
+branch, its prefix rows listed in full) for comparison. Then torch.profiler's top ops
+at the last context.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import numpy as np
 import torch
+
+
+def _timed(fn, n: int) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n
 
 
 def main() -> None:
@@ -21,96 +36,83 @@ def main() -> None:
     p.add_argument("--k", type=int, default=8)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--fan-out", type=int, default=3, help="branches per depth (F_j for every j)")
+    p.add_argument("--tree-budget", type=int, default=64)
+    p.add_argument("--contexts", default="512,8192", help="prompt lengths to profile at, comma-separated")
     p.add_argument("--oracle", action="store_true")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--out", default=None, help="write the figures as JSON here")
     args = p.parse_args()
+    contexts = [int(c) for c in args.contexts.split(",")]
 
     from draft_proc.drafter import ModelDrafter
     from draft_proc.factory import make_oracle_transform
-    from draft_proc.ssd import SSDEngine, scratch_rows_needed
+    from draft_proc.ssd import SSDEngine, scratch_rows_needed, tree_local_rows, tree_shapes
     from draft_proc.state import DraftSeq
     from spec_runtime.config import ModelConfig, SpeculativeConfig
-    from spec_runtime.model import forward_batch as fb
     from spec_runtime.model.runner import ModelRunner
 
     spec = SpeculativeConfig(mode="ssd", k=args.k, fan_out=(args.fan_out,) * (args.k + 1),
+                             tree_budget=args.tree_budget,
                              synthetic_acceptance=0.8 if args.oracle else None,
                              synthetic_ranks=(0.5, 0.2, 0.1) if args.oracle else ())
-    runner = ModelRunner(ModelConfig(path=args.model, device="cuda:0"), num_slots=max(4, args.batch),
-                         max_model_len=1024, num_scratch_rows=scratch_rows_needed(spec, max(4, args.batch)),
-                         max_batch_size=64, graph_q_lens=(1, 2, args.k + 1))
+    slots = max(4, args.batch)
+    max_len = max(contexts) + 4 * args.k + 16
+    runner = ModelRunner(ModelConfig(path=args.model, device="cuda:0"), num_slots=slots, max_model_len=max_len,
+                         num_scratch_rows=scratch_rows_needed(spec, slots), max_batch_size=max(64, slots),
+                         graph_q_lens=(1, 2, args.k + 1), tree_shapes=tree_shapes(spec, slots),
+                         tree_local_rows=tree_local_rows(spec))
     drafter = ModelDrafter(runner, spec, logits_transform=make_oracle_transform(spec))
     ssd = SSDEngine(drafter, drafter, spec)
     rng = np.random.default_rng(0)
-
-    def fresh():
-        return [DraftSeq(i, i, rng.integers(10, 1000, size=128).tolist(), seed=i) for i in range(args.batch)]
-
-    # Instrument the three phases of a step.
-    t = {"build": 0.0, "forward": 0.0, "sample": 0.0}
-    orig_build, orig_forward, orig_sample = fb.build_forward_batch, runner.forward, drafter.sample
-
-    def timed(name, fn):
-        def wrap(*a, **kw):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            out = fn(*a, **kw)
-            torch.cuda.synchronize()
-            t[name] += time.perf_counter() - t0
-            return out
-        return wrap
-
-    import spec_runtime.model.runner as runner_mod
-    runner_mod.build_forward_batch = timed("build", orig_build)
-    runner.forward = timed("forward", orig_forward)
-    drafter.sample = timed("sample", orig_sample)
+    shared_q_len = ssd._tree_q_len
+    results = {"model": args.model, "k": args.k, "batch": args.batch, "fan_out": args.fan_out,
+               "tree_budget": args.tree_budget, "oracle": args.oracle, "device": torch.cuda.get_device_name(),
+               "contexts": []}
 
     def cycle(seqs):
         for s in seqs:
             ssd.note_outcome(s, 0, 5)
             s.apply_outcome(0, 5, s.num_tokens + 1, s.round + 1)
-        prop, _, _ = ssd.propose(seqs, args.k)  # first round: a miss, the jit drafter answers
-        return prop
+        return ssd.propose(seqs, args.k)  # a miss when the cache was cleared: the jit drafter answers
 
-    seqs = fresh()
-    for _ in range(3):
-        cycle(seqs)
-        ssd.work_ahead(seqs, args.k)
-    for key in t:
-        t[key] = 0.0
-    n = 10
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        for s in seqs:
-            ssd.cache.clear(s.seq_id)
-        cycle(seqs)
-    torch.cuda.synchronize()
-    chain = (time.perf_counter() - t0) / n
-    print(f"chain propose (K={args.k}, batch {args.batch}): {1e3 * chain:.2f} ms/round; per phase per round: "
-          + ", ".join(f"{k} {1e3 * v / n:.2f} ms" for k, v in t.items()))
-    for key in t:
-        t[key] = 0.0
-    t0 = time.perf_counter()
-    for _ in range(n):
-        ssd.work_ahead(seqs, args.k)
-    torch.cuda.synchronize()
-    work = (time.perf_counter() - t0) / n
-    print(f"SSD work-ahead (glue + {args.k} tree steps, {ssd.num_entries()} branches): {1e3 * work:.2f} ms/round; "
-          + ", ".join(f"{k} {1e3 * v / n:.2f} ms" for k, v in t.items()))
+    for ctx in contexts:
+        seqs = [DraftSeq(i, i, rng.integers(10, 1000, size=ctx).tolist(), seed=i) for i in range(args.batch)]
+        for _ in range(3):
+            cycle(seqs)
+            ssd.work_ahead(seqs, args.k)
 
-    # Un-instrumented, then the profiler.
-    runner_mod.build_forward_batch, runner.forward, drafter.sample = orig_build, orig_forward, orig_sample
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
+        def chain():
+            for s in seqs:
+                ssd.cache.clear(s.seq_id)
+            cycle(seqs)
+
+        chain_ms = 1e3 * _timed(chain, args.repeats)
         cycle(seqs)
-    torch.cuda.synchronize()
-    print(f"chain propose, no instrumentation: {1e3 * (time.perf_counter() - t0) / n:.2f} ms/round")
-    t0 = time.perf_counter()
-    for _ in range(n):
-        ssd.work_ahead(seqs, args.k)
-    torch.cuda.synchronize()
-    print(f"SSD work-ahead, no instrumentation: {1e3 * (time.perf_counter() - t0) / n:.2f} ms/round")
+        work_ms = 1e3 * _timed(lambda: ssd.work_ahead(seqs, args.k), args.repeats)
+        # The tree steps alone, on the forks of one glue.
+        ranked = ssd._glue(seqs)
+        forks = ssd._fork(seqs, ranked)
+        row = {"context": ctx, "branches": len(forks), "chain_propose_ms": chain_ms, "work_ahead_ms": work_ms}
+        for layout, q_len_fn in (("shared_prefix", shared_q_len), ("per_branch", lambda *a: None)):
+            ssd._tree_q_len = q_len_fn
+            ssd._tree_decode(seqs, forks, args.k)  # warm
+            row[f"tree_step_{layout}_ms"] = 1e3 * _timed(lambda: ssd._tree_decode(seqs, forks, args.k),
+                                                        args.repeats) / args.k
+        ssd._tree_q_len = shared_q_len
+        results["contexts"].append(row)
+        print(f"context {ctx}, batch {args.batch}, K={args.k}, {len(forks)} branches: chain propose "
+              f"{chain_ms:.2f} ms, work-ahead {work_ms:.2f} ms, tree step {row['tree_step_shared_prefix_ms']:.3f} ms "
+              f"shared-prefix / {row['tree_step_per_branch_ms']:.3f} ms per-branch", flush=True)
+    if len(results["contexts"]) > 1:
+        a, b = results["contexts"][0], results["contexts"][-1]
+        ratio = b["tree_step_shared_prefix_ms"] / a["tree_step_shared_prefix_ms"]
+        results["tree_step_ratio_last_to_first"] = ratio
+        print(f"tree step at context {b['context']} / at {a['context']}: {ratio:.2f}x (shared-prefix), "
+              f"{b['tree_step_per_branch_ms'] / a['tree_step_per_branch_ms']:.2f}x (per-branch)")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -119,8 +121,7 @@ def main() -> None:
             ssd.work_ahead(seqs, args.k)
         torch.cuda.synchronize()
     avg = prof.key_averages()
-    print(avg.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
-    print(avg.table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60))
+    print(avg.table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60))
 
 
 if __name__ == "__main__":

@@ -57,6 +57,7 @@ class SpeculativeConfig:
     fan_out_miss: tuple[int, ...] = _f((), "Fan-out for sequences whose last look-up missed (rejection is likely early).")
     tree_budget: int = _f(64, "SSD: most branches tree-decoded per round over the whole batch; per-sequence fan-out shrinks (deepest depths first) when batch x sum(F) exceeds it, so the draft's work stays inside one verify.")
     backup: Backup = _f("jit", "What answers a tree-cache miss.")
+    work_ahead: Literal["auto", "always"] = _f("auto", "SSD: auto: per batch size, run SSD rounds (the draft works ahead) or synchronous SD rounds, whichever measures faster, re-measuring now and then (each choice is logged and counted in the stats); always: work ahead every round.")
     ssd_prefetch: bool = _f(True, "SSD: on a new sequence, the draft works ahead for its first outcome while the target prefills, so the first look-up can hit.")
     draft_top_k: int = _f(64, "The draft samples from its top-`draft_top_k` tokens only, so q is sparse and a SpecResponse does not grow with the vocabulary. Verification uses the same q.")
     draft_temperature: float | None = _f(None, "Draft temperature; None means \"the request's temperature\".")
@@ -82,6 +83,8 @@ class SpeculativeConfig:
             raise ValueError(f"backup must be jit, ngram or none, got {self.backup!r}")
         if self.tree_budget < 1:
             raise ValueError(f"tree_budget must be >= 1, got {self.tree_budget}")
+        if self.work_ahead not in ("auto", "always"):
+            raise ValueError(f"work_ahead must be auto or always, got {self.work_ahead!r}")
         if self.draft_top_k < 1:
             raise ValueError(f"draft_top_k must be >= 1, got {self.draft_top_k}")
         if self.draft_temperature is not None and self.draft_temperature < 0:
@@ -119,7 +122,7 @@ class SchedulerConfig:
     max_batch_size: int = _f(8, "Most sequences decoded together (target KV slots).")
     max_model_len: int = _f(2048, "Context length: prompt + generated tokens (capped by the model).")
     max_draft_seqs: int = _f(0, "Draft KV slots; 0 means max_batch_size.")
-    spec_policy: Literal["always", "adaptive"] = _f("always", "always: speculate every step; adaptive: per batch size, measure speculative and plain steps and use the faster (plain decoding can win at large batch), logging each switch.")
+    spec_policy: Literal["always", "adaptive"] = _f("adaptive", "always: speculate every step; adaptive: per batch size, measure speculative and plain steps and use the faster (plain decoding can win at large batch), logging each switch.")
     spec_policy_probe_every: int = _f(64, "adaptive policy: steps between re-measurements of the mode not in use.")
 
     def __post_init__(self) -> None:

@@ -146,7 +146,8 @@ class DraftLink:
             )
         )
 
-    def request(self, outcomes: list[Outcome]) -> None:
+    def request(self, outcomes: list[Outcome], work_ahead: bool = True) -> None:
+        """Send one step's outcomes; work_ahead: whether the draft (SSD) works ahead after answering."""
         if not outcomes:
             return
         self.step += 1
@@ -159,6 +160,7 @@ class DraftLink:
                 token_ids=np.fromiter((o.token_id for o in outcomes), np.int64, len(outcomes)),
                 seq_lens=np.fromiter((o.seq_len for o in outcomes), np.int64, len(outcomes)),
                 k=self.k,
+                work_ahead=work_ahead,
             )
         )
 
@@ -233,8 +235,10 @@ class DraftLink:
 
     def _take_response(self, msg: SpecResponse, waiting: dict[int, int], got: dict[int, Speculation]) -> None:
         self.last_draft_work_s = msg.draft_work_s
-        for j, n in enumerate(msg.hits_by_depth[: len(self.hits_by_depth)]):
-            self.hits_by_depth[j] += n
+        if all(waiting.get(int(sid)) == int(r) for sid, r in zip(msg.seq_ids, msg.rounds)):
+            # Hits of answers nobody waits for (plain steps, stale rounds) are no hits.
+            for j, n in enumerate(msg.hits_by_depth[: len(self.hits_by_depth)]):
+                self.hits_by_depth[j] += n
         has_q = msg.q_token_ids is not None and msg.q_probs is not None and msg.q_token_ids.size > 0
         for b in range(len(msg.seq_ids)):
             sid = int(msg.seq_ids[b])

@@ -12,15 +12,18 @@ from target_proc.draft_link import Speculation
 from target_proc.sequence import Sequence
 
 _TOTAL_COUNTERS = ("num_prompt_tokens", "num_generated_tokens", "num_rounds", "num_draft_tokens",
-                   "num_accepted_tokens", "num_cache_hits", "num_cache_misses", "num_ar_fallback_rounds")
+                   "num_accepted_tokens", "num_cache_hits", "num_cache_misses", "num_ar_fallback_rounds",
+                   "num_sd_rounds")
 
 
 def record_round(st: RequestStats, num_draft: int, num_accepted: int, spec: Speculation | None, *,
-                 ssd: bool, speculating: bool) -> None:
+                 ssd: bool, speculating: bool, sd_round: bool = False) -> None:
     """One verify round of a request: num_accepted of its num_draft tokens accepted.
 
     spec is the speculation the round verified (None: none arrived, a plain round);
-    speculating says whether the step wanted one (a plain round then counts as a fallback).
+    speculating says whether the step wanted one (a plain round then counts as a fallback);
+    sd_round: an SSD-mode round the work-ahead policy ran as synchronous SD (its answer
+    came from a chain drafted on request, which is no cache miss).
     """
     st.num_rounds += 1
     st.num_draft_tokens += num_draft
@@ -32,6 +35,8 @@ def record_round(st: RequestStats, num_draft: int, num_accepted: int, spec: Spec
     if spec is not None:
         if spec.cache_hit:
             st.num_cache_hits += 1
+        elif ssd and sd_round:
+            st.num_sd_rounds += 1
         elif ssd:
             st.num_cache_misses += 1
     elif speculating:

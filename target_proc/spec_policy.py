@@ -86,3 +86,103 @@ class SpecPolicy:
                     key, "speculation" if faster else "plain decoding", max(b.spec_rate, b.plain_rate),
                     min(b.spec_rate, b.plain_rate), "resuming" if faster else "pausing",
                 )
+
+
+@dataclass
+class _WorkAheadBucket:
+    round_s: dict = None  # {work_ahead: running mean step seconds}
+    counts: dict = None  # {work_ahead: measured steps}
+    choice: bool = True
+    probing: int = 0  # steps left in a probe of the other choice
+    steps_since_probe: int = 0
+    announced: bool = False
+
+    def __post_init__(self):
+        self.round_s = {True: None, False: None}
+        self.counts = {True: 0, False: 0}
+
+
+class WorkAheadPolicy:
+    """SSD or synchronous SD, per batch-size bucket, by measured step time.
+
+    In SSD mode every SpecRequest says whether the draft works ahead after answering
+    it. Working ahead makes the next round's look-up a hit, answered at once; not
+    working ahead makes the next answer a chain drafted on request (synchronous SD).
+    Both give speculations of the same distribution (a branch holds exactly the
+    tokens and q the chain drafter would produce), so the expected tokens per round
+    are the same and the faster round wins: the policy keeps a running mean of the
+    step time after each choice (a step's wait is decided by the flag of the request
+    before it) and uses the shorter. SSD loses where the draft's work-ahead outlasts
+    the verify, or where misses are frequent enough that the backup chain runs anyway.
+
+    "always" works ahead every round; "auto" starts with SSD, measures `warmup` SSD
+    steps, then `probe_len` SD steps, and re-measures the choice not in use every
+    `probe_every` steps. Pure bookkeeping, no torch.
+    """
+
+    def __init__(self, policy: str = "auto", warmup: int = 8, probe_len: int = 4, probe_every: int = 128,
+                 smoothing: float = 0.2):
+        if policy not in ("auto", "always"):
+            raise ValueError(f"work-ahead policy must be auto or always, got {policy!r}")
+        self.policy = policy
+        self.warmup = warmup
+        self.probe_len = probe_len
+        self.probe_every = probe_every
+        self.smoothing = smoothing
+        self._buckets: dict[int, _WorkAheadBucket] = {}
+        self.num_work_ahead = 0  # requests sent with work_ahead (SSD rounds)
+        self.num_sync = 0  # requests sent without (SD rounds)
+
+    def work_ahead(self, batch: int) -> bool:
+        """The flag of the request sent now, for a batch of `batch` sequences."""
+        choice = True if self.policy == "always" else self._choose(batch)
+        if choice:
+            self.num_work_ahead += 1
+        else:
+            self.num_sync += 1
+        return choice
+
+    def _choose(self, batch: int) -> bool:
+        key = SpecPolicy.bucket(batch)
+        b = self._buckets.setdefault(key, _WorkAheadBucket())
+        if b.probing:
+            b.probing -= 1
+            return not b.choice
+        if b.counts[True] >= self.warmup and b.counts[False] == 0:
+            b.probing = self.probe_len - 1  # first measurement of SD
+            return False
+        b.steps_since_probe += 1
+        if b.counts[False] and b.steps_since_probe >= self.probe_every:
+            b.steps_since_probe = 0
+            b.probing = self.probe_len - 1
+            return not b.choice
+        return b.choice
+
+    def record(self, batch: int, work_ahead: bool, seconds: float) -> None:
+        """A speculative step of `batch` sequences took `seconds`, after a request sent
+        with `work_ahead`."""
+        if self.policy == "always" or seconds <= 0:
+            return
+        key = SpecPolicy.bucket(batch)
+        b = self._buckets.setdefault(key, _WorkAheadBucket())
+        old = b.round_s[work_ahead]
+        b.round_s[work_ahead] = seconds if old is None else (1 - self.smoothing) * old + self.smoothing * seconds
+        b.counts[work_ahead] += 1
+        ssd, sd = b.round_s[True], b.round_s[False]
+        if ssd is None or sd is None or b.probing:
+            return
+        better = ssd <= sd
+        if not b.announced:
+            b.announced = True
+            logger.info("batch size ~%d: SSD rounds %.2f ms, synchronous SD rounds %.2f ms per step; using %s",
+                        key, 1e3 * ssd, 1e3 * sd, "SSD" if better else "SD")
+            b.choice = better
+        elif better != b.choice:
+            b.choice = better
+            logger.info("batch size ~%d: %s rounds measured faster (%.2f vs %.2f ms per step); switching to %s",
+                        key, "SSD" if better else "synchronous SD", 1e3 * min(ssd, sd), 1e3 * max(ssd, sd),
+                        "SSD" if better else "SD")
+
+    def summary(self) -> dict[int, str]:
+        """The choice per bucket with a measurement of both, for logs and stats."""
+        return {k: ("ssd" if b.choice else "sd") for k, b in sorted(self._buckets.items()) if all(b.counts.values())}

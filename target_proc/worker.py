@@ -38,7 +38,7 @@ from spec_runtime.sampling import SamplingTensors, rejection_sample
 from target_proc.draft_link import DraftLink, Outcome, Speculation
 from target_proc.outputs import add_totals, merge_outputs, record_round, take_output
 from target_proc.sequence import IncrementalDetokenizer, Sequence, StopChecker
-from target_proc.spec_policy import SpecPolicy
+from target_proc.spec_policy import SpecPolicy, WorkAheadPolicy
 from target_proc.verify import verify_inputs
 from target_proc.validate import RequestError, validate_request
 
@@ -66,6 +66,8 @@ class TargetWorker:
         self.timing = {"num_steps": 0, "verify_s": 0.0, "draft_wait_s": 0.0, "draft_work_s": 0.0}
         self.draft_generation = 0
         self.policy = SpecPolicy(cfg.sched.spec_policy, cfg.sched.spec_policy_probe_every)
+        self.work_ahead_policy = WorkAheadPolicy(cfg.spec.work_ahead if cfg.spec.mode == "ssd" else "always")
+        self._last_work_ahead = True  # the flag of the last request: it decides this step's wait
 
     # ------------------------------------------------------------------ loop
 
@@ -263,13 +265,19 @@ class TargetWorker:
                 if in_sync and not self._will_finish(seq, j + 1) and seq.seq_id not in self.draft.desynced:
                     seq.round += 1
                     outcomes.append(Outcome(seq.seq_id, seq.round, j, out_l[i][j], seq.num_tokens + j + 1))
-            self.draft.request(outcomes)
+            # SSD: work ahead for the next round, or answer it with a chain (SD), as
+            # measured faster at this batch size; plain steps wait for nothing.
+            work_ahead = speculate and self.work_ahead_policy.work_ahead(len(outcomes))
+            self.draft.request(outcomes, work_ahead=work_ahead)
+        else:
+            work_ahead = True
 
         ssd = self.cfg.spec.mode == "ssd"
+        sd_round = ssd and speculate and not self._last_work_ahead
         for i, seq in enumerate(seqs):
             j = num_accepted_l[i]
             record_round(seq.stats, num_draft[i], j, specs.get(seq.seq_id), ssd=ssd,
-                         speculating=bool(self.k and speculate))
+                         speculating=bool(self.k and speculate), sd_round=sd_round)
             for t in range(j + 1):
                 lp = float(logprobs[i, t]) if logprobs is not None else None
                 if self.stop_checker.append(seq, out_l[i][t], lp):
@@ -277,7 +285,11 @@ class TargetWorker:
             if seq.finished:
                 self.finish(seq)
         if self.draft is not None:
-            self.policy.record(len(seqs), speculate, sum(n + 1 for n in num_accepted_l), time.perf_counter() - t0)
+            step_s = time.perf_counter() - t0
+            self.policy.record(len(seqs), speculate, sum(n + 1 for n in num_accepted_l), step_s)
+            if ssd and speculate and specs:
+                self.work_ahead_policy.record(len(seqs), self._last_work_ahead, step_s)
+        self._last_work_ahead = work_ahead
         self._emit(seqs)
 
     def _collect_speculations(self, seqs: list[Sequence]) -> dict[int, Speculation]:
@@ -376,6 +388,8 @@ class TargetWorker:
             draft_num_seqs=ds.num_seqs if ds else -1,
             draft_num_cache_entries=ds.num_cache_entries if ds else -1,
             num_plain_steps=self.policy.num_plain_steps,
+            num_ssd_rounds=self.work_ahead_policy.num_work_ahead if self.cfg.spec.mode == "ssd" else 0,
+            num_sd_rounds=self.work_ahead_policy.num_sync if self.cfg.spec.mode == "ssd" else 0,
             hits_by_depth=list(self.draft.hits_by_depth) if self.draft is not None else [],
             **self.timing,
         )

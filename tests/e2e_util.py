@@ -18,12 +18,15 @@ from spec_runtime.config import ModelConfig, RuntimeConfig, SchedulerConfig, Spe
 
 
 def make_config(target: str, draft: str = "", mode: str = "sd", k: int = 3, max_batch_size: int = 4,
-                **spec) -> RuntimeConfig:
+                spec_policy: str = "always", **spec) -> RuntimeConfig:
+    """Speculation on every step and SSD work-ahead every round unless asked otherwise,
+    so the stats a test checks do not depend on timings of this machine."""
+    spec.setdefault("work_ahead", "always")
     return RuntimeConfig(
         target=ModelConfig(path=target),
         draft=ModelConfig(path=draft),
         spec=SpeculativeConfig(mode=mode, k=k, draft_timeout_s=30.0, **spec),
-        sched=SchedulerConfig(max_batch_size=max_batch_size, max_model_len=256),
+        sched=SchedulerConfig(max_batch_size=max_batch_size, max_model_len=256, spec_policy=spec_policy),
         startup_timeout_s=240.0,
     )
 

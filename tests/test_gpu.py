@@ -256,3 +256,54 @@ def test_pick_small_linear_tunes_times_both_and_keeps_the_faster(model_dir: str,
         shape = dict(norm=layer_args.get("norm_weight") is not None, silu_mul=layer_args.get("silu_mul", False))
         assert triton_linear.is_tuned(rows, k, **shape)
         assert triton_linear.block_sizes(rows, k, **shape) in triton_linear.candidates(k, **shape)
+
+
+def test_tree_graph_matches_cpu_per_branch(model_dir: str) -> None:
+    """An SSD tree step replayed from a tree CUDA graph (shared-prefix mask, padded
+    branches and sequences, later steps derived on the device) gives every branch the
+    logits the float32 CPU runner gives it with the per-branch layout."""
+    from spec_runtime.model.forward_batch import TreeBranch, build_tree_batch, tree_step_batch
+
+    cfg = ModelConfig(path=model_dir, device="cuda", cuda_graphs=True, gpu_memory_utilization=0.5)
+    gpu = ModelRunner(cfg, num_slots=4, max_model_len=MAX_LEN, num_scratch_rows=32,
+                      max_batch_size=4, graph_q_lens=(1,), tree_shapes=[(2, 4), (4, 4)], tree_local_rows=8)
+    cpu = ModelRunner(ModelConfig(path=model_dir), num_slots=4, max_model_len=MAX_LEN, num_scratch_rows=32)
+    assert (2, 4, True) in gpu.graphs.graphs
+    lens, drafts = (40, 75, 9), 2
+    for r in (gpu, cpu):
+        for slot, n in enumerate(lens):
+            toks = [int(t) for t in np.random.default_rng(slot).integers(3, r.vocab_size, n + drafts)]
+            r.run([ForwardItem(toks, 0, r.layout.slot_rows(slot, n + drafts), "none")])
+    forks = [(0, 0, 11), (0, 2, 12), (1, 1, 13), (1, 0, 14), (1, 2, 15), (2, 0, 16)]
+    steps = 3  # also each branch's scratch rows
+
+    def scratch_of(r, b):
+        return np.arange(r.layout.scratch_base + b * steps, r.layout.scratch_base + (b + 1) * steps, dtype=np.int64)
+
+    ref, prev = [], None
+    for i in range(steps):
+        items = []
+        for b, (slot, j, t) in enumerate(forks):
+            n = lens[slot]
+            rows = np.concatenate([cpu.layout.slot_rows(slot, n + j), scratch_of(cpu, b)[: i + 1]])
+            items.append(ForwardItem([t if prev is None else int(prev[b])], n + j + i, rows, "last"))
+        logits = cpu.run(items)
+        ref.append(logits)
+        prev = logits.argmax(-1)
+    prefixes = [gpu.layout.slot_rows(s, lens[s]) for s in range(3)]  # 3 sequences: one padding request
+    branches, select = [[], [], []], []
+    for b, (slot, j, t) in enumerate(forks):
+        n, base = lens[slot], slot * MAX_LEN
+        local = np.concatenate([np.arange(base + n, base + n + j), scratch_of(gpu, b)])
+        branches[slot].append(TreeBranch(t, n + j, local, j + 1))
+        select.append(slot * 4 + len(branches[slot]) - 1)
+    first = build_tree_batch(prefixes, branches, 4, gpu.dummy_row, gpu.device)
+    sel = torch.tensor(select, device=gpu.device)
+    assert gpu.graphs.graph_for(first) is gpu.graphs.graphs[(4, 4, True)]
+    prev = None
+    for i in range(steps):
+        batch = first if i == 0 else tree_step_batch(first, i, prev)
+        logits = gpu.forward(batch)[sel]
+        assert rel_err(logits, ref[i]) < TOL, i
+        prev = torch.zeros(12, dtype=torch.int64, device=gpu.device)
+        prev[sel] = ref[i].argmax(-1).to(gpu.device)  # follow the CPU's tokens so the rows stay comparable

@@ -119,3 +119,52 @@ def test_rope_store_kv_matches_eager_ops(qk_norm, dtype, tol):
     untouched = torch.ones(40, dtype=torch.bool)
     untouched[rows] = False
     assert not kv.k_cache[0][untouched].any()  # nothing else written
+
+
+def _tree_batch(seed: int, q_len: int, prefix_lens: list[int], branches_per_req: list[int]):
+    """A tree step over random pool rows: each request a prefix, each branch 1..6 own rows."""
+    from spec_runtime.model.forward_batch import TreeBranch, build_tree_batch
+
+    rng = np.random.default_rng(seed)
+    rows = rng.permutation(ROWS - 1)  # the last row is the dummy row
+    used = 0
+    prefixes, branches = [], []
+    for n, nb in zip(prefix_lens, branches_per_req):
+        prefixes.append(rows[used : used + n])
+        used += n
+        brs = []
+        for _ in range(nb):
+            m = int(rng.integers(1, 7))
+            brs.append(TreeBranch(0, n, rows[used : used + m], int(rng.integers(1, m + 1))))
+            used += m
+        branches.append(brs)
+    return build_tree_batch(prefixes, branches, q_len, ROWS - 1, "cpu")
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(4, 4, 32), (8, 2, 64)])
+@pytest.mark.parametrize("q_len,prefix_lens,branches,splits", [
+    (4, [70, 3], [4, 2], 3),  # a padded request; a prefix shorter than one block
+    (8, [130], [5], 8),  # splits over the prefix, the branches' rows at the tail
+    (2, [1, 40, 64], [2, 1, 2], 1),
+])
+def test_paged_attention_tree_mask_matches_sdpa(hq, hkv, d, q_len, prefix_lens, branches, splits):
+    from spec_runtime.model.forward_batch import tree_step_batch
+
+    kv = _pool(hkv, d, seed=3)
+    first = _tree_batch(q_len * 5 + hq, q_len, prefix_lens, branches)
+    # Step 0 and a later step (one more row visible per real branch).
+    for batch in (first, tree_step_batch(first, 1, first.input_ids)):
+        q = torch.randn(batch.input_ids.shape[0], hq, d).bfloat16()
+        ref_backend = SDPABackend(hq, hkv, d)
+        ref_backend.begin(batch)
+        k_new = kv.k_cache[0][batch.kv_write_rows].clone()
+        v_new = kv.v_cache[0][batch.kv_write_rows].clone()
+        ref = ref_backend.forward(0, q, k_new, v_new, kv, batch)
+        tr = batch.tree
+        out = paged_attention(q, kv.k_cache[0], kv.v_cache[0], batch.kv_indptr, batch.kv_indices, q_len=q_len,
+                              num_splits=splits, scale=d**-0.5, tree=(tr.prefix_len, tr.lo, tr.hi))
+        assert _rel_err(out, ref) < 1e-2
+        # The mask matters: the causal rule over the same rows gives another answer.
+        causal = paged_attention(q, kv.k_cache[0], kv.v_cache[0], batch.kv_indptr, batch.kv_indices,
+                                 q_len=q_len, num_splits=splits, scale=d**-0.5)
+        assert _rel_err(causal, ref) > 5e-2

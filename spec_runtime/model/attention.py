@@ -40,7 +40,12 @@ class AttentionBackend(ABC):
         kv: KVCache,
         batch: ForwardBatch,
     ) -> torch.Tensor:  # [T, Hq, D]
-        """Write k/v into rows batch.kv_write_rows of layer `layer_idx`, then attend."""
+        """Write k/v into rows batch.kv_write_rows of layer `layer_idx`, then attend
+        (under batch.tree's shared-prefix mask when it is set)."""
+
+    def supports_tree(self, q_len: int) -> bool:
+        """Whether a tree step (ForwardBatch.tree) of q_len branches per request can run."""
+        return True
 
 
 @dataclass
@@ -86,8 +91,17 @@ class SDPABackend(AttentionBackend):
         kv_pos = np.where(kv_valid, kvp[:-1, None] + j[None, :], 0)  # [R, max_kv] into kv_indices
         # Bottom-right causal: query i sees key j iff j <= n - q + i. Padded queries
         # (i >= q) see every real key, so no mask row is empty (an empty row gives NaN).
-        last_visible = (kv_lens - q_lens)[:, None, None] + i[None, :, None]  # [R, max_q, 1]
-        mask = kv_valid[:, None, :] & (j[None, None, :] <= last_visible)  # [R, max_q, max_kv]
+        if batch.tree is None:
+            last_visible = (kv_lens - q_lens)[:, None, None] + i[None, :, None]  # [R, max_q, 1]
+            mask = kv_valid[:, None, :] & (j[None, None, :] <= last_visible)  # [R, max_q, max_kv]
+        else:
+            # Tree step: the request's prefix, then the token's own window [lo, hi).
+            tr = batch.tree
+            lo = np.where(q_valid, tr.lo_cpu[q_index], 0)[:, :, None]  # [R, max_q, 1]
+            hi = np.where(q_valid, tr.hi_cpu[q_index], max_kv)[:, :, None]
+            jj = j[None, None, :]
+            seen = (jj < tr.prefix_len_cpu[:, None, None]) | ((jj >= lo) & (jj < hi))
+            mask = kv_valid[:, None, :] & seen  # [R, max_q, max_kv]
 
         dev = batch.kv_indices.device
         kv_pos_t = torch.from_numpy(kv_pos).to(dev, non_blocking=True)

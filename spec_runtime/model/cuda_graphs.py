@@ -19,6 +19,11 @@ requests or kv rows than captured) return None and the caller runs eagerly.
 
 No host sync on this path: inputs and the page table are copied device to device
 (padding requests' entries are one device add); only flashinfer graphs plan, on the host.
+
+Tree graphs (SSD tree steps, `tree_shapes`): one per (sequences, branches per
+sequence), each request a sequence whose q_len tokens are its branches under the
+shared-prefix mask (forward_batch.TreeMask, copied into static buffers like the rest);
+a request attends to at most max_kv_len prefix rows plus `tree_local_rows` per branch.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import torch
 from tqdm import tqdm
 
 from spec_runtime.model.flashinfer_backend import FlashInferBackend, GraphAttention
-from spec_runtime.model.forward_batch import ForwardBatch
+from spec_runtime.model.forward_batch import ForwardBatch, TreeMask
 
 logger = logging.getLogger(__name__)
 
@@ -52,15 +57,19 @@ def graph_batch_sizes(max_batch_size: int) -> list[int]:
     return sizes
 
 
-def graph_logits_bytes(max_batch_size: int, q_lens: Sequence[int], vocab_size: int) -> int:
-    """Memory the graphs' float32 logits outputs take: one per (batch size, q_len)."""
-    return sum(graph_batch_sizes(max_batch_size)) * sum(set(q_lens)) * vocab_size * 4
+def graph_logits_bytes(max_batch_size: int, q_lens: Sequence[int], vocab_size: int,
+                       tree_shapes: Sequence[tuple[int, int]] = ()) -> int:
+    """Memory the graphs' float32 logits outputs take: one per (batch size, q_len) and
+    one per tree shape (sequences, branches)."""
+    tokens = sum(graph_batch_sizes(max_batch_size)) * sum(set(q_lens)) + sum(b * q for b, q in set(tree_shapes))
+    return tokens * vocab_size * 4
 
 
 @dataclass
 class _Graph:
     batch_size: int
     q_len: int
+    tree: bool
     graph: torch.cuda.CUDAGraph
     attn: GraphAttention
     batch: ForwardBatch  # static: views of the shared input buffers
@@ -72,7 +81,8 @@ class CudaGraphRunner:
 
     def __init__(self, forward_fn: ForwardFn, backend: FlashInferBackend, *, max_batch_size: int,
                  q_lens: Sequence[int], max_kv_len: int, dummy_row: int, device: torch.device,
-                 logits_fn: LogitsFn | None = None) -> None:
+                 logits_fn: LogitsFn | None = None, tree_shapes: Sequence[tuple[int, int]] = (),
+                 tree_local_rows: int = 0) -> None:
         if any(q < 1 for q in q_lens) or not q_lens:
             raise ValueError(f"q_lens must be >= 1 and non-empty, got {tuple(q_lens)}")
         if max_kv_len < max(q_lens):
@@ -83,47 +93,73 @@ class CudaGraphRunner:
         self.batch_sizes = graph_batch_sizes(max_batch_size)
         self.q_lens = tuple(sorted(set(q_lens)))
         self.max_kv_len = max_kv_len  # kv rows one request may attend to
+        self.tree_shapes = tuple(sorted(set(tree_shapes)))
+        self.tree_local_rows = tree_local_rows
         self.dummy_row = dummy_row
         self.device = device
-        max_tokens = max(self.batch_sizes) * max(self.q_lens)
+        tree_tokens = max((b * q for b, q in self.tree_shapes), default=0)
+        max_tokens = max(max(self.batch_sizes) * max(self.q_lens), tree_tokens)
+        max_requests = max(self.batch_sizes + [b for b, _ in self.tree_shapes])
         # input_ids, positions and kv_write_rows as the rows of one buffer: a batch built
         # by build_forward_batch holds them back to back, so one copy refills all three.
         self.inputs = torch.zeros(3, max_tokens, dtype=torch.int64, device=device)  # [3, T_max]
         self.input_ids, self.positions, self.kv_write_rows = self.inputs.unbind(0)  # [T_max] each
         self.kv_write_rows.fill_(dummy_row)
         # Staging for the padded page table: the batch's kv_indices, then dummy rows.
-        max_rows = max(self.batch_sizes) * max_kv_len
+        max_rows = max([max(self.batch_sizes) * max_kv_len]
+                       + [b * self.tree_kv_len(q) for b, q in self.tree_shapes])
         self.kv_indices = torch.full((max_rows,), dummy_row, dtype=torch.int32, device=device)
-        self.kv_indptr = torch.zeros(max(self.batch_sizes) + 1, dtype=torch.int32, device=device)
+        self.kv_indptr = torch.zeros(max_requests + 1, dtype=torch.int32, device=device)
         # Padding requests' kv_indptr steps: q, 2q, ... past the batch's last entry.
-        self._pad_steps = {q: q * torch.arange(1, max(self.batch_sizes) + 1, dtype=torch.int32, device=device)
-                           for q in self.q_lens}
-        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self._pad_steps = {q: q * torch.arange(1, max_requests + 1, dtype=torch.int32, device=device)
+                           for q in set(self.q_lens) | {q for _, q in self.tree_shapes}}
+        # Tree masks: a padding request sees its q dummy rows as its prefix.
+        self.tree_prefix_len = torch.zeros(max_requests, dtype=torch.int32, device=device)
+        self.tree_lo = torch.zeros(max_tokens, dtype=torch.int32, device=device)
+        self.tree_hi = torch.zeros(max_tokens, dtype=torch.int32, device=device)
+        self.graphs: dict[tuple[int, int, bool], _Graph] = {}
         self.pool = None
 
-    def _static_batch(self, b: int, q: int) -> ForwardBatch:
+    def tree_kv_len(self, q: int) -> int:
+        """Most kv rows one request of a tree graph with q branches attends to."""
+        return self.max_kv_len + q * self.tree_local_rows
+
+    def _static_batch(self, b: int, q: int, tree: bool) -> ForwardBatch:
         n = b * q
         qo = np.arange(0, (b + 1) * q, q, dtype=np.int32)
+        mask = None
+        if tree:
+            zeros = np.zeros(n, dtype=np.int32)
+            mask = TreeMask(prefix_len=self.tree_prefix_len[:b], lo=self.tree_lo[:n], hi=self.tree_hi[:n],
+                            prefix_len_cpu=np.full(b, q, dtype=np.int32), lo_cpu=zeros, hi_cpu=zeros,
+                            advance=self.tree_lo[:n], advance_cpu=zeros)  # advance: unused by a replay
         return ForwardBatch(
             input_ids=self.input_ids[:n], positions=self.positions[:n], kv_write_rows=self.kv_write_rows[:n],
             qo_indptr=torch.from_numpy(qo).to(self.device), kv_indptr=self.kv_indptr[: b + 1],
             kv_indices=self.kv_indices[:n], logits_indices=torch.arange(n, device=self.device),
-            qo_indptr_cpu=qo, kv_indptr_cpu=qo.copy(), max_q_len=q,
+            qo_indptr_cpu=qo, kv_indptr_cpu=qo.copy(), max_q_len=q, tree=mask,
         )
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every (batch size, q_len), largest first, sharing one memory pool."""
-        shapes = [(b, q) for b in reversed(self.batch_sizes) for q in reversed(self.q_lens)]
+        shapes = [(b, q, False) for b in reversed(self.batch_sizes) for q in reversed(self.q_lens)]
+        shapes += [(b, q, True) for b, q in self.tree_shapes]
+        shapes.sort(key=lambda s: -s[0] * s[1])
         self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
-        for b, q in tqdm(shapes, desc="capturing CUDA graphs", unit="graph", leave=False):
-            attn = self.backend.make_graph_attention(b, q, b * self.max_kv_len)
-            batch = self._static_batch(b, q)
+        for b, q, tree in tqdm(shapes, desc="capturing CUDA graphs", unit="graph", leave=False):
+            kv_len = self.tree_kv_len(q) if tree else self.max_kv_len
+            attn = self.backend.make_graph_attention(b, q, b * kv_len, tree=tree)
+            batch = self._static_batch(b, q, tree)
             # Each padding-only request attends to q dummy rows (kv_len = q_len).
             self.kv_write_rows[: b * q].fill_(self.dummy_row)
             self.kv_indices[: b * q].fill_(self.dummy_row)
             self.kv_indptr[: b + 1].copy_(torch.from_numpy(batch.kv_indptr_cpu))
+            if tree:
+                self.tree_prefix_len[:b].fill_(q)
+                self.tree_lo[: b * q].zero_()
+                self.tree_hi[: b * q].zero_()
             self.backend.begin_graph(attn, batch.kv_indptr_cpu, self.kv_indices[: b * q], batch, b * q)
             # Warm up on a side stream (torch.compile and cuBLAS pick their kernels
             # and workspaces here, not during capture).
@@ -135,10 +171,10 @@ class CudaGraphRunner:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, stream=stream):
                 out = self._forward(batch)
-            self.graphs[(b, q)] = _Graph(b, q, graph, attn, batch, out)
+            self.graphs[(b, q, tree)] = _Graph(b, q, tree, graph, attn, batch, out)
         torch.cuda.synchronize(self.device)  # sync: capture is start-up work, done once
-        logger.info("captured %d CUDA graphs: batch sizes %s x q_len %s",
-                    len(self.graphs), self.batch_sizes, self.q_lens)
+        logger.info("captured %d CUDA graphs: batch sizes %s x q_len %s, tree shapes %s",
+                    len(self.graphs), self.batch_sizes, self.q_lens, list(self.tree_shapes))
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         hidden = self.forward_fn(batch.input_ids, batch.positions, batch)  # [T, H]
@@ -147,17 +183,21 @@ class CudaGraphRunner:
     def graph_for(self, batch: ForwardBatch) -> _Graph | None:
         """The graph that can run `batch` (padded), or None."""
         q = batch.max_q_len
-        if q not in self.q_lens:
-            return None
         r = batch.num_requests
         if batch.input_ids.shape[0] != r * q:  # ragged q_len
             return None
-        b = next((s for s in self.batch_sizes if s >= r), None)
-        if b is None or (b, q) not in self.graphs:
+        tree = batch.tree is not None
+        if tree:
+            b = next((s for s, sq in self.tree_shapes if sq == q and s >= r), None)
+            kv_len = self.tree_kv_len(q)
+        else:
+            b = next((s for s in self.batch_sizes if s >= r), None) if q in self.q_lens else None
+            kv_len = self.max_kv_len
+        if b is None or (b, q, tree) not in self.graphs:
             return None
-        if int(np.diff(batch.kv_indptr_cpu).max()) > self.max_kv_len:
+        if int(np.diff(batch.kv_indptr_cpu).max()) > kv_len:
             return None
-        return self.graphs[(b, q)]
+        return self.graphs[(b, q, tree)]
 
     def run(self, batch: ForwardBatch) -> torch.Tensor | None:
         """Replay the graph for `batch`: final hidden [T, H] (or logits [T, V] with a
@@ -187,6 +227,15 @@ class CudaGraphRunner:
         if b > r:
             self.kv_indices[nnz:nnz_pad].fill_(self.dummy_row)
             torch.add(self._pad_steps[q][: b - r], nnz, out=self.kv_indptr[r + 1 : b + 1])
+        if g.tree:
+            tr = batch.tree
+            self.tree_prefix_len[:r].copy_(tr.prefix_len)
+            self.tree_lo[:n].copy_(tr.lo)
+            self.tree_hi[:n].copy_(tr.hi)
+            if b > r:
+                self.tree_prefix_len[r:b].fill_(q)
+                self.tree_lo[n:n_pad].zero_()
+                self.tree_hi[n:n_pad].zero_()
         if g.attn.wrapper is None:  # Triton: nothing to plan
             self.backend.begin_graph(g.attn, None, None, g.batch, nnz_pad)
         else:  # flashinfer plans on the host from the padded indptr

@@ -151,15 +151,23 @@ class FlashInferBackend(AttentionBackend):
             non_blocking=True, disable_split_kv=self.disable_split_kv,
         )
 
-    def fits_triton(self, num_tokens: int, num_requests: int, q_len: int) -> bool:
-        """Whether the Triton kernel serves a batch of this shape (uniform, short q_len)."""
-        return (self.attention == "triton" and num_tokens == num_requests * q_len and q_len <= MAX_TRITON_Q_LEN
-                and q_len * (self.num_heads // self.num_kv_heads) <= MAX_TILE_M)
+    def fits_triton(self, num_tokens: int, num_requests: int, q_len: int, tree: bool = False) -> bool:
+        """Whether the Triton kernel serves a batch of this shape (uniform, short q_len;
+        a tree step's q_len is its branches per request, bounded by the tile only)."""
+        return (self.attention == "triton" and num_tokens == num_requests * q_len
+                and (tree or q_len <= MAX_TRITON_Q_LEN) and q_len * (self.num_heads // self.num_kv_heads) <= MAX_TILE_M)
+
+    def supports_tree(self, q_len: int) -> bool:
+        """Tree steps run on the Triton kernel only (flashinfer 0.5.2 has no per-token window)."""
+        return self.attention == "triton" and q_len * (self.num_heads // self.num_kv_heads) <= MAX_TILE_M
 
     def begin(self, batch: ForwardBatch) -> None:
         """Plan `batch` (host work; no device sync). Triton batches need no plan."""
         r = batch.num_requests
-        if self.fits_triton(int(batch.input_ids.shape[0]), r, batch.max_q_len):
+        tree = batch.tree is not None
+        if tree and not self.fits_triton(int(batch.input_ids.shape[0]), r, batch.max_q_len, tree=True):
+            raise ValueError(f"a tree step of {batch.max_q_len} branches per request does not fit the Triton kernel")
+        if self.fits_triton(int(batch.input_ids.shape[0]), r, batch.max_q_len, tree=tree):
             max_kv = int(np.diff(batch.kv_indptr_cpu).max())
             self._splits = num_splits_for(r, self.num_kv_heads, self.num_sms, max_kv)
             self._active = "triton"
@@ -176,9 +184,12 @@ class FlashInferBackend(AttentionBackend):
             self._active = self._prefill
         self._active_batch = batch
 
-    def make_graph_attention(self, batch_size: int, q_len: int, max_kv_rows: int) -> GraphAttention:
-        """The attention of a graph for `batch_size` requests of `q_len` tokens each."""
-        if self.fits_triton(batch_size * q_len, batch_size, q_len):
+    def make_graph_attention(self, batch_size: int, q_len: int, max_kv_rows: int, tree: bool = False) -> GraphAttention:
+        """The attention of a graph for `batch_size` requests of `q_len` tokens each
+        (tree: a tree step's, which only the Triton kernel serves)."""
+        if tree and not self.fits_triton(batch_size * q_len, batch_size, q_len, tree=True):
+            raise ValueError(f"a tree step of {q_len} branches per request does not fit the Triton kernel")
+        if self.fits_triton(batch_size * q_len, batch_size, q_len, tree=tree):
             return GraphAttention(batch_size, q_len, max_kv_rows, wrapper=None,
                                   num_splits=num_splits_for(batch_size, self.num_kv_heads, self.num_sms))
         dev = self.device
@@ -249,7 +260,9 @@ class FlashInferBackend(AttentionBackend):
         k_cache = kv.k_cache[layer_idx]  # [rows, Hkv, D]
         v_cache = kv.v_cache[layer_idx]
         if self._active == "triton":
+            tr = batch.tree
             return paged_attention(q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices,
-                                   q_len=batch.max_q_len, num_splits=self._splits, scale=self.scale)
+                                   q_len=batch.max_q_len, num_splits=self._splits, scale=self.scale,
+                                   tree=None if tr is None else (tr.prefix_len, tr.lo, tr.hi))
         paged = (k_cache.unsqueeze(1), v_cache.unsqueeze(1))  # NHD pages of one row: [rows, 1, Hkv, D]
         return self._active.run(q.contiguous(), paged)

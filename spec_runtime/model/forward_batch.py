@@ -16,6 +16,12 @@ The KV pool is laid out by `SlotLayout`: sequence slot s owns rows
 [s * max_model_len, (s + 1) * max_model_len), so the row of position p is
 s * max_model_len + p and a rejected token is undone by moving the length, never
 by copying. Scratch rows (SSD branches) follow the slots.
+
+A tree step (SSD) replaces the causal rule with a shared-prefix mask, `TreeMask`: a
+request is one sequence and its q tokens are its branches; its kv rows are the
+sequence's prefix, then each branch's own rows. Token t sees the prefix
+[0, prefix_len) and its own window [lo_t, hi_t) of the request's rows, so the prefix
+is read once per sequence however many branches attend to it.
 """
 
 from __future__ import annotations
@@ -65,6 +71,20 @@ class ForwardItem:
 
 
 @dataclass
+class TreeMask:
+    """Shared-prefix attention of a tree step; row offsets are within a request's kv rows."""
+
+    prefix_len: torch.Tensor  # [R] int32: rows [0, prefix_len) are seen by every token of the request
+    lo: torch.Tensor  # [T] int32: token t also sees rows [lo[t], hi[t])
+    hi: torch.Tensor  # [T] int32
+    prefix_len_cpu: np.ndarray  # [R] host copies, for the CPU backend's mask
+    lo_cpu: np.ndarray  # [T]
+    hi_cpu: np.ndarray  # [T]
+    advance: torch.Tensor  # [T] int64: 1 for a real branch (moves on each step), 0 for padding
+    advance_cpu: np.ndarray  # [T]
+
+
+@dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
@@ -80,6 +100,7 @@ class ForwardBatch:
     # Optional logits transform of the synthetic acceptance oracle (benchmarks only):
     # the absolute position and oracle seed of each logits row.
     logits_positions_cpu: np.ndarray | None = None
+    tree: TreeMask | None = None  # a tree step's mask; None: the causal rule
 
     @property
     def num_requests(self) -> int:
@@ -146,4 +167,109 @@ def build_forward_batch(items: Sequence[ForwardItem], device: torch.device | str
         kv_indptr_cpu=kv_indptr,
         max_q_len=int(q_lens.max()),
         logits_positions_cpu=positions[logits_indices] if len(logits_indices) else positions[:0],
+    )
+
+
+@dataclass
+class TreeBranch:
+    """One branch of a tree step: its first token, and the rows only it sees.
+
+    local_rows: the branch's own kv rows in position order after the shared prefix
+    (the accepted drafts it forked after, then its scratch rows); the first
+    num_visible of them are seen at step 0, one more at each later step, and the
+    new token's K/V goes to local_rows[num_visible - 1].
+    """
+
+    token_id: int
+    position: int
+    local_rows: np.ndarray
+    num_visible: int
+
+
+def build_tree_batch(prefixes: Sequence[np.ndarray], branches: Sequence[Sequence[TreeBranch]], q_len: int,
+                     dummy_row: int, device: torch.device | str) -> ForwardBatch:
+    """Step 0 of a tree decode: request r attends to prefixes[r] (shared by all its
+    branches) and each of its q_len tokens to its own rows. Requests with fewer than
+    q_len branches are padded with tokens that write to and read `dummy_row` only;
+    `tree_step_batch` derives the later steps on the device. Logits: every token."""
+    if not prefixes or len(prefixes) != len(branches):
+        raise ValueError("a tree step needs one prefix per request and at least one request")
+    if any(not 1 <= len(b) <= q_len for b in branches):
+        raise ValueError(f"every request needs 1 to q_len={q_len} branches")
+    pad = TreeBranch(0, 0, np.array([dummy_row], dtype=np.int64), 1)
+    r = len(prefixes)
+    t = r * q_len
+    input_ids = np.zeros(t, dtype=np.int64)
+    positions = np.zeros(t, dtype=np.int64)
+    write_rows = np.zeros(t, dtype=np.int64)
+    advance = np.zeros(t, dtype=np.int64)  # 1: a real branch moves on each step; 0: padding stays put
+    lo = np.zeros(t, dtype=np.int32)
+    hi = np.zeros(t, dtype=np.int32)
+    prefix_len = np.zeros(r, dtype=np.int32)
+    kv_lens = np.zeros(r, dtype=np.int64)
+    rows: list[np.ndarray] = []
+    for i, (prefix, brs) in enumerate(zip(prefixes, branches)):
+        prefix_len[i] = len(prefix)
+        rows.append(np.asarray(prefix, dtype=np.int64))
+        offset = len(prefix)
+        for j, br in enumerate(list(brs) + [pad] * (q_len - len(brs))):
+            tok = i * q_len + j
+            if not 1 <= br.num_visible <= len(br.local_rows):
+                raise ValueError(f"num_visible {br.num_visible} outside [1, {len(br.local_rows)}]")
+            input_ids[tok], positions[tok] = br.token_id, br.position
+            write_rows[tok] = br.local_rows[br.num_visible - 1]
+            advance[tok] = int(j < len(brs))
+            lo[tok] = offset
+            hi[tok] = offset + br.num_visible
+            rows.append(np.asarray(br.local_rows, dtype=np.int64))
+            offset += len(br.local_rows)
+        kv_lens[i] = offset
+    qo_indptr = np.arange(0, t + 1, q_len, dtype=np.int32)
+    kv_indptr = np.zeros(r + 1, dtype=np.int32)
+    np.cumsum(kv_lens, out=kv_indptr[1:])
+    kv_indices = np.concatenate(rows)
+    # input_ids, positions and kv_write_rows back to back (the graph runner copies the
+    # three in one go), then the rest; one host-to-device copy.
+    parts = (input_ids, positions, write_rows, advance, qo_indptr, kv_indptr, kv_indices, lo, hi, prefix_len)
+    packed = torch.from_numpy(np.concatenate([a.astype(np.int64, copy=False) for a in parts]))
+    if torch.device(device).type == "cuda":
+        packed = packed.pin_memory().to(device, non_blocking=True)
+    views, start = [], 0
+    for a in parts:
+        views.append(packed[start : start + len(a)])
+        start += len(a)
+    ids_d, pos_d, write_d, adv_d, qo_d, kv_d, kvi_d, lo_d, hi_d, plen_d = views
+    return ForwardBatch(
+        input_ids=ids_d, positions=pos_d, kv_write_rows=write_d,
+        qo_indptr=qo_d.to(torch.int32), kv_indptr=kv_d.to(torch.int32), kv_indices=kvi_d.to(torch.int32),
+        logits_indices=torch.arange(t, device=packed.device),
+        qo_indptr_cpu=qo_indptr, kv_indptr_cpu=kv_indptr, max_q_len=q_len,
+        logits_positions_cpu=positions,
+        tree=TreeMask(prefix_len=plen_d.to(torch.int32), lo=lo_d.to(torch.int32), hi=hi_d.to(torch.int32),
+                      prefix_len_cpu=prefix_len, lo_cpu=lo, hi_cpu=hi, advance=adv_d, advance_cpu=advance),
+    )
+
+
+def tree_step_batch(first: ForwardBatch, step: int, input_ids: torch.Tensor) -> ForwardBatch:
+    """Step `step` of the tree decode that `first` (build_tree_batch) starts: every real
+    branch feeds `input_ids` (its token of the previous step, on the device) one
+    position later, writes its next row and sees one more row. No host work in
+    proportion to the context: three small device adds."""
+    tr = first.tree
+    if tr is None:
+        raise ValueError("tree_step_batch needs a batch from build_tree_batch")
+    t = first.input_ids.shape[0]
+    packed = torch.empty(3, t, dtype=torch.int64, device=first.input_ids.device)  # ids, positions, write rows
+    packed[0].copy_(input_ids)
+    torch.add(first.positions, tr.advance, alpha=step, out=packed[1])
+    torch.add(first.kv_write_rows, tr.advance, alpha=step, out=packed[2])
+    hi = tr.hi + (tr.advance * step).to(torch.int32)
+    return ForwardBatch(
+        input_ids=packed[0], positions=packed[1], kv_write_rows=packed[2],
+        qo_indptr=first.qo_indptr, kv_indptr=first.kv_indptr, kv_indices=first.kv_indices,
+        logits_indices=first.logits_indices, qo_indptr_cpu=first.qo_indptr_cpu, kv_indptr_cpu=first.kv_indptr_cpu,
+        max_q_len=first.max_q_len, logits_positions_cpu=first.logits_positions_cpu + step * tr.advance_cpu,
+        tree=TreeMask(prefix_len=tr.prefix_len, lo=tr.lo, hi=hi, prefix_len_cpu=tr.prefix_len_cpu, lo_cpu=tr.lo_cpu,
+                      hi_cpu=tr.hi_cpu + (step * tr.advance_cpu).astype(np.int32), advance=tr.advance,
+                      advance_cpu=tr.advance_cpu),
     )

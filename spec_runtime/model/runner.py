@@ -30,10 +30,13 @@ class ModelRunner:
     """
 
     def __init__(self, cfg: ModelConfig, *, num_slots: int, max_model_len: int, num_scratch_rows: int = 0,
-                 max_batch_size: int | None = None, graph_q_lens: Sequence[int] = (1,)) -> None:
+                 max_batch_size: int | None = None, graph_q_lens: Sequence[int] = (1,),
+                 tree_shapes: Sequence[tuple[int, int]] = (), tree_local_rows: int = 0) -> None:
         """On CUDA, `num_slots` is a cap (the pool gets what fits in gpu_memory_utilization;
         read `layout.num_slots`), and CUDA graphs are captured for up to `max_batch_size`
-        requests (default num_slots) of each q_len in `graph_q_lens` (1 = decode, K+1 = verify)."""
+        requests (default num_slots) of each q_len in `graph_q_lens` (1 = decode, K+1 = verify),
+        and for each SSD tree step shape (sequences, branches) in `tree_shapes`, whose
+        branches see at most `tree_local_rows` rows beyond their sequence's prefix."""
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         if max_model_len < 1:
@@ -62,16 +65,16 @@ class ModelRunner:
             from spec_runtime.model.cuda_graphs import graph_logits_bytes
             from spec_runtime.model.cuda_memory import fit_num_slots
 
-            logits_bytes = (graph_logits_bytes(max_batch_size or num_slots, graph_q_lens, self.vocab_size)
-                            if cfg.cuda_graphs else 0)
+            logits_bytes = (graph_logits_bytes(max_batch_size or num_slots, graph_q_lens, self.vocab_size,
+                                               tree_shapes) if cfg.cuda_graphs else 0)
             num_slots = fit_num_slots(self.model, self.backend, gpu_memory_utilization=cfg.gpu_memory_utilization,
                                       num_slots=num_slots, max_model_len=max_model_len,
                                       num_scratch_rows=num_scratch_rows, warmup_tokens=max_model_len,
                                       reserve_bytes=logits_bytes)
         self.layout = SlotLayout(num_slots, max_model_len, num_scratch_rows)
-        # CUDA: one row past the layout that no sequence owns, for padded graph requests.
+        # One row past the layout that no sequence owns, for padded requests and branches.
         self.dummy_row = self.layout.num_rows
-        self.kv_cache = KVCache(self.arch.num_layers, self.layout.num_rows + int(is_cuda), self.arch.num_kv_heads,
+        self.kv_cache = KVCache(self.arch.num_layers, self.layout.num_rows + 1, self.arch.num_kv_heads,
                                 self.arch.head_dim, self.dtype, self.device)
         self.model.bind(self.backend, self.kv_cache)
         self.graphs = None
@@ -83,10 +86,13 @@ class ModelRunner:
         if is_cuda and cfg.cuda_graphs:
             from spec_runtime.model.cuda_graphs import CudaGraphRunner
 
+            # No graph for a tree shape the attention cannot run: the SSD engine uses
+            # its per-branch layout there.
+            tree_shapes = [(b, q) for b, q in tree_shapes if self.backend.supports_tree(q)]
             self.graphs = CudaGraphRunner(
                 self._cuda_forward, self.backend, max_batch_size=max_batch_size or num_slots,
                 q_lens=graph_q_lens, max_kv_len=max_model_len, dummy_row=self.dummy_row, device=self.device,
-                logits_fn=self.model.compute_logits)
+                logits_fn=self.model.compute_logits, tree_shapes=tree_shapes, tree_local_rows=tree_local_rows)
             self.graphs.capture()
         logger.info("%s: %s, layout %s", self.model_name, self.kv_cache, self.layout)
 

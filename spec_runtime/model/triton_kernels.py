@@ -48,10 +48,12 @@ MAX_TILE_M = 128
 @triton.jit
 def _attn_split_kernel(
     q_ptr, k_ptr, v_ptr, kv_indptr_ptr, kv_indices_ptr, o_part_ptr, lse_part_ptr,
+    prefix_len_ptr, lo_ptr, hi_ptr,
     stride_qt, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh,
     scale,
     Q_LEN: tl.constexpr, GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+    TREE: tl.constexpr,
 ):
     req = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -76,6 +78,11 @@ def _attn_split_kernel(
         q = q.to(tl.float32)
     # Last kv position each row may see (bottom-right causal).
     last = kv_len - Q_LEN + qi  # [BLOCK_M]
+    if TREE:
+        # Shared-prefix mask: rows [0, prefix_len) for every query, then [lo, hi) of its own.
+        prefix_len = tl.load(prefix_len_ptr + req)
+        lo_t = tl.load(lo_ptr + tok, mask=m_valid, other=0)  # [BLOCK_M]
+        hi_t = tl.load(hi_ptr + tok, mask=m_valid, other=0)
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -89,7 +96,11 @@ def _attn_split_kernel(
         if DOT_F32:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, BLOCK_N] fp32
-        allowed = n_valid[None, :] & (offs_n[None, :] <= last[:, None])
+        if TREE:
+            own = (offs_n[None, :] >= lo_t[:, None]) & (offs_n[None, :] < hi_t[:, None])
+            allowed = n_valid[None, :] & ((offs_n[None, :] < prefix_len) | own)
+        else:
+            allowed = n_valid[None, :] & (offs_n[None, :] <= last[:, None])
         s = tl.where(allowed, s, -1.0e30)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
@@ -151,9 +162,13 @@ def num_splits_for(num_requests: int, num_kv_heads: int, num_sms: int, max_kv_le
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indptr: torch.Tensor,
                     kv_indices: torch.Tensor, *, q_len: int, num_splits: int, scale: float,
-                    block_n: int = 32) -> torch.Tensor:
+                    block_n: int = 32, tree=None) -> torch.Tensor:
     """q [R * q_len, Hq, D]; k/v_cache [rows, Hkv, D]; kv_indptr [R+1], kv_indices [nnz]
-    int32 on the device. Returns [R * q_len, Hq, D] in q's dtype. No host sync."""
+    int32 on the device. Returns [R * q_len, Hq, D] in q's dtype. No host sync.
+
+    tree: (prefix_len [R], lo [T], hi [T]) int32 for a tree step's shared-prefix mask
+    (forward_batch.TreeMask), in place of the causal rule. A request's q_len branches
+    share one tile, so each split reads its share of the prefix once for all of them."""
     t, hq, d = q.shape
     hkv = k_cache.shape[1]
     if t % q_len:
@@ -167,12 +182,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     q = q.contiguous()
     o_part = torch.empty(r * hkv * num_splits * block_m * d, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(r * hkv * num_splits * block_m, dtype=torch.float32, device=q.device)
+    prefix_len, lo, hi = tree if tree is not None else (kv_indptr, kv_indptr, kv_indptr)  # unused without TREE
     _attn_split_kernel[(r, hkv, num_splits)](
-        q, k_cache, v_cache, kv_indptr, kv_indices, o_part, lse_part,
+        q, k_cache, v_cache, kv_indptr, kv_indices, o_part, lse_part, prefix_len, lo, hi,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         scale,
         Q_LEN=q_len, GROUP=group, NUM_KV_HEADS=hkv, NUM_SPLITS=num_splits, HEAD_DIM=d,
-        BLOCK_M=block_m, BLOCK_N=block_n, DOT_F32=_INTERPRET,
+        BLOCK_M=block_m, BLOCK_N=block_n, DOT_F32=_INTERPRET, TREE=tree is not None,
     )
     out = torch.empty_like(q)
     _attn_merge_kernel[(r * hkv, tile_m)](

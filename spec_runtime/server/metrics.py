@@ -53,6 +53,8 @@ class ServerMetrics:
         self.cache_hits = counter("spec_decode_cache_hits", "SSD tree-cache look-ups that hit.")
         self.cache_misses = counter("spec_decode_cache_misses", "SSD tree-cache look-ups that missed.")
         self.ar_fallback = counter("spec_decode_ar_fallback_rounds", "Rounds decoded without speculation.")
+        self.sd_rounds = counter("spec_decode_sd_rounds",
+                                 "SSD mode: rounds answered by a chain drafted on request, as the work-ahead policy chose.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens of finished requests.")
         self.requests = counter("request_success", "Finished requests by finish reason.", "finished_reason")
@@ -88,6 +90,7 @@ class ServerMetrics:
         self.cache_hits.labels(m).inc(stats.num_cache_hits)
         self.cache_misses.labels(m).inc(stats.num_cache_misses)
         self.ar_fallback.labels(m).inc(stats.num_ar_fallback_rounds)
+        self.sd_rounds.labels(m).inc(stats.num_sd_rounds)
         self.prompt_tokens.labels(m).inc(stats.num_prompt_tokens)
         self.generation_tokens.labels(m).inc(num_completion)
         self.requests.labels(m, finish_reason or "unknown").inc()

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# GPU runs for SSD under load, on nvidia-h200-x2 (target on cuda:0, draft on cuda:1).
+#
+#   run(command="PART=check bash scripts/gpu_ssd.sh", carry=[".whl"], kind="nvidia-h200-x2")
+#
+# PART=check: tests/test_gpu.py (tree graphs, attention, the forward) and
+#   scripts/profile_draft.py at 512 to 8192 tokens of context (draft-0.6b, K=8, fan-out 3).
+# PART=e2e:   scripts/bench_e2e.py on one pair (PAIR=32b: target-32b + draft-0.6b, K=8;
+#   PAIR=8b: target-8b + draft-1b, K=${K:-2}); PROMPTS, BATCHES, TEMPS, MAX_TOKENS, ALPHA, MODES.
+# Everything lands in $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_ssd_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TQDM_DISABLE=1
+t0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
+python3 -m pip install -q --no-index --no-deps --target .site .whl/*.whl 2>&1 | grep -v WARNING | tail -3
+export PYTHONPATH=$PWD/.site:$PWD
+export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi_ws}
+nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
+NGPU=$(nvidia-smi -L | wc -l)
+DRAFT_DEV=cuda:1; [ "$NGPU" -lt 2 ] && DRAFT_DEV=cuda:0
+
+stamp "flashinfer prefill modules"
+for hd in 128 64; do
+  python3 - "$hd" <<'PY' 2>&1 | tail -1 &
+import sys, time, torch
+from flashinfer.jit import gen_batch_prefill_module
+hd = int(sys.argv[1]); t = time.time(); bf = torch.bfloat16
+gen_batch_prefill_module("fa2", bf, bf, bf, torch.int32, hd, hd, 0, False, False, False).build(False)
+print(f"flashinfer head_dim {hd} built in {time.time() - t:.1f}s")
+PY
+done
+wait
+
+case "${PART:-check}" in
+  check)
+    stamp "tests/test_gpu.py"
+    CUDA_VISIBLE_DEVICES=${TEST_GPU:-1} timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -rs \
+      tests/test_gpu.py -k "${TEST_K:-tree or triton_attention or (graphs_and_transformers and triton)}" 2>&1 \
+      | tail -15 | tee "$OUT/test_gpu.log"
+    for b in ${PROFILE_BATCHES:-1 4}; do
+      stamp "profile_draft batch $b"
+      timeout "${PROFILE_TIMEOUT:-150}" python3 scripts/profile_draft.py --model random:draft-0.6b --k 8 --fan-out 3 \
+        --oracle --batch "$b" --contexts "${CONTEXTS:-512,2048,8192}" --out "$OUT/profile_draft_b$b.json" 2>&1 \
+        | grep -v "^ *$" | head -40 | tee "$OUT/profile_draft_b$b.log"
+    done
+    ;;
+  e2e)
+    case "${PAIR:-32b}" in
+      32b) TARGET=random:target-32b; DRAFT=random:draft-0.6b; K=${K:-8} ;;
+      8b)  TARGET=random:target-8b;  DRAFT=random:draft-1b;   K=${K:-2} ;;
+    esac
+    stamp "bench_e2e $PAIR K=$K"
+    timeout "${RUN_TIMEOUT:-540}" python3 scripts/bench_e2e.py --target "$TARGET" --draft "$DRAFT" \
+      --target-device cuda:0 --draft-device "$DRAFT_DEV" --modes "${MODES:-ssd,sd,ar}" --k "$K" \
+      --fan-out "${FAN_OUT:-$(python3 -c "print(','.join(['3'] * ($K + 1)))")}" \
+      --prompt-lens "${PROMPTS:-512}" --batch-sizes "${BATCHES:-1,4,16}" --temperatures "${TEMPS:-0}" \
+      --max-tokens "${MAX_TOKENS:-256}" --synthetic-acceptance "${ALPHA:-0.8}" --synthetic-ranks 0.5,0.2,0.1 \
+      --out "$OUT/e2e_${TAG:-$PAIR}.json" 2>&1 | grep -v "^ *$" | tee "$OUT/e2e_${TAG:-$PAIR}.log" | tail -60
+    ;;
+esac
+stamp "done"
