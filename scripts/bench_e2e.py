@@ -21,6 +21,7 @@ sums (one 128-token request at batch 1 is well under a second).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import platform
 import sys
@@ -78,6 +79,9 @@ def run_mode(args, mode: str) -> list[dict]:
             r["ssd_rounds"] = after.num_ssd_rounds - before.num_ssd_rounds
             r["sd_rounds"] = after.num_sd_rounds - before.num_sd_rounds
             r["plain_steps"] = after.num_plain_steps - before.num_plain_steps
+            # The first repeat's tokens, to compare greedy output across modes.
+            r["output_sha1"] = hashlib.sha1(np.array([t for x in results[:bs] for t in x.token_ids],
+                                                      dtype=np.int64).tobytes()).hexdigest()
             print(f"[{mode}] P={prompt_len} T={temp} B={bs}: {r['tokens_per_s']:.1f} tok/s (decode {r['decode_tokens_per_s']:.1f}), "
                   f"{r['mean_tokens_per_round']:.2f} "
                   f"tok/round, hit {r['cache_hit_rate']}, v={r['verify_ms_per_step']:.2f} ms, "
@@ -85,6 +89,16 @@ def run_mode(args, mode: str) -> list[dict]:
                   f"ssd/sd rounds {r['ssd_rounds']}/{r['sd_rounds']}, plain steps {r['plain_steps']}",
                   file=sys.stderr, flush=True)
     return rows
+
+
+def _greedy_identical(rows) -> bool | None:
+    """Whether every greedy point produced the same tokens in every mode (None: nothing to compare)."""
+    by_point: dict[tuple, set] = {}
+    for r in rows:
+        if r["temperature"] == 0:
+            by_point.setdefault((r["prompt_len"], r["batch_size"]), set()).add(r["output_sha1"])
+    compared = [v for v in by_point.values()]
+    return all(len(v) == 1 for v in compared) if compared else None
 
 
 def _points(args):
@@ -169,7 +183,9 @@ def main() -> None:
     for mode in args.modes:
         rows.extend(run_mode(args, mode))
         with open(args.out, "w") as f:  # after every mode: a run cut short keeps what it measured
-            json.dump({"args": vars(args), "host": platform.node(), "rows": rows}, f, indent=1)
+            json.dump({"args": vars(args), "host": platform.node(), "rows": rows,
+                       "greedy_identical": _greedy_identical(rows)}, f, indent=1)
+    print(f"greedy output identical across modes at every greedy point: {_greedy_identical(rows)}")
     print(f"{'mode':5} {'P':>5} {'T':>4} {'B':>3} {'tok/s':>8} {'decode':>8} {'tok/rnd':>7} {'hit':>5} {'v ms':>6} {'wait':>6} "
           f"{'work':>6} {'ideal':>8}")
     for r in rows:

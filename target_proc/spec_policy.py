@@ -111,8 +111,8 @@ class WorkAheadPolicy:
     Both give speculations of the same distribution (a branch holds exactly the
     tokens and q the chain drafter would produce), so the expected tokens per round
     are the same and the faster round wins: the policy keeps a running mean of the
-    step time after each choice (a step's wait is decided by the flag of the request
-    before it) and uses the shorter. SSD loses where the draft's work-ahead outlasts
+    step time under each choice (the worker reports a step only when the two requests
+    before it made the same choice) and uses the shorter. SSD loses where the draft's work-ahead outlasts
     the verify, or where misses are frequent enough that the backup chain runs anyway.
 
     "always" works ahead every round; "auto" starts with SSD, measures `warmup` SSD
@@ -120,7 +120,7 @@ class WorkAheadPolicy:
     `probe_every` steps. Pure bookkeeping, no torch.
     """
 
-    def __init__(self, policy: str = "auto", warmup: int = 8, probe_len: int = 4, probe_every: int = 128,
+    def __init__(self, policy: str = "auto", warmup: int = 8, probe_len: int = 6, probe_every: int = 128,
                  smoothing: float = 0.2):
         if policy not in ("auto", "always"):
             raise ValueError(f"work-ahead policy must be auto or always, got {policy!r}")

@@ -47,26 +47,29 @@ def test_small_batches_always_speculate_and_buckets_are_separate():
 
 
 def _drive_work_ahead(policy, batch, ssd_s, sd_s, steps):
-    """Each step's time follows the flag of the request before it (None before the first)."""
-    chosen, last = [], True
+    """As the target worker drives it: a step's time follows the flag of the request two
+    back (a transition step costs the slower of the two), reported when the last two
+    flags agree."""
+    chosen, flags = [], [True, True]
     for _ in range(steps):
-        policy.record(batch, last, ssd_s if last else sd_s)
-        last = policy.work_ahead(batch)
-        chosen.append(last)
+        if flags[-2] == flags[-1]:
+            policy.record(batch, flags[-1], ssd_s if flags[-2] else sd_s)
+        flags.append(policy.work_ahead(batch))
+        chosen.append(flags[-1])
     return chosen
 
 
 def test_work_ahead_policy_keeps_ssd_where_it_is_faster():
-    p = WorkAheadPolicy("auto", warmup=4, probe_len=3, probe_every=32)
+    p = WorkAheadPolicy("auto", warmup=4, probe_len=4, probe_every=32)
     chosen = _drive_work_ahead(p, 1, ssd_s=0.020, sd_s=0.030, steps=200)
     first_sd = chosen.index(False)
-    assert first_sd == 3 and chosen[3:6] == [False] * 3  # 4 SSD steps measured, then one SD probe
-    assert chosen[6:].count(False) <= 3 * (len(chosen[6:]) // 32 + 1)  # only probes after that
+    assert first_sd == 3 and chosen[3:7] == [False] * 4  # 4 SSD steps measured, then one SD probe
+    assert chosen[7:].count(False) <= 4 * (len(chosen[7:]) // 32 + 1)  # only probes after that
     assert p.summary() == {1: "ssd"} and p.num_sync == chosen.count(False)
 
 
 def test_work_ahead_policy_switches_to_sd_and_back():
-    p = WorkAheadPolicy("auto", warmup=4, probe_len=3, probe_every=32)
+    p = WorkAheadPolicy("auto", warmup=4, probe_len=4, probe_every=32)
     chosen = _drive_work_ahead(p, 16, ssd_s=0.040, sd_s=0.030, steps=100)
     assert chosen[-20:].count(True) <= 3 and p.summary() == {16: "sd"}
     chosen = _drive_work_ahead(p, 16, ssd_s=0.020, sd_s=0.030, steps=100)  # the draft got faster
