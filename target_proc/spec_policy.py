@@ -10,7 +10,9 @@ the policy measures instead of guessing:
   - "always": speculate every step (the default: deterministic behaviour);
   - "adaptive": per batch-size bucket (powers of two), keep a running average of the
     tokens/s of speculative steps and of plain steps, use the faster, and re-measure
-    the other one every `probe_every` steps. Below `min_batch` it always speculates.
+    the other one every `probe_every` steps, for `probe_len` steps of which the first
+    (a transition: the draft may still be busy with the other mode's work) is not
+    counted. Below `min_batch` it always speculates.
 
 Pure bookkeeping, no torch: the worker asks `use_speculation(batch)` before a step and
 reports `record(batch, speculated, num_tokens, seconds)` after it.
@@ -30,10 +32,13 @@ class _Bucket:
     plain_rate: float | None = None
     steps_since_probe: int = 0
     speculating: bool = True
+    probing: int = 0  # steps left in a probe of the mode not in use
+    last: bool = True  # the mode of the last step, to skip transitions
 
 
 class SpecPolicy:
-    def __init__(self, policy: str = "always", probe_every: int = 64, min_batch: int = 4, smoothing: float = 0.2):
+    def __init__(self, policy: str = "always", probe_every: int = 64, min_batch: int = 4, smoothing: float = 0.2,
+                 probe_len: int = 3):
         if policy not in ("always", "adaptive"):
             raise ValueError(f"spec policy must be always or adaptive, got {policy!r}")
         if probe_every < 2:
@@ -42,6 +47,7 @@ class SpecPolicy:
         self.probe_every = probe_every
         self.min_batch = min_batch
         self.smoothing = smoothing
+        self.probe_len = probe_len
         self._buckets: dict[int, _Bucket] = {}
         self.num_plain_steps = 0
 
@@ -53,13 +59,18 @@ class SpecPolicy:
         if self.policy == "always" or batch < self.min_batch:
             return True
         b = self._buckets.setdefault(self.bucket(batch), _Bucket())
+        if b.probing:
+            b.probing -= 1
+            return not b.speculating
         if b.spec_rate is None:
             return True
-        if b.plain_rate is None:
-            return False  # measure plain decoding once
+        if b.plain_rate is None:  # measure plain decoding once
+            b.probing = self.probe_len - 1
+            return False
         b.steps_since_probe += 1
         if b.steps_since_probe >= self.probe_every:
             b.steps_since_probe = 0
+            b.probing = self.probe_len - 1
             return not b.speculating  # probe the other mode
         return b.speculating
 
@@ -72,12 +83,15 @@ class SpecPolicy:
             return
         key = self.bucket(batch)
         b = self._buckets.setdefault(key, _Bucket())
+        if speculated != b.last:
+            b.last = speculated
+            return  # a transition step measures neither mode
         rate = num_tokens / seconds
         if speculated:
             b.spec_rate = rate if b.spec_rate is None else (1 - self.smoothing) * b.spec_rate + self.smoothing * rate
         else:
             b.plain_rate = rate if b.plain_rate is None else (1 - self.smoothing) * b.plain_rate + self.smoothing * rate
-        if b.spec_rate is not None and b.plain_rate is not None:
+        if b.spec_rate is not None and b.plain_rate is not None and not b.probing:
             faster = b.spec_rate >= b.plain_rate
             if faster != b.speculating:
                 b.speculating = faster
@@ -111,7 +125,7 @@ class WorkAheadPolicy:
     Both give speculations of the same distribution (a branch holds exactly the
     tokens and q the chain drafter would produce), so the expected tokens per round
     are the same and the faster round wins: the policy keeps a running mean of the
-    step time under each choice (the worker reports a step only when the two requests
+    step time under each choice (the worker reports a step only when the three requests
     before it made the same choice) and uses the shorter. SSD loses where the draft's work-ahead outlasts
     the verify, or where misses are frequent enough that the backup chain runs anyway.
 
@@ -120,7 +134,7 @@ class WorkAheadPolicy:
     `probe_every` steps. Pure bookkeeping, no torch.
     """
 
-    def __init__(self, policy: str = "auto", warmup: int = 8, probe_len: int = 6, probe_every: int = 128,
+    def __init__(self, policy: str = "auto", warmup: int = 8, probe_len: int = 8, probe_every: int = 128,
                  smoothing: float = 0.2):
         if policy not in ("auto", "always"):
             raise ValueError(f"work-ahead policy must be auto or always, got {policy!r}")

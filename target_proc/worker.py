@@ -67,12 +67,13 @@ class TargetWorker:
         self.draft_generation = 0
         self.policy = SpecPolicy(cfg.sched.spec_policy, cfg.sched.spec_policy_probe_every)
         self.work_ahead_policy = WorkAheadPolicy(cfg.spec.work_ahead if cfg.spec.mode == "ssd" else "always")
-        # The work_ahead flags of the last two requests. A step waits for the answer to the
-        # last request, which the cache built after the one before answers (or a chain,
-        # if that one had no work-ahead); on a shared GPU the work-ahead after the last
-        # request also runs beside this step's verify. So a step measures a choice only
-        # when both flags agree.
-        self._last_flags = (True, True)
+        # The work_ahead flags of the last three requests. A step waits for the answer to
+        # the last request, which the cache built after the one before answers (or a
+        # chain, if that one had no work-ahead); the first chain after a hit also feeds
+        # the accepted branch into the slot; on a shared GPU the work-ahead after the last
+        # request runs beside this step's verify. So a step measures a choice only when
+        # all three flags agree.
+        self._last_flags = (True, True, True)
 
     # ------------------------------------------------------------------ loop
 
@@ -278,7 +279,7 @@ class TargetWorker:
             work_ahead = True
 
         ssd = self.cfg.spec.mode == "ssd"
-        sd_round = ssd and speculate and not self._last_flags[0]
+        sd_round = ssd and speculate and not self._last_flags[-2]
         for i, seq in enumerate(seqs):
             j = num_accepted_l[i]
             record_round(seq.stats, num_draft[i], j, specs.get(seq.seq_id), ssd=ssd,
@@ -292,10 +293,9 @@ class TargetWorker:
         if self.draft is not None:
             step_s = time.perf_counter() - t0
             self.policy.record(len(seqs), speculate, sum(n + 1 for n in num_accepted_l), step_s)
-            before, last = self._last_flags
-            if ssd and speculate and specs and before == last:
-                self.work_ahead_policy.record(len(seqs), last, step_s)
-        self._last_flags = (self._last_flags[1], work_ahead)
+            if ssd and speculate and specs and len(set(self._last_flags)) == 1:
+                self.work_ahead_policy.record(len(seqs), self._last_flags[-1], step_s)
+        self._last_flags = self._last_flags[1:] + (work_ahead,)
         self._emit(seqs)
 
     def _collect_speculations(self, seqs: list[Sequence]) -> dict[int, Speculation]:

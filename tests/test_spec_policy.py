@@ -31,11 +31,11 @@ def test_adaptive_picks_the_faster_mode_and_keeps_probing():
     chosen = _drive(p, 16, spec_rate=500.0, plain_rate=800.0, steps=64)
     assert chosen[0] is True and chosen[1] is False  # measure both first
     tail = chosen[8:]
-    assert tail.count(True) <= len(tail) // 8 + 1  # plain wins, speculation only probed
+    assert tail.count(True) <= (len(tail) // 8 + 1) * 3  # plain wins, speculation only probed
     assert p.num_plain_steps > 40
     # The regime changes (e.g. easier text): probes notice and speculation resumes.
     chosen = _drive(p, 16, spec_rate=2000.0, plain_rate=800.0, steps=64)
-    assert chosen[-16:].count(True) >= 14
+    assert chosen[-16:].count(True) >= 16 - 2 * p.probe_len  # two probes of plain decoding at most
 
 
 def test_small_batches_always_speculate_and_buckets_are_separate():
@@ -48,11 +48,10 @@ def test_small_batches_always_speculate_and_buckets_are_separate():
 
 def _drive_work_ahead(policy, batch, ssd_s, sd_s, steps):
     """As the target worker drives it: a step's time follows the flag of the request two
-    back (a transition step costs the slower of the two), reported when the last two
-    flags agree."""
-    chosen, flags = [], [True, True]
+    back, reported when the last three flags agree."""
+    chosen, flags = [], [True, True, True]
     for _ in range(steps):
-        if flags[-2] == flags[-1]:
+        if flags[-3] == flags[-2] == flags[-1]:
             policy.record(batch, flags[-1], ssd_s if flags[-2] else sd_s)
         flags.append(policy.work_ahead(batch))
         chosen.append(flags[-1])
