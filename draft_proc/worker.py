@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 
 import numpy as np
 
@@ -47,6 +48,8 @@ class DraftWorker:
         self.free_slots = list(range(num_slots))[::-1]
         self.seqs: dict[int, DraftSeq] = {}
         self.num_requests = 0
+        self.answer_s = 0.0  # receive to send, summed over num_answers
+        self.num_answers = 0
         self.running = True
         # SSD: ids of sequences added but not yet named by a SpecRequest, in arrival order.
         self.fresh: dict[int, None] = {}
@@ -137,6 +140,7 @@ class DraftWorker:
             self.free_slots.append(seq.slot)
 
     def on_spec_request(self, req: SpecRequest) -> None:
+        t0 = time.perf_counter()
         self.num_requests += 1
         b = len(req.seq_ids)
         arrays = (req.seq_ids, req.rounds, req.num_accepted, req.token_ids, req.seq_lens)
@@ -177,6 +181,8 @@ class DraftWorker:
         else:
             prop, hits, hits_by_depth = self.speculator.propose(ok, req.k), np.zeros(len(ok), bool), []
         self.channel.send(self._response(req.step, ok, prop, hits, hits_by_depth))
+        self.answer_s += time.perf_counter() - t0
+        self.num_answers += 1
         if self.ssd is not None:
             self._worked_ahead = bool(req.work_ahead)
             if req.work_ahead:
@@ -208,4 +214,6 @@ class DraftWorker:
             num_requests=self.num_requests,
             num_hits=self.ssd.num_hits if self.ssd is not None else 0,
             num_misses=self.ssd.num_misses if self.ssd is not None else 0,
+            answer_s=self.answer_s,
+            num_answers=self.num_answers,
         )

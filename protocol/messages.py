@@ -173,6 +173,10 @@ class EngineStats(_Cold, tag="stats"):
     # (synchronous SD rounds, chosen by the work-ahead policy).
     num_ssd_rounds: int = 0
     num_sd_rounds: int = 0
+    # The draft's own time to answer SpecRequests (as last reported): the part of
+    # draft_wait_s the draft spends working, the rest being transfer and queueing.
+    draft_answer_s: float = 0.0
+    draft_num_answers: int = 0
     # SSD tree-cache hits by the depth j of the outcome they answered (index 0..K).
     hits_by_depth: list[int] = []
 
@@ -259,6 +263,9 @@ class DraftStats(_Cold, tag="dstats"):
     num_requests: int
     num_hits: int
     num_misses: int
+    # Seconds from receiving a SpecRequest to sending its answer, summed over num_answers.
+    answer_s: float = 0.0
+    num_answers: int = 0
 
 
 class Shutdown(_Cold, tag="bye"):

@@ -79,6 +79,8 @@ def run_mode(args, mode: str) -> list[dict]:
             r["ssd_rounds"] = after.num_ssd_rounds - before.num_ssd_rounds
             r["sd_rounds"] = after.num_sd_rounds - before.num_sd_rounds
             r["plain_steps"] = after.num_plain_steps - before.num_plain_steps
+            answers = after.draft_num_answers - before.draft_num_answers
+            r["draft_answer_ms"] = 1e3 * (after.draft_answer_s - before.draft_answer_s) / answers if answers else None
             # The first repeat's tokens, to compare greedy output across modes.
             r["output_sha1"] = hashlib.sha1(np.array([t for x in results[:bs] for t in x.token_ids],
                                                       dtype=np.int64).tobytes()).hexdigest()
@@ -86,7 +88,8 @@ def run_mode(args, mode: str) -> list[dict]:
                   f"{r['mean_tokens_per_round']:.2f} "
                   f"tok/round, hit {r['cache_hit_rate']}, v={r['verify_ms_per_step']:.2f} ms, "
                   f"wait={r['draft_wait_ms_per_step']:.2f} ms, work={r['draft_work_ms_per_step']:.2f} ms, "
-                  f"ssd/sd rounds {r['ssd_rounds']}/{r['sd_rounds']}, plain steps {r['plain_steps']}",
+                  f"ssd/sd rounds {r['ssd_rounds']}/{r['sd_rounds']}, plain steps {r['plain_steps']}, "
+                  f"draft answer {r['draft_answer_ms'] or 0:.2f} ms",
                   file=sys.stderr, flush=True)
     return rows
 

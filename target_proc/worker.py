@@ -393,6 +393,8 @@ class TargetWorker:
             totals=self.totals,
             draft_num_seqs=ds.num_seqs if ds else -1,
             draft_num_cache_entries=ds.num_cache_entries if ds else -1,
+            draft_answer_s=ds.answer_s if ds else 0.0,
+            draft_num_answers=ds.num_answers if ds else 0,
             num_plain_steps=self.policy.num_plain_steps,
             num_ssd_rounds=self.work_ahead_policy.num_work_ahead if self.cfg.spec.mode == "ssd" else 0,
             num_sd_rounds=self.work_ahead_policy.num_sync if self.cfg.spec.mode == "ssd" else 0,
