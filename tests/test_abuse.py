@@ -44,7 +44,7 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(models):
     target, draft = models
-    cfg = make_config(target, draft, mode="sd", k=K).replace(sched=SchedulerConfig(max_batch_size=4, max_model_len=128))
+    cfg = make_config(target, draft, mode="sd", k=K).replace(sched=SchedulerConfig(max_batch_size=4, max_model_len=128, spec_policy="always"))
     with Client(cfg) as c:
         yield c
 

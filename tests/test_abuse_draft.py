@@ -42,7 +42,7 @@ def draft(models, tmp_path_factory):
 
     target, draft_path = models
     cfg = make_config(target, draft_path, mode="ssd", k=K).replace(
-        sched=SchedulerConfig(max_batch_size=8, max_model_len=128))
+        sched=SchedulerConfig(max_batch_size=8, max_model_len=128, spec_policy="always"))
     ipc_dir = private_ipc_dir()
     addr = ipc_address(ipc_dir, "spec")
     init = m.Init(protocol_version=m.PROTOCOL_VERSION, config=encode_config(cfg), spec_addr=addr)

@@ -29,7 +29,7 @@ def _cfg(gguf, mode, draft="", k=3, batch=4, max_model_len=512, **spec):
     return RuntimeConfig(
         target=ModelConfig(path=gguf), draft=ModelConfig(path=draft),
         spec=SpeculativeConfig(mode=mode, k=k, draft_timeout_s=60.0, **spec),
-        sched=SchedulerConfig(max_batch_size=batch, max_model_len=max_model_len), startup_timeout_s=300.0,
+        sched=SchedulerConfig(max_batch_size=batch, max_model_len=max_model_len, spec_policy="always"), startup_timeout_s=300.0,
     )
 
 

