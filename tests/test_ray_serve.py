@@ -8,6 +8,7 @@ impossible placement is refused by the command itself.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -160,9 +161,89 @@ def test_two_replicas_success_counter_aggregates_in_ray_metrics(cluster, server)
     assert "spec_runtime:replica_info{" in text
 
 
+def _draft_actors() -> list[tuple[str, str]]:
+    return [(a["name"], a["namespace"]) for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith("spec-runtime-draft-")]
+
+
+def test_killed_draft_actor_under_load_loses_no_request(server):
+    body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 150, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True, "stream": True}
+    first_chunk = threading.Event()
+
+    def stream(_):
+        ids = []
+        with httpx.stream("POST", f"{server['base']}/v1/completions", json=body, timeout=300) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    ids += json.loads(line[6:])["choices"][0].get("token_ids") or []
+                    first_chunk.set()
+        return ids
+
+    reference = stream(None)
+    assert len(reference) == 150
+    first_chunk.clear()
+    drafts = _draft_actors()
+    assert len(drafts) == 2  # one per replica
+    with ThreadPoolExecutor(8) as pool:
+        results = pool.map(stream, range(8))
+        assert first_chunk.wait(120)
+        ray.kill(ray.get_actor(*drafts[0]))
+        results = list(results)
+    assert results == [reference] * 8  # none lost, none different (greedy is exact)
+    # The replica places a new draft in the same bundle (a new name, the other one kept).
+    assert wait_until(lambda: len(_draft_actors()) == 2 and drafts[0] not in _draft_actors(), 120, poll_s=0.5)
+    assert drafts[1] in _draft_actors()
+
+
 def test_sigint_stops_the_application(server):
     proc = server["proc"]
     proc.send_signal(signal.SIGINT)
     assert proc.wait(120) == 0
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
     assert not [n for n in names if n.startswith("spec-runtime-")], names
+
+
+def test_two_models_behind_one_router_answer_by_name(cluster, tmp_path):
+    from ray import serve
+
+    from e2e_util import make_config
+    from spec_runtime.ray import build_openai_app
+    from spec_runtime.ray.router import ModelServeConfig
+
+    llama = cluster["model"]
+    qwen = save_tiny_model(tmp_path / "q", "qwen2", seed=1)
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        app = build_openai_app([
+            ModelServeConfig(make_config(llama, llama, mode="sd"), "llama", gpus_per_actor=0, cpus_per_actor=0.5,
+                             replica_cpus=0.5),
+            ModelServeConfig(make_config(qwen, qwen, mode="sd"), "qwen", gpus_per_actor=0, cpus_per_actor=0.5,
+                             replica_cpus=0.5),
+        ])
+        serve.run(app, name="router", route_prefix="/")
+        base = f"http://127.0.0.1:{port}"
+        listed = httpx.get(f"{base}/v1/models", timeout=60).json()
+        assert sorted(m["id"] for m in listed["data"]) == ["llama", "qwen"]
+        roots = {m["id"]: m["root"] for m in listed["data"]}
+        assert roots == {"llama": llama, "qwen": qwen}
+        for name in ("llama", "qwen"):
+            body = {"model": name, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 6,
+                    "temperature": 0, "ignore_eos": True}
+            r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            assert r.json()["model"] == name and r.json()["usage"]["completion_tokens"] == 6
+            # Streamed through the router chunk by chunk, ending as OpenAI's streams end.
+            with httpx.stream("POST", f"{base}/v1/chat/completions", json={**body, "stream": True},
+                              timeout=120) as s:
+                assert s.status_code == 200 and s.headers["content-type"].startswith("text/event-stream")
+                events = [line for line in s.iter_lines() if line.startswith("data: ")]
+            assert events[-1] == "data: [DONE]" and len(events) >= 3
+        r = httpx.post(f"{base}/v1/completions", json={"model": "gpt-4", "prompt": "x"}, timeout=30)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        h = httpx.get(f"{base}/health", timeout=30)
+        assert h.status_code == 200 and set(h.json()["models"]) == {"llama", "qwen"}
+    finally:
+        serve.shutdown()

@@ -45,11 +45,9 @@ logger = logging.getLogger(__name__)
 _METRICS_PERIOD_S = 5.0  # how often a replica refreshes its gauges (running, waiting, draft alive)
 
 
-@serve.deployment(health_check_period_s=2.0, health_check_timeout_s=30.0)
-@serve.ingress()
-class SpecRuntimeServer:
+class _ModelServer:
     """One replica: a RayDeployment in the replica's placement group, an AsyncClient of it,
-    and the FastAPI app."""
+    and the FastAPI app (as the Serve app's HTTP ingress, or called by the router)."""
 
     def __init__(self, config: dict, api_key: str | None = None, served_model_name: str | None = None,
                  max_body_bytes: int | None = None):
@@ -66,14 +64,26 @@ class SpecRuntimeServer:
         k = cfg.spec.k if cfg.spec.mode != "ar" else 0
         replica_id = serve.get_replica_context().replica_id.unique_id
         self._metrics = ServerMetrics(name, k, mirror=RayMetrics(name, k), replica_id=replica_id)
+        self._app = None
         self._stop = threading.Event()
         threading.Thread(target=self._refresh_gauges, name="metrics", daemon=True).start()
 
     def __serve_build_asgi_app__(self):
-        from spec_runtime.server.app import DEFAULT_MAX_BODY_BYTES, build_app
+        if self._app is None:
+            from spec_runtime.server.app import DEFAULT_MAX_BODY_BYTES, build_app
 
-        return build_app(self._client, served_model_name=self._served_model_name, api_key=self._api_key,
-                         max_body_bytes=self._max_body_bytes or DEFAULT_MAX_BODY_BYTES, metrics=self._metrics)
+            self._app = build_app(self._client, served_model_name=self._served_model_name, api_key=self._api_key,
+                                  max_body_bytes=self._max_body_bytes or DEFAULT_MAX_BODY_BYTES,
+                                  metrics=self._metrics)
+        return self._app
+
+    async def handle_request(self, request: dict):
+        """One HTTP request passed on by spec_runtime.ray.router: yields (status, headers),
+        then the body's chunks."""
+        from spec_runtime.ray.router import call_asgi
+
+        async for item in call_asgi(self.__serve_build_asgi_app__(), request):
+            yield item
 
     def _refresh_gauges(self) -> None:
         """Gauges are read from the engine; nobody scrapes a replica, so read them here."""
@@ -102,6 +112,13 @@ class SpecRuntimeServer:
             client.client.close()  # also shuts the deployment down
 
 
+_HEALTH = {"health_check_period_s": 2.0, "health_check_timeout_s": 30.0}
+# The HTTP ingress of a one-model app, and the same replica behind spec_runtime.ray.router
+# (Serve allows one FastAPI ingress per application).
+SpecRuntimeServer = serve.deployment(**_HEALTH)(serve.ingress()(_ModelServer))
+RoutedModelServer = serve.deployment(**_HEALTH)(_ModelServer)
+
+
 def resolve_resources(cfg: RuntimeConfig, gpus_per_actor: float | None, cpus_per_actor: float | None,
                       replica_cpus: float = 1.0) -> tuple[ActorResources, list[str]]:
     """"auto" (None) GPUs / CPUs per actor from the connected cluster (ray.init() if this
@@ -124,9 +141,10 @@ def build_application(cfg: RuntimeConfig, *, placement: str = "pack", gpus_per_a
                       cpus_per_actor: float | None = None, replica_cpus: float = 1.0, num_replicas: int = 1,
                       max_replicas: int | None = None, api_key: str | None = None,
                       served_model_name: str | None = None, max_body_bytes: int | None = None,
-                      name: str = "SpecRuntimeServer"):
+                      name: str = "SpecRuntimeServer", ingress: bool = True):
     """A bound Serve application (for `serve.run`). gpus_per_actor / cpus_per_actor None:
-    "auto" (resolve_resources). max_replicas: autoscale between num_replicas and it."""
+    "auto" (resolve_resources). max_replicas: autoscale between num_replicas and it.
+    ingress False: the deployment answers spec_runtime.ray.router, not HTTP."""
     if placement not in PLACEMENT_STRATEGIES:
         raise ValueError(f"placement must be 'pack' or 'spread', got {placement!r}")
     if num_replicas < 1 or (max_replicas is not None and max_replicas < num_replicas):
@@ -136,7 +154,8 @@ def build_application(cfg: RuntimeConfig, *, placement: str = "pack", gpus_per_a
         logger.warning("%s", w)
     scaling = ({"autoscaling_config": {"min_replicas": num_replicas, "max_replicas": max_replicas}}
                if max_replicas is not None else {"num_replicas": num_replicas})
-    return SpecRuntimeServer.options(
+    deployment = SpecRuntimeServer if ingress else RoutedModelServer
+    return deployment.options(
         name=name, ray_actor_options={"num_cpus": res.replica_cpus},
         placement_group_bundles=replica_bundles(res, len(roles_of(cfg))),
         placement_group_strategy=PLACEMENT_STRATEGIES[placement], **scaling,
