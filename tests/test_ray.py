@@ -102,6 +102,17 @@ def test_two_gpus_one_node_matches_local_launcher(setup, deployment):
         assert sum(s.num_draft_tokens for s in stats) > 0  # the draft actor really speculated
 
 
+def test_actors_show_no_progress_bars(deployment):
+    # tqdm reads TQDM_DISABLE when it is imported: the actor's environment must carry it.
+    def bar_disabled(_actor):
+        from tqdm.auto import tqdm
+
+        return tqdm(range(2)).disable
+
+    for actor in deployment.actors.values():
+        assert ray.get(actor.__ray_call__.remote(bar_disabled), timeout=30) is True
+
+
 def test_unsatisfiable_placement_names_asked_and_available(setup):
     cfg, _, _ = setup
     with pytest.raises(PlacementError) as e:

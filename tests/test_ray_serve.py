@@ -127,6 +127,12 @@ def test_ready_line_and_chat_completion(server):
     assert out["choices"][0]["message"]["role"] == "assistant"
     assert isinstance(out["choices"][0]["message"]["content"], str)
     assert out["usage"]["completion_tokens"] == 12
+    # Serve reserved one group per replica, one bundle per process: replica, target, draft.
+    groups = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
+    assert len(groups) == 2
+    for g in groups:
+        assert g["strategy"] == "PACK"
+        assert [g["bundles"][i] for i in sorted(g["bundles"])] == [{"CPU": 1.0}, {"CPU": 0.5}, {"CPU": 0.5}]
 
 
 def _ray_metric_sum(port: int, name: str) -> float:
@@ -247,3 +253,19 @@ def test_two_models_behind_one_router_answer_by_name(cluster, tmp_path):
         assert h.status_code == 200 and set(h.json()["models"]) == {"llama", "qwen"}
     finally:
         serve.shutdown()
+
+
+def test_replica_that_cannot_load_ends_the_command_with_its_error(cluster, tmp_path):
+    missing = str(tmp_path / "no-such-model")
+    argv = _command(cluster, _free_port(), "--ray-gpus-per-actor", "0", "--ray-cpus-per-actor", "0.5")
+    argv[argv.index("--target") + 1] = missing
+    proc, err = _run(cluster, argv, "missing")
+    out, _ = proc.communicate(timeout=600)
+    err.seek(0)
+    msg = err.read()
+    assert proc.returncode == 1, msg[-4000:]
+    (line,) = [x for x in msg.splitlines() if x.startswith("spec-runtime: start-up failed: ")]
+    assert "Ray Serve could not deploy the application" in line and "failed to start 3 times" in line
+    assert "Last error: spec_runtime.launcher.StartupError: target actor" in line
+    assert f"FileNotFoundError: model path '{missing}' does not exist" in line
+    assert "serving" not in out

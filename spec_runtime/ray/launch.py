@@ -15,6 +15,7 @@ other application is left on the cluster.
 from __future__ import annotations
 
 import logging
+import re
 import signal
 import sys
 import threading
@@ -66,9 +67,19 @@ def _wait_running(timeout_s: float) -> None:
                        for name, d in app.deployments.items()]
             last = f"{status} {app.message} {'; '.join(details)}".strip()
             if status == "DEPLOY_FAILED":
-                raise StartupError(f"Ray Serve could not deploy the application: {last}")
+                logger.debug("Ray Serve's message: %s", last)
+                raise StartupError(f"Ray Serve could not deploy the application: {_summary(last)} (the whole "
+                                   "traceback is in the Serve controller's log, under the Ray session's logs/serve/)")
         time.sleep(0.5)
     raise StartupError(f"the application did not start within {timeout_s:g} s; Ray Serve says: {last or 'nothing'}")
+
+
+def _summary(message: str) -> str:
+    """Serve's first line and the last exception line of the replica's traceback."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    errors = [line for line in lines if re.match(r"^[\w.]+(Error|Exception|Exit)\b.*: ", line)]
+    first = lines[0] if lines else ""
+    return f"{first} Last error: {errors[-1]}" if errors and errors[-1] != first else first
 
 
 def run_ray_server(cfg: RuntimeConfig, *, host: str = "127.0.0.1", port: int = 8000, address: str | None = None,

@@ -112,11 +112,13 @@ class _ModelServer:
             client.client.close()  # also shuts the deployment down
 
 
-_HEALTH = {"health_check_period_s": 2.0, "health_check_timeout_s": 30.0}
+# A replica that cannot load its models three times in a row fails the deployment (Serve's
+# default of 20 tries turns a wrong path into minutes of retries).
+_OPTIONS = {"health_check_period_s": 2.0, "health_check_timeout_s": 30.0, "max_constructor_retry_count": 3}
 # The HTTP ingress of a one-model app, and the same replica behind spec_runtime.ray.router
 # (Serve allows one FastAPI ingress per application).
-SpecRuntimeServer = serve.deployment(**_HEALTH)(serve.ingress()(_ModelServer))
-RoutedModelServer = serve.deployment(**_HEALTH)(_ModelServer)
+SpecRuntimeServer = serve.deployment(**_OPTIONS)(serve.ingress()(_ModelServer))
+RoutedModelServer = serve.deployment(**_OPTIONS)(_ModelServer)
 
 
 def resolve_resources(cfg: RuntimeConfig, gpus_per_actor: float | None, cpus_per_actor: float | None,
