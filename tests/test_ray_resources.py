@@ -76,3 +76,12 @@ def test_serve_refuses_flags_it_would_not_honour(argv, flag, capsys):
     assert main(["serve", "--port", "1", *argv]) == 2
     err = capsys.readouterr().err
     assert flag in err and ("does not apply with --ray" in err or "needs --ray" in err)
+
+
+def test_every_server_metric_has_a_ray_twin_of_the_same_name():
+    from spec_runtime.ray.metrics import RayMetrics
+    from spec_runtime.server.metrics import ServerMetrics
+
+    server = {f.name.replace(":", "_") for f in ServerMetrics("m", 3).registry.collect()}
+    twins = {m._name for m in vars(RayMetrics("m", 3)).values() if hasattr(m, "_name")}
+    assert server == twins

@@ -43,6 +43,8 @@ class RayMetrics:
         self.cache_hits = counter("spec_decode_cache_hits", "SSD tree-cache look-ups that hit.")
         self.cache_misses = counter("spec_decode_cache_misses", "SSD tree-cache look-ups that missed.")
         self.ar_fallback = counter("spec_decode_ar_fallback_rounds", "Rounds decoded without speculation.")
+        self.sd_rounds = counter("spec_decode_sd_rounds",
+                                 "SSD mode: rounds answered by a chain drafted on request, as the work-ahead policy chose.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens of finished requests.")
         self.requests = counter("request_success", "Finished requests by finish reason.", "finished_reason")
@@ -75,6 +77,7 @@ class RayMetrics:
         self._inc(self.cache_hits, stats.num_cache_hits)
         self._inc(self.cache_misses, stats.num_cache_misses)
         self._inc(self.ar_fallback, stats.num_ar_fallback_rounds)
+        self._inc(self.sd_rounds, stats.num_sd_rounds)
         self._inc(self.prompt_tokens, stats.num_prompt_tokens)
         self._inc(self.generation_tokens, num_completion)
         self._inc(self.requests, 1, finished_reason=finish_reason or "unknown")
