@@ -85,3 +85,17 @@ def test_every_server_metric_has_a_ray_twin_of_the_same_name():
     server = {f.name.replace(":", "_") for f in ServerMetrics("m", 3).registry.collect()}
     twins = {m._name for m in vars(RayMetrics("m", 3)).values() if hasattr(m, "_name")}
     assert server == twins
+
+
+def test_serve_failure_summary_keeps_the_first_line_and_the_last_error():
+    from spec_runtime.ray.launch import _summary
+
+    message = ("DEPLOY_FAILED The deployment failed to start 3 times in a row.\n"
+               "Traceback (most recent call last):\n  File \"x.py\", line 1, in f\n"
+               "FileNotFoundError: model path '/m' does not exist\n"
+               "The above exception was the direct cause of the following exception:\n"
+               "spec_runtime.launcher.StartupError: target actor (node 10.0.0.1, pid 7): FileNotFoundError: x\n")
+    assert _summary(message) == ("DEPLOY_FAILED The deployment failed to start 3 times in a row. Last error: "
+                                 "spec_runtime.launcher.StartupError: target actor (node 10.0.0.1, pid 7): "
+                                 "FileNotFoundError: x")
+    assert _summary("DEPLOY_FAILED no traceback") == "DEPLOY_FAILED no traceback"

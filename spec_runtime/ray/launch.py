@@ -7,8 +7,8 @@ impossible request fails in seconds, not in the Serve controller's log:
   2. the replicas' groups are reserved and released again within placement_timeout_s
      (resources held by other work): else PlacementError naming what is free.
 Then the app is deployed and watched until it runs (the ready line goes to stdout), fails
-(StartupError with Serve's message, which carries the replica's exception), or outlives
-the start-up timeout. On SIGINT/SIGTERM the app is deleted; Serve stops too when no
+(StartupError with the replica's last error), outlives the start-up timeout, or is
+interrupted (exit code 130). On SIGINT/SIGTERM the app is deleted; Serve stops too when no
 other application is left on the cluster.
 """
 
@@ -53,16 +53,17 @@ def reserve_or_raise(bundles: list[dict], strategy: str, num_groups: int, timeou
             remove_placement_group(pg)
 
 
-def _wait_running(timeout_s: float) -> None:
-    """Until the app runs; StartupError with Serve's own message if it fails or stalls."""
+def _wait_running(timeout_s: float, stop: threading.Event) -> bool:
+    """Until the app runs (True) or `stop` is set (False); StartupError with Serve's own
+    message if it fails or stalls."""
     deadline = time.monotonic() + timeout_s
     last = ""
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not stop.is_set():
         app = serve.status().applications.get(APP_NAME)
         if app is not None:
             status = str(app.status.value if hasattr(app.status, "value") else app.status)
             if status == "RUNNING":
-                return
+                return True
             details = [f"{name}: {d.status.value} {dict(d.replica_states)} {d.message}".strip()
                        for name, d in app.deployments.items()]
             last = f"{status} {app.message} {'; '.join(details)}".strip()
@@ -70,7 +71,9 @@ def _wait_running(timeout_s: float) -> None:
                 logger.debug("Ray Serve's message: %s", last)
                 raise StartupError(f"Ray Serve could not deploy the application: {_summary(last)} (the whole "
                                    "traceback is in the Serve controller's log, under the Ray session's logs/serve/)")
-        time.sleep(0.5)
+        stop.wait(0.5)
+    if stop.is_set():
+        return False
     raise StartupError(f"the application did not start within {timeout_s:g} s; Ray Serve says: {last or 'nothing'}")
 
 
@@ -119,7 +122,9 @@ def run_ray_server(cfg: RuntimeConfig, *, host: str = "127.0.0.1", port: int = 8
                                 replica_cpus=res.replica_cpus, num_replicas=num_replicas, max_replicas=max_replicas,
                                 api_key=api_key, served_model_name=served_model_name, max_body_bytes=max_body_bytes)
         serve._run(app, _blocking=False, name=APP_NAME, route_prefix="/")
-        _wait_running(cfg.startup_timeout_s + placement_timeout_s)
+        if not _wait_running(cfg.startup_timeout_s + placement_timeout_s, stop):
+            logger.warning("interrupted while the application was starting")
+            return 130
         shown = f"[{host}]" if ":" in host else host
         replicas = f"{num_replicas}..{max_replicas}" if max_replicas is not None else str(num_replicas)
         out.write(f"spec-runtime: serving {model_name_of(cfg, served_model_name)} on http://{shown}:{port} "
