@@ -155,6 +155,48 @@ def _apply_speculative_config(args: argparse.Namespace, text: str) -> None:
         setattr(args, dest, value)
 
 
+# Flags of `serve` that only the local server has, and why Ray Serve does without them.
+_LOCAL_ONLY_FLAGS = {
+    "on_target_death": "Ray Serve's health check replaces a replica whose target died",
+    "uvicorn_log_level": "Ray Serve's proxy runs its own HTTP server (its logs are in the Ray logs)",
+}
+_RAY_FLAGS = ("ray_address", "ray_placement", "ray_gpus_per_actor", "ray_cpus_per_actor", "num_replicas",
+              "max_replicas", "ray_placement_timeout_s")
+
+
+def _check_ray_flags(args: argparse.Namespace) -> None:
+    """Refuse, by name, a flag that the chosen server (local or --ray) would not honour."""
+    if args.ray:
+        for name, why in _LOCAL_ONLY_FLAGS.items():
+            if getattr(args, name) is not None:
+                raise ValueError(f"--{name.replace('_', '-')} does not apply with --ray: {why}")
+    else:
+        given = [n for n in _RAY_FLAGS if getattr(args, n) is not None]
+        if given:
+            raise ValueError(f"--{given[0].replace('_', '-')} needs --ray")
+
+
+def _serve_ray(args: argparse.Namespace, cfg) -> int:
+    """Target and draft as Ray actors in each replica's placement group, the API as a Ray Serve app."""
+    from spec_runtime.launcher import StartupError
+    from spec_runtime.ray import PlacementError
+    from spec_runtime.ray.launch import run_ray_server
+
+    try:
+        return run_ray_server(
+            cfg, host=args.host, port=args.port, address=args.ray_address, placement=args.ray_placement or "pack",
+            gpus_per_actor=args.ray_gpus_per_actor, cpus_per_actor=args.ray_cpus_per_actor,
+            num_replicas=args.num_replicas or 1, max_replicas=args.max_replicas,
+            placement_timeout_s=args.ray_placement_timeout_s or 60.0, api_key=args.api_key,
+            served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes)
+    except PlacementError as e:
+        print(f"spec-runtime: placement failed: {e}", file=sys.stderr)
+        return 1
+    except StartupError as e:
+        print(f"spec-runtime: start-up failed: {e}", file=sys.stderr)
+        return 1
+
+
 def _serve(args: argparse.Namespace) -> int:
     from spec_runtime.launcher import StartupError
     from spec_runtime.server.serve import run_server
@@ -166,17 +208,14 @@ def _serve(args: argparse.Namespace) -> int:
     if args.speculative_config:
         _apply_speculative_config(args, args.speculative_config)
     cfg = config_from_args(args)
+    _check_ray_flags(args)
     if args.ray:
-        # Target and draft as Ray actors in a placement group, the API as a Ray Serve app.
-        from spec_runtime.ray.serve_app import run_ray_server
-
-        run_ray_server(cfg, host=args.host, port=args.port, placement=args.ray_placement, api_key=args.api_key,
-                       served_model_name=args.served_model_name)
-        return 0
+        return _serve_ray(args, cfg)
     try:
         return run_server(cfg, host=args.host, port=args.port, api_key=args.api_key,
                           served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
-                          log_level=args.uvicorn_log_level, on_target_death=args.on_target_death)
+                          log_level=args.uvicorn_log_level or "warning",
+                          on_target_death=args.on_target_death or "exit")
     except StartupError as e:
         print(f"spec-runtime: start-up failed: {e}", file=sys.stderr)
         return 1
@@ -191,20 +230,36 @@ def _add_serve(sub) -> None:
     srv.add_argument("target_model", nargs="?", default=None, metavar="TARGET",
                      help="target model (same as --target)")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    srv.add_argument("--on-target-death", choices=["exit", "stay"], default="exit",
+    srv.add_argument("--on-target-death", choices=["exit", "stay"], default=None,
                      help="if the target process dies: exit with code 1 so a supervisor restarts the server (exit), "
-                          "or keep answering with /health 503 (stay)")
-    srv.add_argument("--ray", action="store_true",
-                     help="run target and draft as Ray actors (placement group) behind a Ray Serve app; see docs/ray.md")
-    srv.add_argument("--ray-placement", choices=["pack", "spread"], default="pack",
-                     help="with --ray: both GPUs on one node (pack) or on different nodes (spread)")
+                          "or keep answering with /health 503 (stay) (default: exit; not with --ray)")
+    ray = srv.add_argument_group("Ray (see docs/ray.md)")
+    ray.add_argument("--ray", action="store_true",
+                     help="run target and draft as Ray actors in each replica's placement group, behind a Ray Serve "
+                          "app")
+    ray.add_argument("--ray-address", default=None,
+                     help="Ray cluster to join (e.g. auto, or HOST:6379); default: start a local one")
+    ray.add_argument("--ray-placement", choices=["pack", "spread"], default=None,
+                     help="a replica's bundles on one node (pack) or on different nodes (spread) (default: pack)")
+    ray.add_argument("--ray-gpus-per-actor", type=float, default=None,
+                     help="GPUs of the target actor and of the draft actor (default: 1, or 0 with a warning where "
+                          "the cluster has no GPUs)")
+    ray.add_argument("--ray-cpus-per-actor", type=float, default=None,
+                     help="CPUs of the target actor and of the draft actor (default: 1, less where one replica "
+                          "would not fit in the cluster's CPUs)")
+    ray.add_argument("--num-replicas", type=int, default=None, help="Serve replicas, each with its own target and "
+                                                                      "draft (default: 1)")
+    ray.add_argument("--max-replicas", type=int, default=None,
+                     help="autoscale between --num-replicas and this many replicas (Serve's autoscaling_config)")
+    ray.add_argument("--ray-placement-timeout-s", type=float, default=None,
+                     help="give up when the replicas' bundles cannot be reserved in this many seconds (default: 60)")
     srv.add_argument("--port", type=int, default=8000, help="port to bind; 0 picks a free one (default: 8000)")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     srv.add_argument("--served-model-name", default=None, help="model name clients send (default: the target path)")
     srv.add_argument("--speculative-config", default=None, metavar="JSON",
                      help="SpeculativeConfig fields as JSON, e.g. '{\"mode\": \"ssd\", \"k\": 4}'; unknown keys are errors")
     srv.add_argument("--max-body-bytes", type=int, default=None, help="larger request bodies get HTTP 413 (default: 1 MiB)")
-    srv.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's log level (default: warning)")
+    srv.add_argument("--uvicorn-log-level", default=None, help="uvicorn's log level (default: warning; not with --ray)")
     add_config_flags(srv)
     srv.set_defaults(func=_serve)
 

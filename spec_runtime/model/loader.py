@@ -159,6 +159,7 @@ def load_model(path: str, device: torch.device | str = "cpu", dtype: str | torch
         logger.info("building %s with random weights on %s (benchmarks only: it has no tokenizer)", name, device)
         return random_model(arch, device, dtype), arch, None
     directory, gguf = _resolve_path(path)
+    logger.info("loading %s on %s", model_name(path), device)
     if gguf is None:
         arch = load_arch(directory)
         model = _build(arch, device, dtype)

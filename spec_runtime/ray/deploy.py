@@ -7,10 +7,13 @@
     with dep.client() as client:
         print(client.generate("Hello", max_tokens=32).text)
 
-A placement group holds one bundle per role: bundle 0 for the target, the last one for
-the draft ({"GPU": gpus_per_actor, "CPU": cpus_per_actor} each), so a tensor-parallel
-target can later take bundles 0..tp-1 with the draft still last. "pack" asks Ray to put
-the bundles on one node if it can, "spread" on different nodes if it can (both soft).
+A placement group holds one bundle per role: the target's first, the draft's last
+({"GPU": gpus_per_actor, "CPU": cpus_per_actor} each), so a tensor-parallel target can
+later take one bundle per rank with the draft still last. `deploy()` makes that group
+itself: "pack" asks Ray to put the bundles on one node if it can, "spread" on different
+nodes if it can (both soft). Under Ray Serve the replica's own group, which Serve reserves
+before it starts the replica, holds the replica in bundle 0 and the roles after it
+(`deploy_in_current_group`, spec_runtime.ray.serve_app).
 
 Each role is a RoleActor in its bundle, running the main loop itself; Ray sets its
 CUDA_VISIBLE_DEVICES. Once placed, the deployment reads where each actor landed and
@@ -44,11 +47,11 @@ from protocol.transport import curve_keypair, ipc_address
 from spec_runtime.config import RuntimeConfig
 from spec_runtime.launcher import StartupError
 from spec_runtime.ray.actors import RoleActor
+from spec_runtime.ray.resources import PLACEMENT_STRATEGIES, bundle, describe_nodes, unfit_reason
 
 logger = logging.getLogger(__name__)
 
 Placement = Literal["pack", "spread"]
-_STRATEGIES = {"pack": "PACK", "spread": "SPREAD"}
 _MAX_DRAFT_RESTARTS_IN_A_ROW = 3
 
 
@@ -57,32 +60,27 @@ class PlacementError(RuntimeError):
     was asked for and what the cluster has."""
 
 
-def _bundle(gpus: float, cpus: float) -> dict[str, float]:
-    b = {"CPU": float(cpus)}
-    if gpus:
-        b["GPU"] = float(gpus)
-    return b
-
-
-def _placement_error(bundles: list[dict], strategy: str, timeout_s: float) -> PlacementError:
-    asked: dict[str, float] = {}
-    for b in bundles:
-        for k, v in b.items():
-            asked[k] = asked.get(k, 0.0) + v
-    keys = sorted(asked)
-    total = {k: ray.cluster_resources().get(k, 0.0) for k in keys}
-    free = {k: ray.available_resources().get(k, 0.0) for k in keys}
-    nodes = []
-    for n in ray.nodes():
-        if n.get("Alive"):
-            has = ", ".join(f"{k}: {n['Resources'].get(k, 0.0):g}" for k in keys)
-            nodes.append(f"{n['NodeManagerAddress']} {{{has}}}")
+def placement_error(bundles: list[dict], strategy: str, timeout_s: float, num_groups: int = 1) -> PlacementError:
+    """Why `num_groups` groups of `bundles` were not placed: the bundle that can never fit
+    (spec_runtime.ray.resources.unfit_reason), or else what the cluster has free now."""
+    nodes = ray.nodes()
+    keys = sorted({k for b in bundles for k in b})
+    what = f"{num_groups} placement group(s) of bundles {bundles} (strategy {strategy})"
+    reason = unfit_reason(bundles, num_groups, nodes)
+    if reason is None:
+        free = ray.available_resources()
+        busy = next((i for i, b in enumerate(bundles) if any(free.get(k, 0.0) < v for k, v in b.items())), None)
+        which = (f"bundle {busy} {bundles[busy]} does not fit" if busy is not None
+                 else "the bundles do not fit together")
+        shown = {k: round(free.get(k, 0.0), 4) for k in keys}
+        reason = (f"{which} in what is free, {shown}, of nodes {describe_nodes(nodes, keys)} "
+                  "(other work holds the rest)")
+        when = f"within {timeout_s:g} s"
+    else:
+        when = "on this cluster"
     return PlacementError(
-        f"Ray could not place {len(bundles)} bundles {bundles} (strategy {strategy}) within {timeout_s:g} s. "
-        f"Asked for {asked} in all, at most {max(b.get('GPU', 0.0) for b in bundles):g} GPU on one node per bundle; "
-        f"the cluster has {total} in total, {free} free now; alive nodes: {'; '.join(nodes) or 'none'}. "
-        "Add GPUs or nodes (`ray start --num-gpus=N`), free the ones in use, or ask for fewer "
-        "(gpus_per_actor / cpus_per_actor)."
+        f"Ray could not place {what} {when}: {reason}. Add GPUs or nodes (`ray start --num-gpus=N`), free the "
+        "ones in use, or ask for fewer (--ray-gpus-per-actor / --ray-cpus-per-actor, --num-replicas)."
     )
 
 
@@ -102,7 +100,7 @@ def deploy(config: RuntimeConfig, placement: Placement = "pack", *, gpus_per_act
     device "cpu"). transport "tcp" forces tcp+CURVE even where ipc would do.
     Raises PlacementError after placement_timeout_s, StartupError if a role fails to load.
     """
-    if placement not in _STRATEGIES:
+    if placement not in PLACEMENT_STRATEGIES:
         raise ValueError(f"placement must be 'pack' or 'spread', got {placement!r}")
     if transport not in ("auto", "tcp"):
         raise ValueError(f"transport must be 'auto' or 'tcp', got {transport!r}")
@@ -110,18 +108,43 @@ def deploy(config: RuntimeConfig, placement: Placement = "pack", *, gpus_per_act
         raise ValueError("gpus_per_actor and cpus_per_actor must be >= 0, placement_timeout_s > 0")
     if not ray.is_initialized():
         ray.init()
-    roles = ["target", "draft"] if config.spec.uses_draft_process else ["target"]
-    bundles = [_bundle(gpus_per_actor, cpus_per_actor) for _ in roles]
-    strategy = _STRATEGIES[placement]
+    roles = roles_of(config)
+    bundles = [bundle(gpus_per_actor, cpus_per_actor) for _ in roles]
+    strategy = PLACEMENT_STRATEGIES[placement]
+    if unfit_reason(bundles, 1, ray.nodes()) is not None:  # never placeable: say so at once
+        raise placement_error(bundles, strategy, placement_timeout_s)
     pg = placement_group(bundles, strategy=strategy)
     if not pg.wait(placement_timeout_s):
         remove_placement_group(pg)
-        raise _placement_error(bundles, strategy, placement_timeout_s)
+        raise placement_error(bundles, strategy, placement_timeout_s)
     # On a failed start the deployment tears itself down (actors, group, ipc directories).
     return RayDeployment(config, pg, roles, bundles, force_tcp=transport == "tcp")
 
 
-def _teardown(actors: dict, pg, ipc_dirs: list[tuple[str, str]]) -> None:
+def roles_of(config: RuntimeConfig) -> list[str]:
+    return ["target", "draft"] if config.spec.uses_draft_process else ["target"]
+
+
+def deploy_in_current_group(config: RuntimeConfig, first_bundle: int = 1) -> "RayDeployment":
+    """Start the roles in the placement group this process runs in (a Serve replica's,
+    reserved by Serve before the replica started): the target in bundle `first_bundle`,
+    the draft in the next. The group is not this deployment's to remove."""
+    from ray.util import get_current_placement_group
+
+    pg = get_current_placement_group()
+    if pg is None:
+        raise RuntimeError("deploy_in_current_group needs a placement group: give the Serve deployment "
+                           "placement_group_bundles (spec_runtime.ray.serve_app does)")
+    roles = roles_of(config)
+    bundles = pg.bundle_specs
+    if len(bundles) < first_bundle + len(roles):
+        raise RuntimeError(f"the placement group has {len(bundles)} bundles; {roles} need bundles "
+                           f"{first_bundle}..{first_bundle + len(roles) - 1}")
+    return RayDeployment(config, pg, roles, bundles[first_bundle:first_bundle + len(roles)], force_tcp=False,
+                         first_bundle=first_bundle, owns_group=False)
+
+
+def _teardown(actors: dict, pg, ipc_dirs: list[tuple[str, str]], owns_group: bool) -> None:
     """Kill the actors, drop the placement group, remove the ipc directories (best effort:
     this also runs at interpreter exit, when Ray may be gone already)."""
     if not ray.is_initialized():
@@ -134,7 +157,8 @@ def _teardown(actors: dict, pg, ipc_dirs: list[tuple[str, str]]) -> None:
         logger.info("could not remove the ipc directories: %s", _cause(e))
     for actor in actors.values():
         ray.kill(actor)
-    remove_placement_group(pg)
+    if owns_group:
+        remove_placement_group(pg)
 
 
 class RayDeployment:
@@ -143,14 +167,15 @@ class RayDeployment:
     `num_draft_restarts`, `shutdown()`. Also: `actors`, `where` (node, ip, GPU ids per role),
     `transports` ({"spec": "ipc"|"tcp", "client": ...})."""
 
-    def __init__(self, cfg: RuntimeConfig, pg, roles: list[str], bundles: list[dict], force_tcp: bool):
+    def __init__(self, cfg: RuntimeConfig, pg, roles: list[str], bundles: list[dict], force_tcp: bool,
+                 first_bundle: int = 0, owns_group: bool = True):
         self.cfg = cfg
         self.placement_group = pg
-        self._bundles = {role: (i, bundles[i]) for i, role in enumerate(roles)}
+        self._bundles = {role: (first_bundle + i, bundles[i]) for i, role in enumerate(roles)}
         self.actors: dict[str, ray.actor.ActorHandle] = {}
         self._num_actors = 0
         self._ipc_dirs: list[tuple[str, str]] = []  # (role whose node has it, path)
-        self._finalizer = weakref.finalize(self, _teardown, self.actors, pg, self._ipc_dirs)
+        self._finalizer = weakref.finalize(self, _teardown, self.actors, pg, self._ipc_dirs, owns_group)
         self.num_draft_restarts = 0
         self.draft_given_up = False  # True after _MAX_DRAFT_RESTARTS_IN_A_ROW failed restarts
         self._dead: str | None = None
@@ -172,11 +197,12 @@ class RayDeployment:
     def _new_actor(self, role: str):
         """A RoleActor in the role's bundle, named `spec-runtime-<role>-<group id>-<n>` so
         `ray list actors` shows which is which."""
-        index, bundle = self._bundles[role]
+        index, spec = self._bundles[role]
         self._num_actors += 1
         name = f"spec-runtime-{role}-{self.placement_group.id.hex()[:8]}-{self._num_actors}"
         return ray.remote(RoleActor).options(
-            name=name, num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0.0), max_restarts=0,
+            name=name, num_cpus=spec.get("CPU", 0.0), num_gpus=spec.get("GPU", 0.0), max_restarts=0,
+            runtime_env={"env_vars": {"TQDM_DISABLE": "1"}},  # Ray logs get the loader's log lines, no bars
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=index),
         ).remote(role)
 

@@ -1,9 +1,12 @@
 """The OpenAI-compatible HTTP API as a Ray Serve application.
 
-Each replica deploys its own target and draft actors (spec_runtime.ray.deploy, from the
-replica, so their placement group lives and dies with the replica) and serves the same
-FastAPI app as `spec-runtime serve` (spec_runtime.server.app.build_app) through a
-Client connected to them.
+Serve reserves each replica's placement group before it starts the replica: one bundle
+per process, the replica's own first (`{"CPU": replica_cpus}`), then the target's, then
+the draft's (`{"GPU": gpus_per_actor, "CPU": cpus_per_actor}` each), under the deployment's
+`placement_group_bundles` / `placement_group_strategy`. The replica starts its target and
+draft actors in those bundles (spec_runtime.ray.deploy.deploy_in_current_group) and serves
+the same FastAPI app as `spec-runtime serve` (spec_runtime.server.app.build_app) through a
+Client connected to them. Replicas, autoscaling and replacement are Serve's.
 
 Health: Serve calls `check_health` every few seconds; it fails once the target is dead,
 or once the draft is dead and the deployment has given up replacing it, and Serve then
@@ -11,48 +14,87 @@ replaces the whole replica (a fresh placement group, fresh actors). While a new 
 being placed the replica stays healthy: requests decode without speculation meanwhile.
 GET /health still answers 503 while any child is down, as locally.
 
+Metrics: every replica records into its own registry (GET /metrics through the proxy
+reaches one replica and says so) and into `ray.util.metrics` (spec_runtime.ray.metrics),
+which Ray's metrics agents export for the cluster's Prometheus: those are the sums.
+
     serve run spec_runtime.ray.serve_app:app_builder target=/models/llama-8b \\
         draft=/models/llama-1b mode=ssd target_device=cuda draft_device=cuda placement=spread
 
 Keys of `app_builder` are the flags of `spec-runtime serve` without the dashes (dashes as
-underscores), plus placement, gpus_per_actor, cpus_per_actor, placement_timeout_s.
+underscores), plus placement, gpus_per_actor, cpus_per_actor, replica_cpus, num_replicas,
+max_replicas, api_key, served_model_name, max_body_bytes.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import threading
 
+import ray
 from ray import serve
 
 from protocol.codec import decode_config, encode_config
 from spec_runtime.config import RuntimeConfig
-from spec_runtime.ray.deploy import deploy
+from spec_runtime.ray.deploy import deploy_in_current_group, roles_of
+from spec_runtime.ray.resources import PLACEMENT_STRATEGIES, ActorResources, replica_bundles, resolve
 
 logger = logging.getLogger(__name__)
 
-_DEPLOY_KEYS = {"placement": str, "gpus_per_actor": float, "cpus_per_actor": float, "placement_timeout_s": float}
-_APP_KEYS = ("api_key", "served_model_name")
+_METRICS_PERIOD_S = 5.0  # how often a replica refreshes its gauges (running, waiting, draft alive)
 
 
-@serve.deployment(health_check_period_s=2.0, health_check_timeout_s=30.0)
-@serve.ingress()
-class SpecRuntimeServer:
-    """One replica: a RayDeployment, an AsyncClient of it, and the FastAPI app."""
+class _ModelServer:
+    """One replica: a RayDeployment in the replica's placement group, an AsyncClient of it,
+    and the FastAPI app (as the Serve app's HTTP ingress, or called by the router)."""
 
-    def __init__(self, config: dict, deploy_kwargs: dict | None = None, api_key: str | None = None,
-                 served_model_name: str | None = None):
+    def __init__(self, config: dict, api_key: str | None = None, served_model_name: str | None = None,
+                 max_body_bytes: int | None = None):
+        from spec_runtime.ray.metrics import RayMetrics
+        from spec_runtime.server.app import model_name_of
         from spec_runtime.server.async_client import AsyncClient
+        from spec_runtime.server.metrics import ServerMetrics
 
-        self._deployment = deploy(decode_config(config), **(deploy_kwargs or {}))
+        cfg = decode_config(config)
+        self._deployment = deploy_in_current_group(cfg)
         self._client = AsyncClient(client=self._deployment.client())
-        self._api_key = api_key
-        self._served_model_name = served_model_name
+        self._api_key, self._served_model_name, self._max_body_bytes = api_key, served_model_name, max_body_bytes
+        name = model_name_of(cfg, served_model_name)
+        k = cfg.spec.k if cfg.spec.mode != "ar" else 0
+        replica_id = serve.get_replica_context().replica_id.unique_id
+        self._metrics = ServerMetrics(name, k, mirror=RayMetrics(name, k), replica_id=replica_id)
+        self._app = None
+        self._stop = threading.Event()
+        threading.Thread(target=self._refresh_gauges, name="metrics", daemon=True).start()
 
     def __serve_build_asgi_app__(self):
-        from spec_runtime.server.app import build_app
+        if self._app is None:
+            from spec_runtime.server.app import DEFAULT_MAX_BODY_BYTES, build_app
 
-        return build_app(self._client, served_model_name=self._served_model_name, api_key=self._api_key)
+            self._app = build_app(self._client, served_model_name=self._served_model_name, api_key=self._api_key,
+                                  max_body_bytes=self._max_body_bytes or DEFAULT_MAX_BODY_BYTES,
+                                  metrics=self._metrics)
+        return self._app
+
+    async def handle_request(self, request: dict):
+        """One HTTP request passed on by spec_runtime.ray.router: yields (status, headers),
+        then the body's chunks."""
+        from spec_runtime.ray.router import call_asgi
+
+        async for item in call_asgi(self.__serve_build_asgi_app__(), request):
+            yield item
+
+    def _refresh_gauges(self) -> None:
+        """Gauges are read from the engine; nobody scrapes a replica, so read them here."""
+        from spec_runtime.client import RequestFailed
+
+        while not self._stop.wait(_METRICS_PERIOD_S):
+            try:
+                stats = self._client.client.engine_stats()
+            except RequestFailed:
+                stats = None
+            self._metrics.observe_engine(stats, self._deployment.num_draft_restarts)
 
     def check_health(self) -> None:
         dep = self._deployment
@@ -62,20 +104,69 @@ class SpecRuntimeServer:
             raise RuntimeError("the draft actor is dead and could not be replaced")
 
     def __del__(self):
+        stop = getattr(self, "_stop", None)
+        if stop is not None:
+            stop.set()
         client = getattr(self, "_client", None)
         if client is not None:
             client.client.close()  # also shuts the deployment down
 
 
-def build_application(cfg: RuntimeConfig, *, placement: str = "pack", gpus_per_actor: float = 1.0,
-                      cpus_per_actor: float = 1.0, placement_timeout_s: float = 60.0, api_key: str | None = None,
-                      served_model_name: str | None = None, num_cpus: float = 0.0):
-    """A bound Serve application (for `serve.run`). num_cpus: the replica's own CPUs (the
-    actors' are in their bundles)."""
-    deploy_kwargs = {"placement": placement, "gpus_per_actor": gpus_per_actor, "cpus_per_actor": cpus_per_actor,
-                     "placement_timeout_s": placement_timeout_s}
-    return SpecRuntimeServer.options(ray_actor_options={"num_cpus": num_cpus}).bind(
-        encode_config(cfg), deploy_kwargs, api_key, served_model_name)
+# A replica that cannot load its models three times in a row fails the deployment (Serve's
+# default of 20 tries turns a wrong path into minutes of retries).
+_OPTIONS = {"health_check_period_s": 2.0, "health_check_timeout_s": 30.0, "max_constructor_retry_count": 3}
+# The HTTP ingress of a one-model app, and the same replica behind spec_runtime.ray.router
+# (Serve allows one FastAPI ingress per application).
+SpecRuntimeServer = serve.deployment(**_OPTIONS)(serve.ingress()(_ModelServer))
+RoutedModelServer = serve.deployment(**_OPTIONS)(_ModelServer)
+
+
+def resolve_resources(cfg: RuntimeConfig, gpus_per_actor: float | None, cpus_per_actor: float | None,
+                      replica_cpus: float = 1.0) -> tuple[ActorResources, list[str]]:
+    """"auto" (None) GPUs / CPUs per actor from the connected cluster (ray.init() if this
+    process has not), checked against the models' devices. Returns (resources, warnings)."""
+    if gpus_per_actor is None or cpus_per_actor is None:
+        if not ray.is_initialized():
+            ray.init()
+        cluster = ray.cluster_resources()
+    else:
+        cluster = {}
+    res, warnings = resolve(gpus_per_actor, cpus_per_actor, cluster, len(roles_of(cfg)), replica_cpus)
+    on_cuda = [m.device for m in (cfg.target, cfg.draft)[:len(roles_of(cfg))] if m.device.startswith("cuda")]
+    if res.gpus == 0 and on_cuda:
+        raise ValueError(f"the actors get 0 GPUs but a model's device is {on_cuda[0]!r}: give "
+                         "--ray-gpus-per-actor 1 (a GPU per actor), or --target-device cpu --draft-device cpu")
+    return res, warnings
+
+
+def build_application(cfg: RuntimeConfig, *, placement: str = "pack", gpus_per_actor: float | None = None,
+                      cpus_per_actor: float | None = None, replica_cpus: float = 1.0, num_replicas: int = 1,
+                      max_replicas: int | None = None, api_key: str | None = None,
+                      served_model_name: str | None = None, max_body_bytes: int | None = None,
+                      name: str = "SpecRuntimeServer", ingress: bool = True):
+    """A bound Serve application (for `serve.run`). gpus_per_actor / cpus_per_actor None:
+    "auto" (resolve_resources). max_replicas: autoscale between num_replicas and it.
+    ingress False: the deployment answers spec_runtime.ray.router, not HTTP."""
+    if placement not in PLACEMENT_STRATEGIES:
+        raise ValueError(f"placement must be 'pack' or 'spread', got {placement!r}")
+    if num_replicas < 1 or (max_replicas is not None and max_replicas < num_replicas):
+        raise ValueError(f"need 1 <= num_replicas <= max_replicas, got {num_replicas} and {max_replicas}")
+    res, warnings = resolve_resources(cfg, gpus_per_actor, cpus_per_actor, replica_cpus)
+    for w in warnings:
+        logger.warning("%s", w)
+    scaling = ({"autoscaling_config": {"min_replicas": num_replicas, "max_replicas": max_replicas}}
+               if max_replicas is not None else {"num_replicas": num_replicas})
+    deployment = SpecRuntimeServer if ingress else RoutedModelServer
+    return deployment.options(
+        name=name, ray_actor_options={"num_cpus": res.replica_cpus},
+        placement_group_bundles=replica_bundles(res, len(roles_of(cfg))),
+        placement_group_strategy=PLACEMENT_STRATEGIES[placement], **scaling,
+    ).bind(encode_config(cfg), api_key, served_model_name, max_body_bytes)
+
+
+_DEPLOY_KEYS = {"placement": str, "gpus_per_actor": float, "cpus_per_actor": float, "replica_cpus": float,
+                "num_replicas": int, "max_replicas": int, "max_body_bytes": int}
+_APP_KEYS = ("api_key", "served_model_name")
 
 
 def app_builder(args: dict[str, str]):
@@ -83,8 +174,8 @@ def app_builder(args: dict[str, str]):
     from spec_runtime.cli import add_config_flags, config_from_args
 
     args = dict(args)
-    deploy_kwargs = {k: conv(args.pop(k)) for k, conv in _DEPLOY_KEYS.items() if k in args}
-    app_kwargs = {k: args.pop(k) for k in _APP_KEYS if k in args}
+    kwargs = {k: conv(args.pop(k)) for k, conv in _DEPLOY_KEYS.items() if k in args}
+    kwargs.update({k: args.pop(k) for k in _APP_KEYS if k in args})
     parser = argparse.ArgumentParser(prog="app_builder", exit_on_error=False)
     add_config_flags(parser)
     argv = []
@@ -94,14 +185,4 @@ def app_builder(args: dict[str, str]):
         cfg = config_from_args(parser.parse_args(argv))
     except (argparse.ArgumentError, SystemExit) as e:
         raise ValueError(f"bad app_builder arguments {sorted(args)}: {e}") from None
-    return build_application(cfg, **deploy_kwargs, **app_kwargs)
-
-
-def run_ray_server(cfg: RuntimeConfig, *, host: str = "127.0.0.1", port: int = 8000, **kw) -> None:
-    """Serve on Ray until interrupted: what `spec-runtime serve --ray` should call."""
-    import ray
-
-    if not ray.is_initialized():
-        ray.init()
-    serve.start(http_options={"host": host, "port": port})
-    serve.run(build_application(cfg, **kw), name="spec-runtime", route_prefix="/", blocking=True)
+    return build_application(cfg, **kwargs)

@@ -75,7 +75,8 @@ class _Tracker:
 class _Server:
     """Route bodies: checks, tokenization, submission, and response shaping over one AsyncClient."""
 
-    def __init__(self, client: AsyncClient, served_model_name: str, api_key: str | None, max_body_bytes: int):
+    def __init__(self, client: AsyncClient, served_model_name: str, api_key: str | None, max_body_bytes: int,
+                 metrics: ServerMetrics | None = None):
         self.client = client
         self.model = served_model_name
         self.api_key = api_key
@@ -86,7 +87,7 @@ class _Server:
         self.eos_token_ids = list(ready.eos_token_ids)
         cfg = client.config
         self.mode, self.k = cfg.spec.mode, (cfg.spec.k if cfg.spec.mode != "ar" else 0)
-        self.metrics = ServerMetrics(served_model_name, self.k)
+        self.metrics = metrics or ServerMetrics(served_model_name, self.k)
         self._background: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------------ checks
@@ -273,11 +274,17 @@ def _engine_error(e: RequestFailed) -> APIError:
     return APIError(500, msg, type="server_error", code="internal_error")
 
 
+def model_name_of(cfg, served_model_name: str | None = None) -> str:
+    """The name clients send in `model`: --served-model-name, else the target path."""
+    return served_model_name or cfg.target.path or "SmolLM2-135M-Instruct"
+
+
 def build_app(client: AsyncClient, *, served_model_name: str | None = None, api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    """The FastAPI app over a started AsyncClient (the caller owns and closes the client)."""
-    name = served_model_name or client.config.target.path or "SmolLM2-135M-Instruct"
-    srv = _Server(client, name, api_key, max_body_bytes)
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, metrics: ServerMetrics | None = None) -> FastAPI:
+    """The FastAPI app over a started AsyncClient (the caller owns and closes the client).
+    metrics: the ServerMetrics to record into (default: a fresh one, named after the model)."""
+    name = model_name_of(client.config, served_model_name)
+    srv = _Server(client, name, api_key, max_body_bytes, metrics)
     app = FastAPI(title="spec-runtime", docs_url=None, redoc_url=None)
     app.state.server = srv
 

@@ -17,6 +17,8 @@ Latency definitions (server side, from request arrival):
 
 from __future__ import annotations
 
+import threading
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -32,9 +34,14 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 class ServerMetrics:
     """The server's metrics in their own registry; updated per chunk and per finished request."""
 
-    def __init__(self, model_name: str, k: int):
+    def __init__(self, model_name: str, k: int, mirror=None, replica_id: str | None = None):
+        """mirror: an object with the same observe_* methods (spec_runtime.ray.metrics.RayMetrics)
+        fed every observation too. replica_id: this app is one replica of several (Ray Serve);
+        /metrics then says so and exports `replica_info{replica_id}`."""
         self.registry = r = CollectorRegistry()
         self._model = model_name
+        self._mirror = mirror
+        self._replica_id = replica_id
         lbl = ["model_name"]
 
         def counter(name: str, doc: str, *extra: str) -> Counter:
@@ -64,11 +71,16 @@ class ServerMetrics:
         self.draft_alive = Gauge(P + "draft_alive", "1 while the draft answers, 0 while the target decodes alone.",
                                  lbl, registry=r)
         self._restarts_seen = 0
+        self._lock = threading.Lock()  # observe_engine runs on the event loop and on a gauge thread
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.")
         self.itl = histogram("inter_token_latency_seconds", "Gap between output chunks (one chunk per round).")
         self.tpot = histogram("time_per_output_token_seconds", "(e2e - TTFT) / (tokens - 1) per request.")
         self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency.")
         self.draft_restarts.labels(model_name)  # exported as 0 until a restart
+        if replica_id is not None:
+            Gauge(P + "replica_info", "1: these metrics are of this replica only (Ray Serve); the cluster-wide "
+                  "sums are Ray's ray_spec_runtime_* metrics.", lbl + ["replica_id"], registry=r
+                  ).labels(model_name, replica_id).set(1)
         # Make every per-position series exist from the start (0 until it counts).
         for i in range(k):
             self.accepted_per_pos.labels(model_name, str(i))
@@ -76,6 +88,8 @@ class ServerMetrics:
 
     def observe_chunk_gap(self, gap_s: float) -> None:
         self.itl.labels(self._model).observe(gap_s)
+        if self._mirror is not None:
+            self._mirror.observe_chunk_gap(gap_s)
 
     def observe_finished(self, stats: RequestStats, finish_reason: str | None, ttft_s: float | None,
                          e2e_s: float, num_completion: int) -> None:
@@ -99,13 +113,32 @@ class ServerMetrics:
             if num_completion > 1:
                 self.tpot.labels(m).observe((e2e_s - ttft_s) / (num_completion - 1))
         self.e2e.labels(m).observe(e2e_s)
+        if self._mirror is not None:
+            self._mirror.observe_finished(stats, finish_reason, ttft_s, e2e_s, num_completion)
 
-    def render(self, engine: EngineStats | None, draft_restarts: int = 0) -> bytes:
+    def observe_engine(self, engine: EngineStats | None, draft_restarts: int = 0) -> None:
+        """Gauges from the engine, and the launcher's draft restart count (the counter follows it)."""
+        with self._lock:
+            self._observe_engine(engine, draft_restarts)
+
+    def _observe_engine(self, engine: EngineStats | None, draft_restarts: int) -> None:
         if engine is not None:
             self.running.labels(self._model).set(engine.num_running)
             self.waiting.labels(self._model).set(engine.num_waiting)
             self.draft_alive.labels(self._model).set(1.0 if engine.draft_alive else 0.0)
-        if draft_restarts > self._restarts_seen:  # the launcher counts; the counter follows it
+            if self._mirror is not None:
+                self._mirror.observe_engine(engine)
+        if draft_restarts > self._restarts_seen:
+            if self._mirror is not None:
+                self._mirror.observe_draft_restarts(draft_restarts - self._restarts_seen)
             self.draft_restarts.labels(self._model).inc(draft_restarts - self._restarts_seen)
             self._restarts_seen = draft_restarts
-        return generate_latest(self.registry)
+
+    def render(self, engine: EngineStats | None, draft_restarts: int = 0) -> bytes:
+        self.observe_engine(engine, draft_restarts)
+        text = generate_latest(self.registry)
+        if self._replica_id is not None:
+            note = (f"# spec-runtime: the metrics of Ray Serve replica {self._replica_id} only; the sums over every "
+                    "replica are Ray's ray_spec_runtime_* metrics (docs/ray.md).\n")
+            text = note.encode() + text
+        return text

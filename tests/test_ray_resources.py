@@ -1,0 +1,101 @@
+"""Resources of a Ray deployment (auto GPUs/CPUs, fit checks) and the refusal of flags
+that `serve --ray` or the local server would not honour: no cluster needed."""
+
+from __future__ import annotations
+
+import pytest
+
+from spec_runtime.cli import main
+from spec_runtime.ray.resources import ActorResources, replica_bundles, resolve, unfit_reason
+
+
+def _node(cpu: float, gpu: float = 0.0, ip: str = "10.0.0.1", alive: bool = True) -> dict:
+    res = {"CPU": cpu}
+    if gpu:
+        res["GPU"] = gpu
+    return {"Alive": alive, "NodeManagerAddress": ip, "Resources": res}
+
+
+def test_auto_gives_no_gpus_with_a_warning_where_the_cluster_has_none():
+    res, warnings = resolve(None, None, {"CPU": 8.0}, num_actors=2)
+    assert res == ActorResources(gpus=0.0, cpus=1.0, replica_cpus=1.0)
+    assert len(warnings) == 1 and "no GPUs" in warnings[0] and "--ray-gpus-per-actor" in warnings[0]
+
+
+def test_auto_gives_a_gpu_per_actor_where_there_are_gpus():
+    res, warnings = resolve(None, None, {"CPU": 8.0, "GPU": 2.0}, num_actors=2)
+    assert (res.gpus, res.cpus, warnings) == (1.0, 1.0, [])
+
+
+def test_auto_cpus_share_a_small_cluster_and_say_so():
+    res, warnings = resolve(0, None, {"CPU": 2.0}, num_actors=2)
+    assert res.cpus == 0.5 and res.replica_cpus + 2 * res.cpus <= 2.0
+    assert len(warnings) == 1 and "--ray-cpus-per-actor" in warnings[0]
+
+
+def test_given_values_are_kept_without_warnings():
+    res, warnings = resolve(0.5, 2.0, {"CPU": 1.0}, num_actors=1)
+    assert (res.gpus, res.cpus, warnings) == (0.5, 2.0, [])
+
+
+@pytest.mark.parametrize("gpus, cpus", [(-1, 1), (1, -1), (1.5, 1), (0, 0)])
+def test_bad_actor_resources_are_refused(gpus, cpus):
+    with pytest.raises(ValueError):
+        ActorResources(gpus=gpus, cpus=cpus)
+
+
+def test_replica_bundles_one_per_process():
+    assert replica_bundles(ActorResources(gpus=1, cpus=2, replica_cpus=0.5), 2) == [
+        {"CPU": 0.5}, {"CPU": 2.0, "GPU": 1.0}, {"CPU": 2.0, "GPU": 1.0}]
+    assert replica_bundles(ActorResources(gpus=0, cpus=1), 1) == [{"CPU": 1.0}, {"CPU": 1.0}]
+
+
+def test_unfit_names_the_bundle_and_the_nodes():
+    bundles = replica_bundles(ActorResources(gpus=1, cpus=1), 2)
+    reason = unfit_reason(bundles, 1, [_node(4.0), _node(64.0, alive=False)])
+    assert reason.startswith("bundle 1 {CPU: 1, GPU: 1} fits on no node")
+    assert "10.0.0.1 {CPU: 4, GPU: 0}" in reason
+
+
+def test_unfit_counts_every_replica_against_the_cluster():
+    bundles = replica_bundles(ActorResources(gpus=1, cpus=1), 2)
+    nodes = [_node(8.0, 2.0), _node(8.0, 1.0, ip="10.0.0.2")]
+    assert unfit_reason(bundles, 1, nodes) is None
+    reason = unfit_reason(bundles, 2, nodes)
+    assert "need {CPU: 6, GPU: 4} in all" in reason and "the cluster has {CPU: 16, GPU: 3}" in reason
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--ray", "--on-target-death", "stay"], "--on-target-death"),
+    (["--ray", "--uvicorn-log-level", "info"], "--uvicorn-log-level"),
+    (["--num-replicas", "2"], "--num-replicas"),
+    (["--ray-gpus-per-actor", "0"], "--ray-gpus-per-actor"),
+    (["--ray-address", "auto"], "--ray-address"),
+])
+def test_serve_refuses_flags_it_would_not_honour(argv, flag, capsys):
+    assert main(["serve", "--port", "1", *argv]) == 2
+    err = capsys.readouterr().err
+    assert flag in err and ("does not apply with --ray" in err or "needs --ray" in err)
+
+
+def test_every_server_metric_has_a_ray_twin_of_the_same_name():
+    from spec_runtime.ray.metrics import RayMetrics
+    from spec_runtime.server.metrics import ServerMetrics
+
+    server = {f.name.replace(":", "_") for f in ServerMetrics("m", 3).registry.collect()}
+    twins = {m._name for m in vars(RayMetrics("m", 3)).values() if hasattr(m, "_name")}
+    assert server == twins
+
+
+def test_serve_failure_summary_keeps_the_first_line_and_the_last_error():
+    from spec_runtime.ray.launch import _summary
+
+    message = ("DEPLOY_FAILED The deployment failed to start 3 times in a row.\n"
+               "Traceback (most recent call last):\n  File \"x.py\", line 1, in f\n"
+               "FileNotFoundError: model path '/m' does not exist\n"
+               "The above exception was the direct cause of the following exception:\n"
+               "spec_runtime.launcher.StartupError: target actor (node 10.0.0.1, pid 7): FileNotFoundError: x\n")
+    assert _summary(message) == ("DEPLOY_FAILED The deployment failed to start 3 times in a row. Last error: "
+                                 "spec_runtime.launcher.StartupError: target actor (node 10.0.0.1, pid 7): "
+                                 "FileNotFoundError: x")
+    assert _summary("DEPLOY_FAILED no traceback") == "DEPLOY_FAILED no traceback"
