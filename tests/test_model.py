@@ -204,7 +204,9 @@ def test_kv_cache_layout(tiny_llama_dir) -> None:
     arch = runner.arch
     assert runner.layout.max_model_len == arch.max_position_embeddings == 512  # capped
     kv = runner.kv_cache
-    assert kv.k_cache[1].shape == (2 * 512 + 5, arch.num_kv_heads, arch.head_dim)
+    # Slots, scratch rows, and the dummy row padded requests and branches write to.
+    assert kv.k_cache[1].shape == (2 * 512 + 5 + 1, arch.num_kv_heads, arch.head_dim)
+    assert runner.dummy_row == 2 * 512 + 5
     assert kv.k_cache[0].is_contiguous() and kv.v_cache[1].is_contiguous()
     assert kv_bytes_per_token(arch, torch.bfloat16) == 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * 2
     assert runner.eos_token_ids == [2] and runner.vocab_size == 384
