@@ -17,7 +17,7 @@ import httpx
 
 from protocol.messages import EngineStats, RequestOutput, RequestStats, SamplingParams
 from spec_runtime.client import GenerationResult, RequestFailed
-from spec_runtime.server.openai_protocol import stats_from_usage
+from spec_runtime.server.openai_responses import stats_from_usage
 
 
 class ServerError(RequestFailed):
