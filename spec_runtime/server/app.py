@@ -167,9 +167,9 @@ class _Server:
         """Token ids of each prompt, and the text `echo` puts before each one's output."""
         client = self.client.client
         if chat:
-            messages = req.chat_messages()
+            messages, kwargs = req.chat_messages(), req.template_kwargs()
             try:
-                ids = client.encode_chat(messages, **req.template_kwargs())
+                ids = client.encode_chat(messages, **kwargs)
             except Exception as e:  # no chat template, or the template refused these messages
                 raise APIError(400, f"the chat template failed: {e}", param="messages") from None
             last = messages[-1]

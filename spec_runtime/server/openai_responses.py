@@ -135,8 +135,11 @@ class Choice:
                                 "top_logprobs": [{"token": (t := self._token(a)), "logprob": max(b, _MIN_LOGPROB),
                                                   "bytes": list(t.encode())} for a, b in alts]})
             else:
-                top = {self._token(a): max(b, _MIN_LOGPROB) for a, b in alts}
-                top.setdefault(tok, lp)  # OpenAI: the sampled token is always listed
+                # OpenAI: the sampled token is always listed. Tokens whose strings coincide
+                # (partial UTF-8) keep the sampled one's, then the most likely one's logprob.
+                top = {tok: lp}
+                for a, b in alts:
+                    top.setdefault(self._token(a), max(b, _MIN_LOGPROB))
                 entries.append({"token": tok, "logprob": lp, "top": top, "offset": self.offset})
                 self.offset += len(tok)
         return entries
