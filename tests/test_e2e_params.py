@@ -8,6 +8,7 @@ sampling; logprobs must be the target's log-softmax.
 
 from __future__ import annotations
 
+import functools
 import json
 from types import SimpleNamespace
 
@@ -54,11 +55,16 @@ def stream(rt, path: str, body: dict) -> list[dict]:
     return [json.loads(x) for x in data if x != "[DONE]"]
 
 
-def reference_greedy(target: str, prompt: list[int], sp: SamplingParams) -> list[int]:
-    """A plain loop: transformers' logits, the textbook processors, argmax."""
+@functools.lru_cache(maxsize=1)
+def _hf_model(target: str):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+
+
+def reference_greedy(target: str, prompt: list[int], sp: SamplingParams) -> list[int]:
+    """A plain loop: transformers' logits, the textbook processors, argmax."""
+    model = _hf_model(target)
     out: list[int] = []
     with torch.inference_mode():
         while len(out) < sp.max_tokens:
@@ -102,6 +108,7 @@ def test_min_tokens_masks_stops_until_reached(rt):
         assert body["choices"][0]["finish_reason"] == "stop" and body["choices"][0]["stop_reason"] == stop
 
 
+@pytest.mark.slow
 def test_sampled_distribution_with_processors_matches_ar(rt):
     """Seeded requests at temperature 1 with penalties and min-p: each of the 5 tokens,
     and pairs of them, follow one distribution in SD and AR mode."""
@@ -119,11 +126,8 @@ def test_sampled_distribution_with_processors_matches_ar(rt):
 
 
 def _target_log_softmax(target: str, ids: list[int]) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
     with torch.inference_mode():
-        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+        return torch.log_softmax(_hf_model(target)(torch.tensor([ids])).logits[0].float(), -1)
 
 
 def test_logprobs_are_the_targets_over_http_and_streaming(rt):
