@@ -199,6 +199,23 @@ def test_bad_request_is_400_with_openai_error_and_never_reaches_engine(server, p
     assert len(server.submitted) == before
 
 
+def test_ssd_greedy_with_processors_equals_reference(server):
+    """Penalties, logit bias and min_tokens with the tree cache in the path: greedy output
+    is a plain reference loop's (transformers' logits, textbook processors, argmax)."""
+    from test_e2e_params import reference_greedy
+
+    prompt = [5, 17, 33, 101, 7, 250, 12]
+    kw = dict(repetition_penalty=1.4, presence_penalty=0.6, frequency_penalty=0.4, logit_bias={60: 2.0},
+              min_tokens=3)
+    r = server.sdk.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0,
+                                      extra_body=dict(EXACT, **{k: v for k, v in kw.items() if k != "logit_bias"}),
+                                      logit_bias={"60": 2.0})
+    ref = reference_greedy(server.client.config.target.path, prompt,
+                           SamplingParams(max_tokens=20, ignore_eos=True, **kw))
+    assert r.choices[0].model_extra["token_ids"] == ref
+    assert r.usage.model_extra["spec_decode"]["num_accepted_tokens"] > 0
+
+
 def test_sdk_raises_bad_request(server):
     with pytest.raises(openai.BadRequestError, match="context length"):
         server.sdk.completions.create(model=MODEL, prompt="hi", max_tokens=MAX_LEN)
