@@ -40,6 +40,8 @@ def validate_sampling(sp: SamplingParams) -> None:
         raise RequestError("at most 16 stop strings of at most 256 characters")
     if not 0 <= sp.top_logprobs <= MAX_TOP_LOGPROBS:
         raise RequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {sp.top_logprobs}")
+    if sp.top_logprobs and not sp.logprobs:
+        raise RequestError("top_logprobs needs logprobs=True")
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(sp, name)
         if not (math.isfinite(value) and -2.0 <= value <= 2.0):

@@ -143,7 +143,7 @@ class _Server:
             sps.append(sp)
         rids = ResponseIds(chat, self.model)
         n, num_top = req.num_choices, req.num_top_logprobs()
-        tokenizer = self.client.client.tokenizer if num_top is not None else None
+        tokenizer = self._tokenizer("logprobs") if num_top is not None else None
         areqs, trackers, choices = [], [], []
         try:
             for p, (ids, sp) in enumerate(zip(prompts, sps)):
@@ -182,7 +182,14 @@ class _Server:
             raise APIError(400, str(e), param="prompt") from None
         if not req.echo:
             return ids, [""] * len(ids)
-        return ids, [p if isinstance(p, str) else client.tokenizer.decode(p) for p in prompts]
+        return ids, [p if isinstance(p, str) else self._tokenizer("echo").decode(p) for p in prompts]
+
+    def _tokenizer(self, param: str):
+        """The model's tokenizer; a 400 naming `param` where the model has none."""
+        try:
+            return self.client.client.tokenizer
+        except (OSError, ValueError) as e:  # e.g. a random-weight benchmark model
+            raise APIError(400, f"{param} needs the model's tokenizer: {e}", param=param) from None
 
     def _usage(self, num_prompt: int, choices: list[Choice]) -> dict:
         stats = [c.final.stats for c in choices if c.final is not None and c.final.stats is not None]

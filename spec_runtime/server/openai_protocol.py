@@ -260,7 +260,7 @@ class ChatCompletionRequest(_Common):
             out.append(("tool_choice", _TOOLS))
         if self.modalities not in (None, ["text"]):
             out.append(("modalities", "only the text modality is supported"))
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:
             out.append(("top_logprobs", "top_logprobs needs logprobs: true"))
         if self.continue_final_message and self.add_generation_prompt:
             out.append(("continue_final_message", "continue_final_message needs add_generation_prompt: false"))
