@@ -405,21 +405,3 @@ def rejection_sample(
     out = torch.where(slot == j_col, last.unsqueeze(-1), out)  # [B, K+1]
     return VerifyResult(num_accepted, out, j + 1, last)
 
-
-def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
-                   num_top: int = 0) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """The model's log-softmax at each position: of the chosen token, and its top `num_top`.
-
-    logits: [B, S, V] raw target logits (before temperature and every logit processor, as
-    vLLM's default "raw_logprobs" reports them, so a token's logprob does not depend on
-    how it was sampled); token_ids: [B, S] (-1 padding gives 0.0).
-    Returns logprobs [B, S] float32, and top ids [B, S, num_top] int64 with their logprobs
-    [B, S, num_top] float32 (None when num_top == 0).
-    """
-    lsm = torch.log_softmax(logits.float(), dim=-1)  # [B, S, V]
-    chosen = lsm.gather(-1, token_ids.clamp(min=0).unsqueeze(-1)).squeeze(-1)  # [B, S]
-    chosen = torch.where(token_ids >= 0, chosen, 0.0)
-    if num_top <= 0:
-        return chosen, None, None
-    top_lp, top_ids = torch.topk(lsm, min(num_top, lsm.shape[-1]), dim=-1)  # [B, S, N]
-    return chosen, top_ids, top_lp

@@ -34,8 +34,8 @@ from protocol.messages import (
 )
 from spec_runtime.config import RuntimeConfig
 from spec_runtime.model.forward_batch import ForwardItem
-from spec_runtime.logits_process import LogitsProcess
-from spec_runtime.sampling import SamplingTensors, rejection_sample, token_logprobs
+from spec_runtime.logits_process import LogitsProcess, token_logprobs
+from spec_runtime.sampling import SamplingTensors, rejection_sample
 from target_proc.draft_link import DraftLink, Outcome, Speculation
 from target_proc.outputs import add_totals, merge_outputs, record_round, take_output
 from target_proc.sequence import IncrementalDetokenizer, Sequence, StopChecker

@@ -13,7 +13,7 @@ import itertools
 import torch
 
 from protocol.messages import SamplingParams
-from spec_runtime.logits_process import LogitsProcess
+from spec_runtime.logits_process import LogitsProcess, token_logprobs
 from spec_runtime.sampling import SamplingTensors, hash32, rejection_sample, target_probs
 from test_sampling import _bigram, _check_dist, _draft_chain, _reference_probs
 
@@ -128,3 +128,16 @@ def test_multi_round_joint_with_processors_is_exact():
     assert joint[EOS].sum() == 0 and joint[:, EOS].sum() == 0  # min_tokens = 2 masks EOS twice
     codes = (out[:, 0] * vocab + out[:, 1]) * vocab + out[:, 2]
     _check_dist(codes, joint.flatten() / joint.sum(), max_tv=0.03)
+
+
+def test_token_logprobs_are_the_raw_log_softmax():
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, 4, 20, generator=g) * 2
+    ids = torch.randint(0, 20, (3, 4), generator=g)
+    ids[1, 2:] = -1
+    lp, top_ids, top_lp = token_logprobs(logits, ids, 5)
+    lsm = torch.log_softmax(logits, -1)
+    torch.testing.assert_close(lp, torch.where(ids >= 0, lsm.gather(-1, ids.clamp(min=0)[..., None])[..., 0], 0.0))
+    torch.testing.assert_close(top_lp, lsm.topk(5, -1).values)
+    assert torch.equal(lsm.gather(-1, top_ids), top_lp)
+    assert token_logprobs(logits, ids)[1] is None
