@@ -94,6 +94,19 @@ class SamplingParams(_Cold):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: bool = False
+    # Alternatives per generated token (needs logprobs): the target's most likely ids.
+    top_logprobs: int = 0
+    # Logit processors, applied to the target's logits before temperature (min_p after it);
+    # the rejection sampler verifies against the processed distribution, so they stay exact.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1.0 = off
+    min_p: float = 0.0
+    min_tokens: int = 0  # EOS and stop_token_ids are masked before this many tokens
+    logit_bias: dict[int, float] = {}
+    # Output text.
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
 
 class GenerateRequest(_Hot, tag="gen"):
@@ -136,6 +149,12 @@ class RequestOutput(_Hot):
     logprobs: list[float] = []
     stats: RequestStats | None = None
     error: str | None = None
+    # With top_logprobs: for each new token, the target's most likely ids and their logprobs.
+    top_token_ids: list[list[int]] = []
+    top_logprobs: list[list[float]] = []
+    # What ended the request with finish_reason "stop": the stop string or stop token id
+    # (None for EOS).
+    stop_reason: str | int | None = None
 
 
 class TokenOutputs(_Hot, tag="out"):

@@ -125,11 +125,14 @@ class Client:
             return self.encode_chat([{"role": "user", "content": prompt}])
         return list(self.tokenizer.encode(prompt))
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], **template_kwargs) -> list[int]:
+        """The chat template's tokens for `messages`; template_kwargs reach the template
+        (add_generation_prompt, default True; continue_final_message; e.g. enable_thinking)."""
         tok = self.tokenizer
         if not getattr(tok, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; pass a plain prompt")
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        template_kwargs.setdefault("add_generation_prompt", True)
+        ids = tok.apply_chat_template(messages, tokenize=True, **template_kwargs)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return [int(t) for t in ids]

@@ -2,8 +2,10 @@
 
 Vocabulary (used the same way in the whole runtime):
   p          the target's distribution at one position: its logits after the request's
-             temperature, then top-k, then top-p, renormalized; one-hot on the argmax of
-             the raw logits for greedy rows (temperature 0).
+             temperature, then min-p, then top-k, then top-p, renormalized; one-hot on the
+             argmax of the logits for greedy rows (temperature 0). Logit processors that
+             depend on the sequence (penalties, logit bias, min_tokens:
+             spec_runtime.logits_process) are applied to the logits before they get here.
   q          the distribution a draft token was *actually* sampled from: the draft's
              logits after its temperature/top-k/top-p, truncated to its top `top_k_q`
              tokens, renormalized, optionally Saguaro-rescaled. It travels sparse as
@@ -134,11 +136,13 @@ class SamplingTensors:
     any_greedy: bool
     any_top_k: bool
     any_top_p: bool
+    min_p: torch.Tensor | None = None  # [B] float32, 0 = off; None when no row uses it
+    any_min_p: bool = False
 
     @classmethod
     def from_params(cls, params: Sequence[tuple[float, int, float, int]],
-                    device: torch.device | str = "cpu") -> "SamplingTensors":
-        """params: one (temperature, top_k, top_p, seed) per row."""
+                    device: torch.device | str = "cpu", min_p: Sequence[float] | None = None) -> "SamplingTensors":
+        """params: one (temperature, top_k, top_p, seed) per row; min_p: one per row (None: off)."""
         if not params:
             raise ValueError("from_params needs at least one row")
         temps, top_ks, top_ps, seeds = [], [], [], []
@@ -152,6 +156,10 @@ class SamplingTensors:
             temps.append(float(temperature)), top_ks.append(int(top_k)), top_ps.append(float(top_p))
             seeds.append((int(seed) + (1 << 63)) % (1 << 64) - (1 << 63))  # any int, as a signed int64
         greedy = [t < GREEDY_TEMPERATURE for t in temps]
+        min_ps = [float(m) for m in min_p] if min_p is not None else [0.0] * len(temps)
+        if len(min_ps) != len(temps) or not all(0.0 <= m <= 1.0 for m in min_ps):
+            raise ValueError(f"min_p must hold one value in [0, 1] per row, got {min_ps}")
+        any_min_p = any(m > 0.0 and not g for m, g in zip(min_ps, greedy))
         return cls(
             temperature=torch.tensor(temps, dtype=torch.float32, device=device),
             top_k=torch.tensor(top_ks, dtype=torch.int64, device=device),
@@ -162,6 +170,8 @@ class SamplingTensors:
             any_greedy=any(greedy),
             any_top_k=any(k > 0 and not g for k, g in zip(top_ks, greedy)),
             any_top_p=any(p < 1.0 and not g for p, g in zip(top_ps, greedy)),
+            min_p=torch.tensor(min_ps, dtype=torch.float32, device=device) if any_min_p else None,
+            any_min_p=any_min_p,
         )
 
     @property
@@ -174,6 +184,7 @@ class SamplingTensors:
         return SamplingTensors(
             rep(self.temperature), rep(self.top_k), rep(self.top_p), rep(self.seed),
             rep(self.is_greedy), self.all_greedy, self.any_greedy, self.any_top_k, self.any_top_p,
+            rep(self.min_p) if self.min_p is not None else None, self.any_min_p,
         )
 
 
@@ -202,8 +213,8 @@ def _mask_top_k_top_p(scaled: torch.Tensor, st: SamplingTensors) -> torch.Tensor
 def target_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """p: [B, V] or [B, S, V] logits -> float32 probabilities of the same shape.
 
-    Temperature, then top-k, then top-p, renormalized; greedy rows are one-hot on the
-    argmax of the raw logits. Row b of a [B, S, V] input uses the params of row b.
+    Temperature, then min-p, then top-k, then top-p, renormalized; greedy rows are one-hot
+    on the argmax of the logits. Row b of a [B, S, V] input uses the params of row b.
     """
     if logits.dim() == 3:
         b, s, v = logits.shape
@@ -215,6 +226,11 @@ def target_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         return _one_hot(torch.argmax(logits, dim=-1), vocab)
     temperature = torch.where(st.is_greedy, 1.0, st.temperature)  # [B]
     scaled = logits.float() / temperature.unsqueeze(-1)  # [B, V]
+    if st.any_min_p:
+        # min-p keeps tokens with prob >= min_p * max prob, i.e. scaled >= max + log(min_p)
+        # (log 0 = -inf keeps every token of a row without min-p).
+        floor = scaled.amax(-1, keepdim=True) + torch.log(st.min_p).unsqueeze(-1)  # [B, 1]
+        scaled = scaled.masked_fill(scaled < floor, float("-inf"))
     if st.any_top_k or st.any_top_p:
         scaled = _mask_top_k_top_p(scaled, st)
     probs = torch.softmax(scaled, dim=-1)  # [B, V]
@@ -319,9 +335,6 @@ class VerifyResult:
     num_accepted: torch.Tensor  # [B] int64, j
     output_token_ids: torch.Tensor  # [B, K+1] int64: d_1..d_j, then recovery/bonus, then -1
     num_output: torch.Tensor  # [B] int64, j + 1
-    # log p of each output token (greedy rows: the raw model's log-softmax, since their
-    # p is one-hot); 0.0 in padded slots.
-    target_logprobs: torch.Tensor  # [B, K+1] float32
     last_token_ids: torch.Tensor  # [B] int64: the recovery or bonus token
 
 
@@ -390,13 +403,5 @@ def rejection_sample(
     draft_ext = torch.nn.functional.pad(draft_token_ids.long(), (0, 1), value=PLACEHOLDER_TOKEN_ID)
     out = torch.where(slot < j_col, draft_ext, PLACEHOLDER_TOKEN_ID)
     out = torch.where(slot == j_col, last.unsqueeze(-1), out)  # [B, K+1]
-    valid = slot <= j_col  # [B, K+1]
+    return VerifyResult(num_accepted, out, j + 1, last)
 
-    out_c = out.clamp(min=0).unsqueeze(-1)  # [B, K+1, 1]
-    raw = target_logits.float()
-    logprobs = raw.gather(-1, out_c).squeeze(-1) - torch.logsumexp(raw, dim=-1)  # [B, K+1]
-    if probs is not None:
-        p_lp = torch.log(probs.gather(-1, out_c).squeeze(-1))  # [B, K+1]
-        logprobs = torch.where(st.is_greedy.unsqueeze(-1), logprobs, p_lp)
-    logprobs = torch.where(valid, logprobs, 0.0)
-    return VerifyResult(num_accepted, out, j + 1, logprobs, last)

@@ -65,9 +65,14 @@ def take_output(seq: Sequence) -> RequestOutput | None:
         finish_reason=seq.finish_reason,
         logprobs=seq.pending_logprobs,
         stats=seq.stats if seq.finished else None,
+        top_token_ids=seq.pending_top_ids,
+        top_logprobs=seq.pending_top_logprobs,
+        stop_reason=seq.stop_reason if seq.finished else None,
     )
     seq.pending_token_ids = []
     seq.pending_logprobs = []
+    seq.pending_top_ids = []
+    seq.pending_top_logprobs = []
     seq.final_sent = seq.finished
     return out
 
@@ -85,6 +90,9 @@ def merge_outputs(outs: list[RequestOutput]) -> list[RequestOutput]:
             prev.new_token_ids = prev.new_token_ids + o.new_token_ids
             prev.text_delta += o.text_delta
             prev.logprobs = prev.logprobs + o.logprobs
+            prev.top_token_ids = prev.top_token_ids + o.top_token_ids
+            prev.top_logprobs = prev.top_logprobs + o.top_logprobs
+            prev.stop_reason = o.stop_reason if o.stop_reason is not None else prev.stop_reason
             prev.finished = prev.finished or o.finished
             prev.finish_reason = o.finish_reason or prev.finish_reason
             prev.stats = o.stats or prev.stats

@@ -23,8 +23,9 @@ class IncrementalDetokenizer:
     holds back text that ends in an incomplete UTF-8 sequence ("\\ufffd").
     """
 
-    def __init__(self, tokenizer, prompt_token_ids: list[int]):
+    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = list(prompt_token_ids[-6:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -32,8 +33,9 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
-        full = self.tokenizer.decode(self.ids[self.prefix_offset :], skip_special_tokens=True)
+        skip = self.skip_special_tokens
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=skip)
+        full = self.tokenizer.decode(self.ids[self.prefix_offset :], skip_special_tokens=skip)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             delta = full[len(prefix) :]
             self.prefix_offset = self.read_offset
@@ -62,6 +64,7 @@ class Sequence:
     draft_synced: bool = False
     finished: bool = False
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     final_sent: bool = False
     stats: RequestStats = field(default_factory=RequestStats)
     arrival_s: float = field(default_factory=time.monotonic)
@@ -74,6 +77,8 @@ class Sequence:
     # Unsent outputs of the current step.
     pending_token_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[float] = field(default_factory=list)
+    pending_top_ids: list[list[int]] = field(default_factory=list)
+    pending_top_logprobs: list[list[float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -113,29 +118,38 @@ class StopChecker:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
 
-    def append(self, seq: Sequence, token_id: int, logprob: float | None = None) -> bool:
+    def append(self, seq: Sequence, token_id: int, logprob: float | None = None,
+               top_ids: list[int] | None = None, top_logprobs: list[float] | None = None) -> bool:
         """Append one accepted token to seq; return True when seq is now finished.
 
         Token ids after a stop are never appended. EOS and stop token ids are kept in
         token_ids but contribute no text; a stop string is cut from the text (OpenAI
-        semantics) and the token that completed it ends the output.
+        semantics; include_stop_str_in_output keeps it) and the token that completed it
+        ends the output. Before min_tokens tokens, stop strings do not stop (EOS and stop
+        token ids cannot occur: the sampler masks them).
         """
         sp = seq.sampling
         seq.token_ids.append(token_id)
         seq.pending_token_ids.append(token_id)
         if logprob is not None and sp.logprobs:
             seq.pending_logprobs.append(logprob)
+            if sp.top_logprobs:
+                seq.pending_top_ids.append(list(top_ids[: sp.top_logprobs]))
+                seq.pending_top_logprobs.append(list(top_logprobs[: sp.top_logprobs]))
         if not seq.first_token_s:
             seq.first_token_s = time.monotonic()
 
-        if (token_id in self.eos_token_ids and not sp.ignore_eos) or token_id in sp.stop_token_ids:
+        if token_id in sp.stop_token_ids:
+            seq.stop_reason = token_id
+            return self._finish(seq, "stop")
+        if token_id in self.eos_token_ids and not sp.ignore_eos:
             return self._finish(seq, "stop")
 
         if seq.detok is not None:
             delta = seq.detok.add(token_id)
             if delta:
                 seq.text += delta
-                if sp.stop and self._cut_stop_string(seq, len(delta)):
+                if sp.stop and seq.num_generated > sp.min_tokens and self._cut_stop_string(seq, len(delta)):
                     return self._finish(seq, "stop")
 
         if seq.num_generated >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
@@ -148,14 +162,16 @@ class StopChecker:
         longest = max(len(s) for s in seq.sampling.stop)
         window_start = max(0, len(seq.text) - delta_len - longest + 1)
         window = seq.text[window_start:]
-        best = -1
+        best, found = -1, ""
         for s in seq.sampling.stop:
             i = window.find(s)
             if i >= 0 and (best < 0 or i < best):
-                best = i
+                best, found = i, s
         if best < 0:
             return False
-        seq.text = seq.text[: window_start + best]
+        end = window_start + best + (len(found) if seq.sampling.include_stop_str_in_output else 0)
+        seq.text = seq.text[:end]
+        seq.stop_reason = found
         return True
 
     @staticmethod

@@ -13,6 +13,10 @@ import numpy as np
 from protocol.messages import GenerateRequest, SamplingParams
 
 
+MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024
+
+
 class RequestError(ValueError):
     pass
 
@@ -34,6 +38,25 @@ def validate_sampling(sp: SamplingParams) -> None:
         raise RequestError("stop strings must be non-empty")
     if len(sp.stop) > 16 or any(len(s) > 256 for s in sp.stop):
         raise RequestError("at most 16 stop strings of at most 256 characters")
+    if not 0 <= sp.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise RequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {sp.top_logprobs}")
+    if sp.top_logprobs and not sp.logprobs:
+        raise RequestError("top_logprobs needs logprobs=True")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(sp, name)
+        if not (math.isfinite(value) and -2.0 <= value <= 2.0):
+            raise RequestError(f"{name} must be in [-2, 2], got {value}")
+    if not (math.isfinite(sp.repetition_penalty) and 0.0 < sp.repetition_penalty <= 100.0):
+        raise RequestError(f"repetition_penalty must be in (0, 100] (1 disables it), got {sp.repetition_penalty}")
+    if not (math.isfinite(sp.min_p) and 0.0 <= sp.min_p <= 1.0):
+        raise RequestError(f"min_p must be in [0, 1], got {sp.min_p}")
+    if not 0 <= sp.min_tokens <= sp.max_tokens:
+        raise RequestError(f"min_tokens must be in [0, max_tokens={sp.max_tokens}], got {sp.min_tokens}")
+    if len(sp.logit_bias) > MAX_LOGIT_BIAS:
+        raise RequestError(f"logit_bias holds at most {MAX_LOGIT_BIAS} tokens, got {len(sp.logit_bias)}")
+    for t, b in sp.logit_bias.items():
+        if not (math.isfinite(b) and -100.0 <= b <= 100.0):
+            raise RequestError(f"logit_bias values must be in [-100, 100], got {b} for token {t}")
 
 
 def validate_request(req: GenerateRequest, vocab_size: int, max_model_len: int) -> list[int]:
@@ -51,6 +74,9 @@ def validate_request(req: GenerateRequest, vocab_size: int, max_model_len: int) 
     for t in req.sampling.stop_token_ids:
         if not 0 <= t < vocab_size:
             raise RequestError(f"stop token id {t} is outside [0, {vocab_size})")
+    for t in req.sampling.logit_bias:
+        if not 0 <= t < vocab_size:
+            raise RequestError(f"logit_bias token id {t} is outside [0, {vocab_size})")
     if ids.size + req.sampling.max_tokens > max_model_len:
         raise RequestError(
             f"prompt ({ids.size} tokens) + max_tokens ({req.sampling.max_tokens}) exceeds the context "

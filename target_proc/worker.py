@@ -34,6 +34,7 @@ from protocol.messages import (
 )
 from spec_runtime.config import RuntimeConfig
 from spec_runtime.model.forward_batch import ForwardItem
+from spec_runtime.logits_process import LogitsProcess, token_logprobs
 from spec_runtime.sampling import SamplingTensors, rejection_sample
 from target_proc.draft_link import DraftLink, Outcome, Speculation
 from target_proc.outputs import add_totals, merge_outputs, record_round, take_output
@@ -140,7 +141,7 @@ class TargetWorker:
             seed=sp.seed if sp.seed is not None else self.rng.getrandbits(62),
         )
         if self.runner.tokenizer is not None:  # random-weight benchmark models have none
-            seq.detok = IncrementalDetokenizer(self.runner.tokenizer, prompt)
+            seq.detok = IncrementalDetokenizer(self.runner.tokenizer, prompt, sp.skip_special_tokens)
         seq.stats.num_prompt_tokens = len(prompt)
         seq.stats.accepted_per_position = [0] * self.k
         seq.stats.drafted_per_position = [0] * self.k
@@ -184,8 +185,9 @@ class TargetWorker:
         logits = self._oracle(self.runner.run(items), [(s.seed, s.num_tokens, 0) for s in new])  # [B, V]
         st = self._sampling_tensors(new)
         positions = torch.tensor([s.num_tokens for s in new], dtype=torch.int64, device=logits.device)
+        proc = self._logits_process(new)
         res = rejection_sample(
-            logits[:, None, :],
+            proc.apply(logits[:, None, :]) if proc is not None else logits[:, None, :],
             torch.full((len(new), 0), -1, dtype=torch.int64, device=logits.device),
             torch.zeros(len(new), dtype=torch.int64, device=logits.device),
             None,
@@ -194,17 +196,17 @@ class TargetWorker:
             positions,
         )
         tokens = res.output_token_ids[:, 0].cpu().tolist()  # sync: the host streams the first token
-        logprobs = res.target_logprobs[:, 0].cpu().tolist()
+        logprobs = self._logprobs(new, logits[:, None, :], res.output_token_ids[:, :1])
         now = time.monotonic()
         outcomes = []
-        for seq, tok, lp in zip(new, tokens, logprobs):
+        for i, (seq, tok) in enumerate(zip(new, tokens)):
             self.running[seq.seq_id] = seq
             seq.stats.num_rounds += 1
             seq.stats.ttft_s = now - seq.arrival_s
             if seq.draft_synced:
                 seq.round += 1
                 outcomes.append(Outcome(seq.seq_id, seq.round, 0, tok, seq.num_tokens + 1))
-            if self.stop_checker.append(seq, tok, lp):
+            if self.stop_checker.append(seq, tok, *_at(logprobs, i, 0)):
                 self.finish(seq)
         if self.draft is not None:
             self.draft.request(outcomes)
@@ -248,10 +250,15 @@ class TargetWorker:
                                    [(s.seed, s.num_tokens, q - 1) for s, q in zip(seqs, q_lens)])
         # flat_logits: [sum(q_lens), V]
         gather = inputs.pop("gather")
-        res = rejection_sample(flat_logits[gather], **inputs)  # target logits [B, k_max + 1, V]
+        target_logits = flat_logits[gather]  # [B, k_max + 1, V]
+        proc = self._logits_process(seqs)
+        if proc is not None:
+            res = rejection_sample(proc.apply(target_logits, inputs["draft_token_ids"]), **inputs)
+        else:
+            res = rejection_sample(target_logits, **inputs)
         num_accepted = res.num_accepted.cpu()  # sync: the accepted prefix decides what the host does next
         out_tokens = res.output_token_ids.cpu()
-        logprobs = res.target_logprobs.cpu() if any(s.sampling.logprobs for s in seqs) else None
+        logprobs = self._logprobs(seqs, target_logits, res.output_token_ids)
         num_accepted_l = num_accepted.tolist()
         out_l = out_tokens.tolist()
         tm = self.timing
@@ -285,8 +292,7 @@ class TargetWorker:
             record_round(seq.stats, num_draft[i], j, specs.get(seq.seq_id), ssd=ssd,
                          speculating=bool(self.k and speculate), sd_round=sd_round)
             for t in range(j + 1):
-                lp = float(logprobs[i, t]) if logprobs is not None else None
-                if self.stop_checker.append(seq, out_l[i][t], lp):
+                if self.stop_checker.append(seq, out_l[i][t], *_at(logprobs, i, t)):
                     break
             if seq.finished:
                 self.finish(seq)
@@ -349,7 +355,25 @@ class TargetWorker:
         return SamplingTensors.from_params(
             [(s.sampling.temperature, s.sampling.top_k, s.sampling.top_p, s.seed) for s in seqs],
             self.runner.device,
+            min_p=[s.sampling.min_p for s in seqs] if any(s.sampling.min_p for s in seqs) else None,
         )
+
+    def _logits_process(self, seqs: list[Sequence]) -> LogitsProcess | None:
+        return LogitsProcess.build([s.sampling for s in seqs], [s.token_ids for s in seqs],
+                                   [s.num_prompt_tokens for s in seqs], self.runner.eos_token_ids,
+                                   self.runner.vocab_size, self.runner.device)
+
+    @staticmethod
+    def _logprobs(seqs: list[Sequence], logits: torch.Tensor, out_tokens: torch.Tensor):
+        """Host copies of (logprobs [B, S], top ids [B, S, N], top logprobs [B, S, N]) of the
+        output tokens from the raw target logits [B, S, V], or None when no row asks."""
+        if not any(s.sampling.logprobs for s in seqs):
+            return None
+        num_top = max(s.sampling.top_logprobs for s in seqs)
+        lp, top_ids, top_lp = token_logprobs(logits, out_tokens, num_top)
+        # sync: logprobs stream with their tokens
+        return (lp.cpu().tolist(), top_ids.cpu().tolist() if top_ids is not None else None,
+                top_lp.cpu().tolist() if top_lp is not None else None)
 
     @staticmethod
     def _will_finish(seq: Sequence, num_new: int) -> bool:
@@ -401,3 +425,11 @@ class TargetWorker:
             hits_by_depth=list(self.draft.hits_by_depth) if self.draft is not None else [],
             **self.timing,
         )
+
+
+def _at(logprobs, i: int, t: int) -> tuple:
+    """StopChecker.append's logprob arguments for row i, slot t of `_logprobs`' result."""
+    if logprobs is None:
+        return (None, None, None)
+    lp, top_ids, top_lp = logprobs
+    return (lp[i][t], top_ids[i][t] if top_ids is not None else None, top_lp[i][t] if top_lp is not None else None)

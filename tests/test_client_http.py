@@ -115,6 +115,20 @@ def test_async_http_client(rt):
     assert st.num_running == 0
 
 
+def test_http_client_forwards_every_sampling_param_and_logprobs(rt):
+    """SamplingParams over HTTP mean what they mean in-process: processors, logprobs."""
+    ac, url = rt
+    sp = SamplingParams(max_tokens=10, ignore_eos=True, repetition_penalty=1.6, presence_penalty=0.4,
+                        frequency_penalty=0.3, min_tokens=2, logit_bias={50: 3.0}, logprobs=True, top_logprobs=2)
+    local = ac.client.generate([5, 6, 7], sp)
+    with Client.connect(url) as http:
+        remote = http.generate([5, 6, 7], sp)
+        streamed = list(http.stream([5, 6, 7], sp))
+    assert remote.token_ids == local.token_ids != ac.client.generate([5, 6, 7], GREEDY).token_ids
+    assert remote.logprobs == pytest.approx(local.logprobs, abs=1e-5) and len(remote.logprobs) == 10
+    assert [x for o in streamed for x in o.logprobs] == remote.logprobs
+
+
 def test_health_503_and_requests_fail_when_target_dies(rt):
     # Last in the module: it kills the runtime's target process.
     ac, url = rt
@@ -135,3 +149,4 @@ def test_health_503_and_requests_fail_when_target_dies(rt):
     assert h.json()["dead_process"] == "target"
     r = httpx.post(url + "/v1/completions", json=dict(body, stream=False), timeout=30)
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+

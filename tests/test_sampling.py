@@ -276,7 +276,6 @@ def test_rejection_sample_is_exact(k, case):
     assert torch.equal(res.num_output, res.num_accepted + 1)
     assert torch.equal(torch.where(slot < j, res.output_token_ids, 0)[:, :k], torch.where(slot[:k] < j, d, 0))
     assert ((res.output_token_ids == -1) == (slot > j)).all()
-    assert torch.isfinite(res.target_logprobs).all()
 
 
 def test_multi_round_generation_joint_is_exact():
@@ -328,7 +327,6 @@ def test_greedy_rows_equal_argmax_chain_in_any_batch():
     assert torch.equal(res_g.output_token_ids, expected)
     even = torch.arange(0, b, 2)
     assert torch.equal(res_m.output_token_ids[even], expected[even])
-    torch.testing.assert_close(res_m.target_logprobs[even], res_g.target_logprobs[even])
 
 
 def test_plain_decode_is_target_sample():
@@ -365,7 +363,6 @@ def test_deterministic_and_independent_of_batch_order():
     assert torch.equal(d_p, d[perm])  # the draft too depends on (seed, position) only
     res_p = rejection_sample(logits[perm], d[perm], n[perm], q_ids[perm], q_probs[perm], st_p, pos[perm])
     assert torch.equal(res_p.output_token_ids, res.output_token_ids[perm])
-    torch.testing.assert_close(res_p.target_logprobs, res.target_logprobs[perm])
 
 
 @pytest.mark.parametrize("k", [1, 2, 4])

@@ -164,19 +164,23 @@ BAD = [
     ("/v1/completions", {"top_p": 0.0}, "top_p"),
     ("/v1/completions", {"top_p": 1.5}, "top_p"),
     ("/v1/completions", {"model": "gpt-4"}, "model"),
-    ("/v1/completions", {"n": 2}, "n"),
+    ("/v1/completions", {"n": 0}, "n"),
     ("/v1/completions", {"best_of": 3}, "best_of"),
-    ("/v1/completions", {"logit_bias": {"5": 1.0}}, "logit_bias"),
-    ("/v1/completions", {"presence_penalty": 0.5}, "presence_penalty"),
-    ("/v1/completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
-    ("/v1/completions", {"logprobs": 2}, "logprobs"),
+    ("/v1/completions", {"logit_bias": {"5": 101.0}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"999999": 1.0}}, "logit_bias"),
+    ("/v1/completions", {"presence_penalty": 2.5}, "presence_penalty"),
+    ("/v1/completions", {"frequency_penalty": -3}, "frequency_penalty"),
+    ("/v1/completions", {"logprobs": 21}, "logprobs"),
     ("/v1/completions", {"prompt": ""}, "prompt"),
     ("/v1/completions", {"prompt": [1, 2, 10**6]}, "prompt"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("/v1/completions", {"prompt": ["a", ""]}, "prompt"),
     ("/v1/completions", {"max_tokens": "many"}, "max_tokens"),
+    ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json"),
+    ("/v1/completions", {"no_such_field": 1}, "no_such_field"),
     ("/v1/chat/completions", {"temperature": -1}, "temperature"),
     ("/v1/chat/completions", {"max_completion_tokens": 0}, "max_tokens"),
-    ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
 ]
 
@@ -193,6 +197,23 @@ def test_bad_request_is_400_with_openai_error_and_never_reaches_engine(server, p
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert err["type"] == "invalid_request_error" and err["param"] == param
     assert len(server.submitted) == before
+
+
+def test_ssd_greedy_with_processors_equals_reference(server):
+    """Penalties, logit bias and min_tokens with the tree cache in the path: greedy output
+    is a plain reference loop's (transformers' logits, textbook processors, argmax)."""
+    from test_e2e_params import reference_greedy
+
+    prompt = [5, 17, 33, 101, 7, 250, 12]
+    kw = dict(repetition_penalty=1.4, presence_penalty=0.6, frequency_penalty=0.4, logit_bias={60: 2.0},
+              min_tokens=3)
+    r = server.sdk.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0,
+                                      extra_body=dict(EXACT, **{k: v for k, v in kw.items() if k != "logit_bias"}),
+                                      logit_bias={"60": 2.0})
+    ref = reference_greedy(server.client.config.target.path, prompt,
+                           SamplingParams(max_tokens=20, ignore_eos=True, **kw))
+    assert r.choices[0].model_extra["token_ids"] == ref
+    assert r.usage.model_extra["spec_decode"]["num_accepted_tokens"] > 0
 
 
 def test_sdk_raises_bad_request(server):

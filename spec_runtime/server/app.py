@@ -34,13 +34,10 @@ from spec_runtime.server.openai_protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
-    ResponseIds,
-    openai_finish_reason,
     parse_request,
-    spec_decode_usage,
     to_sampling,
-    usage_body,
 )
+from spec_runtime.server.openai_responses import Choice, ResponseIds, merge_stats, spec_decode_usage, usage_body
 
 logger = logging.getLogger(__name__)
 
@@ -134,90 +131,127 @@ class _Server:
         body = await self.read_json(request)
         req = parse_request(ChatCompletionRequest if chat else CompletionRequest, body)
         self.check_model(req.model)
-        try:
-            if chat:
-                ids = self.client.client.encode_chat(req.chat_messages())
-            else:
-                ids = self.client.client.encode_prompt(req.single_prompt())
-        except ValueError as e:  # e.g. no chat template
-            raise APIError(400, str(e), param="messages" if chat else "prompt") from None
-        self.check_prompt_ids(ids)
-        sp = to_sampling(req, len(ids), self.max_model_len)
-        for t in sp.stop_token_ids:
-            if not 0 <= t < self.vocab_size:
-                raise APIError(400, f"stop token id {t} is outside [0, {self.vocab_size})", param="stop_token_ids")
+        prompts, echoes = self._prompts(req, chat)
+        sps = []
+        for ids in prompts:  # every prompt is checked before any is submitted
+            self.check_prompt_ids(ids)
+            sp = to_sampling(req, len(ids), self.max_model_len)
+            for name, ids_ in (("stop_token_ids", sp.stop_token_ids), ("logit_bias", list(sp.logit_bias))):
+                for t in ids_:
+                    if not 0 <= t < self.vocab_size:
+                        raise APIError(400, f"{name}: token id {t} is outside [0, {self.vocab_size})", param=name)
+            sps.append(sp)
         rids = ResponseIds(chat, self.model)
+        n, num_top = req.num_choices, req.num_top_logprobs()
+        tokenizer = self._tokenizer("logprobs") if num_top is not None else None
+        areqs, trackers, choices = [], [], []
         try:
-            areq = self.client.submit(ids, sp)
+            for p, (ids, sp) in enumerate(zip(prompts, sps)):
+                for j in range(n):  # n samples of a prompt: seeds seed, seed + 1, ... when given
+                    sp_j = sp if sp.seed is None or j == 0 else msgspec.structs.replace(sp, seed=sp.seed + j)
+                    areqs.append(self.client.submit(ids, sp_j))
+                    trackers.append(_Tracker(self.metrics))
+                    choices.append(Choice(p * n + j, chat, tokenizer, num_top=num_top, echo=echoes[p],
+                                          return_token_ids=req.return_token_ids))
         except RequestFailed as e:  # the runtime refuses work (its target died, or it is closing)
+            for a in areqs:
+                a.abort()
             raise APIError(503, str(e), type="server_error", code="engine_unavailable") from None
-        tracker = _Tracker(self.metrics)
+        num_prompt = sum(len(ids) for ids in prompts)
         if req.stream:
-            gen = self._sse(areq, tracker, rids, len(ids), req.include_usage, req.return_token_ids)
+            gen = self._sse(areqs, trackers, choices, rids, num_prompt, req.include_usage)
             return StreamingResponse(gen, media_type="text/event-stream")
-        return await self._whole(request, areq, tracker, rids, len(ids), req.return_token_ids)
+        return await self._whole(request, areqs, trackers, choices, rids, num_prompt)
 
-    def _usage(self, num_prompt: int, tracker: _Tracker, final: RequestOutput) -> dict:
-        spec = spec_decode_usage(final.stats, self.mode, self.k) if final.stats is not None else None
-        return usage_body(num_prompt, len(tracker.token_ids), spec)
+    def _prompts(self, req, chat: bool) -> tuple[list[list[int]], list[str]]:
+        """Token ids of each prompt, and the text `echo` puts before each one's output."""
+        client = self.client.client
+        if chat:
+            messages, kwargs = req.chat_messages(), req.template_kwargs()
+            try:
+                ids = client.encode_chat(messages, **kwargs)
+            except Exception as e:  # no chat template, or the template refused these messages
+                raise APIError(400, f"the chat template failed: {e}", param="messages") from None
+            last = messages[-1]
+            echo = last["content"] if req.echo and last["role"] == "assistant" else ""
+            return [ids], [echo]
+        prompts = req.prompts()
+        try:
+            ids = [client.encode_prompt(p) for p in prompts]
+        except ValueError as e:
+            raise APIError(400, str(e), param="prompt") from None
+        if not req.echo:
+            return ids, [""] * len(ids)
+        return ids, [p if isinstance(p, str) else self._tokenizer("echo").decode(p) for p in prompts]
 
-    async def _consume(self, areq: AsyncRequest, tracker: _Tracker) -> tuple[str, RequestOutput]:
-        text = []
+    def _tokenizer(self, param: str):
+        """The model's tokenizer; a 400 naming `param` where the model has none."""
+        try:
+            return self.client.client.tokenizer
+        except (OSError, ValueError) as e:  # e.g. a random-weight benchmark model
+            raise APIError(400, f"{param} needs the model's tokenizer: {e}", param=param) from None
+
+    def _usage(self, num_prompt: int, choices: list[Choice]) -> dict:
+        stats = [c.final.stats for c in choices if c.final is not None and c.final.stats is not None]
+        spec = spec_decode_usage(merge_stats(stats), self.mode, self.k) if stats else None
+        return usage_body(num_prompt, sum(len(c.token_ids) for c in choices), spec)
+
+    @staticmethod
+    async def _consume(areq: AsyncRequest, tracker: _Tracker, choice: Choice) -> None:
         async for out in areq:
             tracker.on_output(out)
-            text.append(out.text_delta)
-        return "".join(text), areq.final
+            choice.add(out)
 
-    async def _whole(self, request: Request, areq: AsyncRequest, tracker: _Tracker, rids: ResponseIds,
-                     num_prompt: int, return_ids: bool):
-        work = asyncio.create_task(self._consume(areq, tracker))
+    async def _whole(self, request: Request, areqs: list[AsyncRequest], trackers: list[_Tracker],
+                     choices: list[Choice], rids: ResponseIds, num_prompt: int):
+        work = asyncio.ensure_future(asyncio.gather(*(self._consume(a, t, c)
+                                                      for a, t, c in zip(areqs, trackers, choices))))
         gone = asyncio.create_task(_wait_disconnect(request))
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         if not work.done():
-            logger.info("client went away; aborting %s", areq.request_id)
-            areq.abort()
-            self._keep(work)  # it still ends (finish_reason "abort") and is counted
+            logger.info("client went away; aborting %s", ", ".join(a.request_id for a in areqs))
+            for a in areqs:
+                a.abort()
+            self._keep(work)  # they still end (finish_reason "abort") and are counted
             return Response(status_code=499)
         gone.cancel()
         try:
-            text, final = work.result()
+            work.result()
         except RequestFailed as e:
+            for a in areqs:  # the other choices' requests still end and are counted
+                a.abort()
             raise _engine_error(e) from None
         body = rids.head(chunk=False)
-        body["choices"] = [rids.choice(text, openai_finish_reason(final.finish_reason),
-                                       tracker.token_ids if return_ids else None, chunk=False)]
-        body["usage"] = self._usage(num_prompt, tracker, final)
+        body["choices"] = [c.whole() for c in choices]
+        body["usage"] = self._usage(num_prompt, choices)
         return JSONResponse(body)
 
-    async def _sse(self, areq: AsyncRequest, tracker: _Tracker, rids: ResponseIds, num_prompt: int,
-                   include_usage: bool, return_ids: bool):
-        first = True
+    async def _sse(self, areqs: list[AsyncRequest], trackers: list[_Tracker], choices: list[Choice],
+                   rids: ResponseIds, num_prompt: int, include_usage: bool):
         try:
-            async for out in areq:
-                tracker.on_output(out)
+            async for i, out in _merged(areqs):
+                trackers[i].on_output(out)
                 if not (out.new_token_ids or out.text_delta or out.finished):
                     continue
                 chunk = rids.head(chunk=True)
-                chunk["choices"] = [rids.choice(out.text_delta, openai_finish_reason(out.finish_reason),
-                                                list(out.new_token_ids) if return_ids else None,
-                                                chunk=True, first=first)]
-                first = False
+                chunk["choices"] = [choices[i].add(out)]
                 if include_usage:
                     chunk["usage"] = None
                 yield _event(chunk)
-                if out.finished and include_usage:
-                    chunk = rids.head(chunk=True)
-                    chunk["choices"] = []
-                    chunk["usage"] = self._usage(num_prompt, tracker, out)
-                    yield _event(chunk)
+            if include_usage:
+                chunk = rids.head(chunk=True)
+                chunk["choices"] = []
+                chunk["usage"] = self._usage(num_prompt, choices)
+                yield _event(chunk)
         except RequestFailed as e:
             err = _engine_error(e)
             yield _event(err.body())
         finally:
-            if not areq.finished:  # the client disconnected (the response task was cancelled)
-                logger.info("stream closed early; aborting %s", areq.request_id)
-                areq.abort()
-                self._keep(asyncio.ensure_future(self._drain(areq, tracker)))
+            for areq, tracker in zip(areqs, trackers):
+                if not areq.finished:  # the client disconnected, or another choice failed
+                    logger.info("stream closed early; aborting %s", areq.request_id)
+                    areq.abort()
+                    self._keep(asyncio.ensure_future(self._drain(areq, tracker)))
         yield "data: [DONE]\n\n"
 
     async def _drain(self, areq: AsyncRequest, tracker: _Tracker) -> None:
@@ -257,6 +291,35 @@ def engine_stats_dict(st: EngineStats) -> dict:
 
 def _event(obj: dict) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+async def _merged(areqs: list[AsyncRequest]):
+    """(index, RequestOutput) of several requests as they arrive, until all have finished."""
+    if len(areqs) == 1:
+        async for out in areqs[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, areq: AsyncRequest) -> None:
+        try:
+            async for out in areq:
+                queue.put_nowait((i, out))
+        except RequestFailed as e:
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, a)) for i, a in enumerate(areqs)]
+    try:
+        left = len(areqs)
+        while left:
+            i, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            yield i, item
+            left -= item.finished
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 async def _wait_disconnect(request: Request) -> None:

@@ -5,7 +5,7 @@ server's OpenAI API (plus its extensions: return_token_ids, ignore_eos, top_k,
 stop_token_ids) and rebuild the same results the in-process clients return:
 GenerationResult with token ids, finish reason and RequestStats (from
 `usage.spec_decode`), and RequestOutput chunks when streaming (the final chunk carries
-the stats). Logprobs are not available over HTTP.
+the stats). Logprobs of the sampled tokens come back when SamplingParams.logprobs is set.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import httpx
 
 from protocol.messages import EngineStats, RequestOutput, RequestStats, SamplingParams
 from spec_runtime.client import GenerationResult, RequestFailed
-from spec_runtime.server.openai_protocol import stats_from_usage
+from spec_runtime.server.openai_responses import stats_from_usage
 
 
 class ServerError(RequestFailed):
@@ -29,8 +29,6 @@ class ServerError(RequestFailed):
 
 
 def _body(model: str, prompt, sp: SamplingParams, chat: bool, stream: bool) -> tuple[str, dict]:
-    if sp.logprobs:
-        raise ValueError("logprobs are not available over HTTP")
     if chat or isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
         if not isinstance(prompt, list):
             prompt = [{"role": "user", "content": prompt}]
@@ -41,7 +39,15 @@ def _body(model: str, prompt, sp: SamplingParams, chat: bool, stream: bool) -> t
         path, body = "/v1/completions", {"prompt": prompt if isinstance(prompt, str) else [int(t) for t in prompt]}
     body.update(model=model, max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
                 seed=sp.seed, stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
-                return_token_ids=True, stream=stream)
+                return_token_ids=True, stream=stream, presence_penalty=sp.presence_penalty,
+                frequency_penalty=sp.frequency_penalty, repetition_penalty=sp.repetition_penalty, min_p=sp.min_p,
+                min_tokens=sp.min_tokens, logit_bias={str(t): b for t, b in sp.logit_bias.items()},
+                skip_special_tokens=sp.skip_special_tokens, include_stop_str_in_output=sp.include_stop_str_in_output)
+    if sp.logprobs:
+        if path == "/v1/chat/completions":
+            body.update(logprobs=True, top_logprobs=sp.top_logprobs)
+        else:
+            body["logprobs"] = sp.top_logprobs
     if stream:
         body["stream_options"] = {"include_usage": True}
     return path, body
@@ -55,10 +61,18 @@ def _stats(body: dict) -> RequestStats:
     return st
 
 
+def _logprobs(choice: dict) -> list[float]:
+    lp = choice.get("logprobs") or {}
+    if "content" in lp:
+        return [e["logprob"] for e in lp["content"] or []]
+    return list(lp.get("token_logprobs") or [])
+
+
 def _result(body: dict) -> GenerationResult:
     c = body["choices"][0]
     text = c["message"]["content"] if "message" in c else c["text"]
-    return GenerationResult(text or "", list(c.get("token_ids") or []), c.get("finish_reason"), _stats(body))
+    return GenerationResult(text or "", list(c.get("token_ids") or []), c.get("finish_reason"), _stats(body),
+                            _logprobs(c))
 
 
 def _error(status: int, raw: bytes) -> ServerError:
@@ -93,7 +107,8 @@ class _SSEParser:
         text = (c.get("delta") or {}).get("content") if "delta" in c else c.get("text")
         reason = c.get("finish_reason")
         out = RequestOutput(request_id=obj.get("id", ""), new_token_ids=list(c.get("token_ids") or []),
-                            text_delta=text or "", finished=reason is not None, finish_reason=reason)
+                            text_delta=text or "", finished=reason is not None, finish_reason=reason,
+                            logprobs=_logprobs(c), stop_reason=c.get("stop_reason"))
         if out.finished:
             self.held = out
             return []

@@ -1,30 +1,66 @@
-"""OpenAI request models, their validation into SamplingParams, and response bodies.
+"""OpenAI request models and their validation into SamplingParams.
 
 Everything here runs before a request reaches the engine: a request that fails gets
-HTTP 400 with OpenAI's error body and is never submitted. Unknown fields are ignored
-(as OpenAI-compatible servers do, so newer SDKs keep working); known options this
-runtime does not implement (n > 1, best_of, logit_bias, penalties, logprobs, echo,
-suffix, tools) are rejected by name instead of being silently dropped.
+HTTP 400 with OpenAI's error body naming the field, and is never submitted.
 
-spec-runtime extensions, accepted in the body (the openai SDK sends them via
-`extra_body`):
-  - ignore_eos: bool        keep generating past EOS (benchmarks, tests with random models)
-  - top_k: int              0 = off
-  - stop_token_ids: [int]
+Nothing is silently ignored. Every field of OpenAI's chat and completions schemas is
+either implemented, or refused by name with a 400 when it is set to anything but its
+no-op value, or one of NO_OP_FIELDS: fields that change nothing a self-hosted server
+without accounts, storage or moderation returns. A field in neither schema, nor in the
+extensions below, is refused by name too (extra="forbid").
+
+Extensions (vLLM's names; the openai SDK sends them via `extra_body`):
+  - top_k: int (0 = off), min_p, min_tokens, repetition_penalty
+  - stop_token_ids: [int], ignore_eos, skip_special_tokens, include_stop_str_in_output
   - return_token_ids: bool  add `token_ids` to each choice / chunk
+  - chat only: echo, add_generation_prompt, continue_final_message, chat_template_kwargs
 Every response's `usage` carries `spec_decode`, the request's speculation stats.
 """
 
 from __future__ import annotations
 
-import time
-import uuid
-from typing import Any
+import json
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from protocol.messages import RequestStats, SamplingParams
-from target_proc.validate import RequestError, validate_sampling
+from protocol.messages import SamplingParams
+from target_proc.validate import MAX_TOP_LOGPROBS, RequestError, validate_sampling
+
+# Accepted and ignored, with why ignoring them changes no output.
+NO_OP_FIELDS = {
+    "user": "an end-user id for the provider's abuse monitoring",
+    "safety_identifier": "an end-user id for the provider's abuse monitoring",
+    "metadata": "tags for stored completions (nothing is stored)",
+    "store": "whether the provider stores the completion (nothing is stored)",
+    "service_tier": "the provider's billing tier",
+    "prompt_cache_key": "a routing hint for the provider's prompt cache",
+    "prompt_cache_retention": "the lifetime of the provider's prompt cache",
+    "prompt_cache_options": "breakpoints of the provider's prompt cache",
+    "prediction": "predicted output, a latency hint that never changes the output",
+}
+MAX_N = 64
+
+# Fields whose every non-default value is refused, with the reason given in the 400.
+_STRUCTURED = "structured outputs (response_format json_object / json_schema, guided decoding) are not supported"
+_TOOLS = "tool calling is not supported (tools, tool_choice, functions); tool-call history is"
+REFUSED_FIELDS = {
+    "tools": _TOOLS, "functions": _TOOLS, "function_call": _TOOLS, "parallel_tool_calls": _TOOLS,
+    "audio": "audio output is not supported",
+    "reasoning_effort": "reasoning_effort is not supported (pass chat_template_kwargs, e.g. enable_thinking)",
+    "verbosity": "verbosity is not supported",
+    "web_search_options": "web search is not supported",
+    "moderation": "moderation is not supported",
+    "suffix": "suffix (insertion) is not supported",
+}
+# vLLM request fields that are refused by name with their reason (any other unknown
+# field gets the generic "unsupported parameter" 400).
+_VLLM_REFUSED = {
+    "guided_json": _STRUCTURED, "guided_regex": _STRUCTURED, "guided_choice": _STRUCTURED,
+    "guided_grammar": _STRUCTURED, "guided_decoding_backend": _STRUCTURED, "structured_outputs": _STRUCTURED,
+    "guided_whitespace_pattern": _STRUCTURED, "prompt_logprobs": "prompt_logprobs is not supported",
+    "use_beam_search": "beam search is not supported", "chat_template": "a per-request chat_template is not supported",
+}
 
 
 class APIError(Exception):
@@ -39,47 +75,59 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # no-op: padding against length side channels
 
 
-class _Common(BaseModel):
-    """Fields shared by both endpoints."""
-
-    model_config = ConfigDict(extra="ignore")
+class _Common(_Strict):
+    """Fields shared by both endpoints. None means "the default" where OpenAI allows null."""
 
     model: str
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    user: str | None = None
-    # spec-runtime extensions
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    # NO_OP_FIELDS
+    user: Any = None
+    safety_identifier: Any = None
+    metadata: Any = None
+    store: Any = None
+    service_tier: Any = None
+    prompt_cache_key: Any = None
+    prompt_cache_retention: Any = None
+    prompt_cache_options: Any = None
+    prediction: Any = None
+    # Extensions
     ignore_eos: bool = False
-    top_k: int = 0
-    stop_token_ids: list[int] = Field(default_factory=list)
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int = 0
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     return_token_ids: bool = False
 
     def unsupported(self) -> list[tuple[str, str]]:
-        """(param, why) for options this runtime does not implement."""
-        out = []
-        if self.n != 1:
-            out.append(("n", "n must be 1 (one completion per request)"))
-        if self.logit_bias:
-            out.append(("logit_bias", "logit_bias is not supported"))
-        if self.presence_penalty != 0.0:
-            out.append(("presence_penalty", "presence_penalty is not supported (must be 0)"))
-        if self.frequency_penalty != 0.0:
-            out.append(("frequency_penalty", "frequency_penalty is not supported (must be 0)"))
-        return out
+        """(param, why) for fields set to something this runtime does not implement."""
+        return [(name, why) for name, why in REFUSED_FIELDS.items()
+                if name in type(self).model_fields and getattr(self, name) not in (None, False, "", [])]
+
+    @property
+    def num_choices(self) -> int:
+        return 1 if self.n is None else self.n
 
     @property
     def include_usage(self) -> bool:
@@ -87,73 +135,152 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
     best_of: int | None = None
-    echo: bool = False
+    echo: bool | None = False
     logprobs: int | None = None
     suffix: str | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
-        if self.best_of not in (None, 1):
-            out.append(("best_of", "best_of is not supported"))
-        if self.echo:
-            out.append(("echo", "echo is not supported"))
-        if self.logprobs is not None:
-            out.append(("logprobs", "logprobs is not supported"))
-        if self.suffix:
-            out.append(("suffix", "suffix is not supported"))
+        if self.best_of is not None and self.best_of != self.num_choices:
+            out.append(("best_of", "best_of must equal n (ranking extra samples is not supported)"))
+        if self.echo and self.logprobs is not None:
+            out.append(("echo", "echo with logprobs is not supported (it needs the prompt's logprobs)"))
         return out
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt of this request (a batch of prompts is n > 1 in disguise: rejected)."""
+    def num_top_logprobs(self) -> int | None:
+        """None: no logprobs; else how many alternatives per token."""
+        return self.logprobs
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request: a string, token ids, or a list of either."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise APIError(400, "one prompt per request: send a string or a list of token ids", param="prompt")
-            p = p[0]
-        if isinstance(p, str) and not p or isinstance(p, list) and not p:
+        prompts = list(p) if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+        if any(not x for x in prompts):
             raise APIError(400, "prompt must be non-empty", param="prompt")
-        return p
+        return prompts
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: str
+class ToolCallFunction(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    # Refused when set: they carry what this runtime cannot put into a prompt.
+    refusal: str | None = None
+    audio: Any = None
+    function_call: Any = None
 
-    def text(self) -> str:
+    def text(self, where: str) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         parts = []
         for part in self.content:
-            if part.get("type") != "text":
-                raise APIError(400, f"content part type {part.get('type')!r} is not supported (text only)",
-                               param="messages")
-            parts.append(str(part.get("text", "")))
-        return "".join(parts)
+            if part.get("type") not in ("text", "refusal"):
+                raise APIError(400, f"{where}.content: content part type {part.get('type')!r} is not supported "
+                               f"(text only)", param=f"{where}.content")
+            parts.append(str(part.get("text", part.get("refusal", ""))))
+        return "\n".join(parts)  # as vLLM joins text parts
+
+    def template_dict(self, where: str) -> dict:
+        """The message as a chat template receives it (vLLM's conventions: tool-call
+        arguments parsed from their JSON string into an object)."""
+        for name in ("refusal", "audio", "function_call"):
+            if getattr(self, name) is not None:
+                raise APIError(400, f"{where}.{name} is not supported in messages", param=f"{where}.{name}",
+                               code="unsupported_parameter")
+        msg: dict[str, Any] = {"role": self.role, "content": self.text(where)}
+        if self.name is not None:
+            msg["name"] = self.name
+        if self.tool_calls:
+            if self.role != "assistant":
+                raise APIError(400, f"{where}.tool_calls: only assistant messages carry tool calls",
+                               param=f"{where}.tool_calls")
+            calls = []
+            for i, call in enumerate(self.tool_calls):
+                try:
+                    args = json.loads(call.function.arguments)
+                except ValueError:
+                    raise APIError(400, f"{where}.tool_calls.{i}.function.arguments is not valid JSON",
+                                   param=f"{where}.tool_calls.{i}.function.arguments") from None
+                calls.append({"id": call.id, "type": "function",
+                              "function": {"name": call.function.name, "arguments": args}})
+            msg["tool_calls"] = calls
+        if self.role == "tool":
+            if self.tool_call_id is None:
+                raise APIError(400, f"{where}.tool_call_id is required for role 'tool'", param=f"{where}.tool_call_id")
+            msg["tool_call_id"] = self.tool_call_id
+        elif self.tool_call_id is not None:
+            raise APIError(400, f"{where}.tool_call_id belongs to role 'tool' messages", param=f"{where}.tool_call_id")
+        return msg
 
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+    tool_choice: Any = None
+    modalities: list[str] | None = None
+    tools: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
+    audio: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    moderation: Any = None
+    # Extensions (vLLM's)
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
-        if self.logprobs or self.top_logprobs:
-            out.append(("logprobs", "logprobs is not supported"))
-        if self.tools:
-            out.append(("tools", "tools are not supported"))
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            out.append(("response_format", f"response_format {self.response_format.get('type')!r}: {_STRUCTURED}"))
+        if self.tool_choice not in (None, "none"):
+            out.append(("tool_choice", _TOOLS))
+        if self.modalities not in (None, ["text"]):
+            out.append(("modalities", "only the text modality is supported"))
+        if self.top_logprobs and not self.logprobs:
+            out.append(("top_logprobs", "top_logprobs needs logprobs: true"))
+        if self.continue_final_message and self.add_generation_prompt:
+            out.append(("continue_final_message", "continue_final_message needs add_generation_prompt: false"))
         return out
+
+    def num_top_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def chat_messages(self) -> list[dict]:
         if not self.messages:
             raise APIError(400, "messages must be non-empty", param="messages")
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return [m.template_dict(f"messages.{i}") for i, m in enumerate(self.messages)]
+
+    def template_kwargs(self) -> dict:
+        kw = dict(self.chat_template_kwargs or {})
+        clash = {"messages", "add_generation_prompt", "continue_final_message", "tokenize"} & set(kw)
+        if clash:
+            raise APIError(400, f"chat_template_kwargs may not set {sorted(clash)}", param="chat_template_kwargs")
+        kw.update(add_generation_prompt=self.add_generation_prompt, continue_final_message=self.continue_final_message)
+        return kw
 
 
 def parse_request(cls: type[_Common], body: Any) -> _Common:
@@ -165,9 +292,19 @@ def parse_request(cls: type[_Common], body: Any) -> _Common:
     except ValidationError as e:
         err = e.errors()[0]
         param = ".".join(str(x) for x in err["loc"]) or None
+        if err["type"] == "extra_forbidden":
+            why = _VLLM_REFUSED.get(param, "spec-runtime does not implement it")
+            raise APIError(400, f"unsupported parameter {param!r}: {why}", param=param,
+                           code="unsupported_parameter") from None
         raise APIError(400, f"{param}: {err['msg']}", param=param) from None
     for param, why in req.unsupported():
-        raise APIError(400, why, param=param, code="unsupported_parameter")
+        raise APIError(400, f"{param}: {why}", param=param, code="unsupported_parameter")
+    top = req.num_top_logprobs()
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        param = "top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs"
+        raise APIError(400, f"{param} must be in [0, {MAX_TOP_LOGPROBS}], got {top}", param=param)
+    if not 1 <= req.num_choices <= MAX_N:
+        raise APIError(400, f"n must be in [1, {MAX_N}], got {req.n}", param="n")
     return req
 
 
@@ -188,98 +325,30 @@ def to_sampling(req: _Common, num_prompt_tokens: int, max_model_len: int) -> Sam
             f"completion). Please reduce the length of the prompt or max_tokens.",
             param="max_tokens", code="context_length_exceeded",
         )
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    sp = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
-                        seed=req.seed, stop=stop, stop_token_ids=list(req.stop_token_ids),
-                        ignore_eos=req.ignore_eos)
+    if req.seed is not None and not 0 <= req.seed + req.num_choices - 1 < 2**63:
+        raise APIError(400, f"seed must be in [0, 2**63 - n], got {req.seed}", param="seed")
+    bias = {}
+    for key, value in (req.logit_bias or {}).items():
+        if not key.lstrip("-").isdigit():
+            raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+        bias[int(key)] = value
+    top = req.num_top_logprobs()
+
+    def given(value, default):
+        return default if value is None else value
+
+    sp = SamplingParams(
+        max_tokens=max_tokens, temperature=given(req.temperature, 1.0), top_k=given(req.top_k, 0),
+        top_p=given(req.top_p, 1.0), seed=req.seed, stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+        stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos, logprobs=top is not None,
+        top_logprobs=top or 0, presence_penalty=given(req.presence_penalty, 0.0),
+        frequency_penalty=given(req.frequency_penalty, 0.0), repetition_penalty=given(req.repetition_penalty, 1.0),
+        min_p=given(req.min_p, 0.0), min_tokens=req.min_tokens, logit_bias=bias,
+        skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
+    )
     try:
         validate_sampling(sp)
     except RequestError as e:
         param = str(e).split(" ", 1)[0]
         raise APIError(400, str(e), param=param if param in type(req).model_fields else None) from None
     return sp
-
-
-# ---------------------------------------------------------------- responses
-
-
-def spec_decode_usage(stats: RequestStats, mode: str, k: int) -> dict:
-    """The per-request speculation stats that ride in `usage.spec_decode`.
-
-    num_drafts counts rounds in which the draft proposed at least one token, so
-    mean_acceptance_length = 1 + accepted / drafts lies in [1, K + 1].
-    """
-    num_drafts = stats.drafted_per_position[0] if stats.drafted_per_position else 0
-    pos = [round(a / d, 4) if d else 0.0 for a, d in zip(stats.accepted_per_position, stats.drafted_per_position)]
-    return {
-        "mode": mode,
-        "k": k,
-        "num_rounds": stats.num_rounds,
-        "num_drafts": num_drafts,
-        "num_draft_tokens": stats.num_draft_tokens,
-        "num_accepted_tokens": stats.num_accepted_tokens,
-        "mean_acceptance_length": round(1.0 + stats.num_accepted_tokens / num_drafts, 4) if num_drafts else 1.0,
-        "acceptance_rate": (round(stats.num_accepted_tokens / stats.num_draft_tokens, 4)
-                            if stats.num_draft_tokens else 0.0),
-        "acceptance_per_position": pos,
-        "accepted_per_position": list(stats.accepted_per_position),
-        "drafted_per_position": list(stats.drafted_per_position),
-        "num_cache_hits": stats.num_cache_hits,
-        "num_cache_misses": stats.num_cache_misses,
-        "num_ar_fallback_rounds": stats.num_ar_fallback_rounds,
-        "engine_ttft_s": round(stats.ttft_s, 6),
-        "engine_e2e_s": round(stats.e2e_s, 6),
-    }
-
-
-def stats_from_usage(spec: dict) -> RequestStats:
-    """Inverse of spec_decode_usage (what HTTP clients rebuild); latencies are the engine's."""
-    return RequestStats(
-        num_rounds=spec.get("num_rounds", 0), num_draft_tokens=spec.get("num_draft_tokens", 0),
-        num_accepted_tokens=spec.get("num_accepted_tokens", 0),
-        accepted_per_position=list(spec.get("accepted_per_position", [])),
-        drafted_per_position=list(spec.get("drafted_per_position", [])),
-        num_cache_hits=spec.get("num_cache_hits", 0), num_cache_misses=spec.get("num_cache_misses", 0),
-        num_ar_fallback_rounds=spec.get("num_ar_fallback_rounds", 0),
-        ttft_s=spec.get("engine_ttft_s", 0.0), e2e_s=spec.get("engine_e2e_s", 0.0),
-    )
-
-
-def usage_body(num_prompt: int, num_completion: int, spec: dict | None) -> dict:
-    u = {"prompt_tokens": num_prompt, "completion_tokens": num_completion, "total_tokens": num_prompt + num_completion}
-    if spec is not None:
-        u["spec_decode"] = spec
-    return u
-
-
-def openai_finish_reason(reason: str | None) -> str | None:
-    # "abort" only reaches a client that is still reading after a server-side abort.
-    return {"stop": "stop", "length": "length", "abort": "abort"}.get(reason or "", reason)
-
-
-class ResponseIds:
-    """id / created / object fields of one response and its chunks."""
-
-    def __init__(self, chat: bool, model: str):
-        self.chat, self.model = chat, model
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-
-    def head(self, chunk: bool) -> dict:
-        obj = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-
-    def choice(self, text: str, finish_reason: str | None, token_ids: list[int] | None, *, chunk: bool,
-               first: bool = False) -> dict:
-        if self.chat:
-            if chunk:
-                delta: dict = {"role": "assistant", "content": text} if first else {"content": text}
-                c = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            else:
-                c = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                     "finish_reason": finish_reason}
-        else:
-            c = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        if token_ids is not None:
-            c["token_ids"] = token_ids
-        return c

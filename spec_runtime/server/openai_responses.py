@@ -1,0 +1,192 @@
+"""OpenAI response bodies: choices (whole and streamed) with logprobs, usage, ids.
+
+A response holds one choice per (prompt, sample): n choices per prompt, indexed
+prompt * n + sample as vLLM does. Each `Choice` follows one engine request, turns its
+RequestOutput chunks into OpenAI chunks, and gathers them for a whole response.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from protocol.messages import RequestOutput, RequestStats
+from target_proc.outputs import add_totals
+
+# JSON has no -inf; vLLM reports logprobs below this as this.
+_MIN_LOGPROB = -9999.0
+
+
+def spec_decode_usage(stats: RequestStats, mode: str, k: int) -> dict:
+    """The per-request speculation stats that ride in `usage.spec_decode`.
+
+    num_drafts counts rounds in which the draft proposed at least one token, so
+    mean_acceptance_length = 1 + accepted / drafts lies in [1, K + 1].
+    """
+    num_drafts = stats.drafted_per_position[0] if stats.drafted_per_position else 0
+    pos = [round(a / d, 4) if d else 0.0 for a, d in zip(stats.accepted_per_position, stats.drafted_per_position)]
+    return {
+        "mode": mode,
+        "k": k,
+        "num_rounds": stats.num_rounds,
+        "num_drafts": num_drafts,
+        "num_draft_tokens": stats.num_draft_tokens,
+        "num_accepted_tokens": stats.num_accepted_tokens,
+        "mean_acceptance_length": round(1.0 + stats.num_accepted_tokens / num_drafts, 4) if num_drafts else 1.0,
+        "acceptance_rate": (round(stats.num_accepted_tokens / stats.num_draft_tokens, 4)
+                            if stats.num_draft_tokens else 0.0),
+        "acceptance_per_position": pos,
+        "accepted_per_position": list(stats.accepted_per_position),
+        "drafted_per_position": list(stats.drafted_per_position),
+        "num_cache_hits": stats.num_cache_hits,
+        "num_cache_misses": stats.num_cache_misses,
+        "num_ar_fallback_rounds": stats.num_ar_fallback_rounds,
+        "engine_ttft_s": round(stats.ttft_s, 6),
+        "engine_e2e_s": round(stats.e2e_s, 6),
+    }
+
+
+def stats_from_usage(spec: dict) -> RequestStats:
+    """Inverse of spec_decode_usage (what HTTP clients rebuild); latencies are the engine's."""
+    return RequestStats(
+        num_rounds=spec.get("num_rounds", 0), num_draft_tokens=spec.get("num_draft_tokens", 0),
+        num_accepted_tokens=spec.get("num_accepted_tokens", 0),
+        accepted_per_position=list(spec.get("accepted_per_position", [])),
+        drafted_per_position=list(spec.get("drafted_per_position", [])),
+        num_cache_hits=spec.get("num_cache_hits", 0), num_cache_misses=spec.get("num_cache_misses", 0),
+        num_ar_fallback_rounds=spec.get("num_ar_fallback_rounds", 0),
+        ttft_s=spec.get("engine_ttft_s", 0.0), e2e_s=spec.get("engine_e2e_s", 0.0),
+    )
+
+
+def merge_stats(stats: list[RequestStats]) -> RequestStats:
+    """The stats of several requests (the choices of one response) as one: counters add up,
+    TTFT is the first choice's, e2e the last one's."""
+    if len(stats) == 1:
+        return stats[0]
+    k = len(stats[0].accepted_per_position)
+    total = RequestStats(accepted_per_position=[0] * k, drafted_per_position=[0] * k)
+    for st in stats:
+        add_totals(total, st)
+    total.ttft_s = min(st.ttft_s for st in stats)
+    total.e2e_s = max(st.e2e_s for st in stats)
+    return total
+
+
+def usage_body(num_prompt: int, num_completion: int, spec: dict | None) -> dict:
+    u = {"prompt_tokens": num_prompt, "completion_tokens": num_completion, "total_tokens": num_prompt + num_completion}
+    if spec is not None:
+        u["spec_decode"] = spec
+    return u
+
+
+def openai_finish_reason(reason: str | None) -> str | None:
+    # "abort" only reaches a client that is still reading after a server-side abort.
+    return {"stop": "stop", "length": "length", "abort": "abort"}.get(reason or "", reason)
+
+
+class ResponseIds:
+    """id / created / object fields of one response and its chunks."""
+
+    def __init__(self, chat: bool, model: str):
+        self.chat, self.model = chat, model
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def head(self, chunk: bool) -> dict:
+        obj = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+
+class Choice:
+    """One choice of a response, fed the RequestOutputs of its engine request.
+
+    num_top: None without logprobs, else the alternatives per token. echo: text that
+    precedes the generated text (the prompt for completions; for chat, the final
+    assistant message being continued).
+    """
+
+    def __init__(self, index: int, chat: bool, tokenizer, *, num_top: int | None = None, echo: str = "",
+                 return_token_ids: bool = False):
+        self.index, self.chat, self.tokenizer = index, chat, tokenizer
+        self.num_top, self.echo, self.return_token_ids = num_top, echo, return_token_ids
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list = []  # chat: content entries; completions: one dict per token
+        self.offset = len(echo)  # completions' text_offset of the next token
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.started = False
+        self.final: RequestOutput | None = None
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
+
+    def _logprobs(self, out: RequestOutput) -> list:
+        """The logprob entries of out's tokens, in this endpoint's format."""
+        if self.num_top is None:
+            return []
+        entries = []
+        for i, (tid, lp) in enumerate(zip(out.new_token_ids, out.logprobs)):
+            tok, lp = self._token(tid), max(lp, _MIN_LOGPROB)
+            alts = list(zip(out.top_token_ids[i], out.top_logprobs[i])) if i < len(out.top_token_ids) else []
+            if self.chat:
+                entries.append({"token": tok, "logprob": lp, "bytes": list(tok.encode()),
+                                "top_logprobs": [{"token": (t := self._token(a)), "logprob": max(b, _MIN_LOGPROB),
+                                                  "bytes": list(t.encode())} for a, b in alts]})
+            else:
+                # OpenAI: the sampled token is always listed. Tokens whose strings coincide
+                # (partial UTF-8) keep the sampled one's, then the most likely one's logprob.
+                top = {tok: lp}
+                for a, b in alts:
+                    top.setdefault(self._token(a), max(b, _MIN_LOGPROB))
+                entries.append({"token": tok, "logprob": lp, "top": top, "offset": self.offset})
+                self.offset += len(tok)
+        return entries
+
+    def _logprobs_body(self, entries: list) -> dict | None:
+        if self.num_top is None:
+            return None
+        if self.chat:
+            return {"content": entries, "refusal": None}
+        return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [e["top"] for e in entries], "text_offset": [e["offset"] for e in entries]}
+
+    def add(self, out: RequestOutput) -> dict:
+        """Record one output; return its streamed choice."""
+        entries = self._logprobs(out)
+        self.logprobs += entries
+        self.token_ids += out.new_token_ids
+        text = out.text_delta
+        if not self.started:
+            text = self.echo + text
+        self.text.append(text)
+        if out.finished:
+            self.final = out
+            self.finish_reason = openai_finish_reason(out.finish_reason)
+            self.stop_reason = out.stop_reason
+        c = {"index": self.index}
+        if self.chat:
+            c["delta"] = {"role": "assistant", "content": text} if not self.started else {"content": text}
+        else:
+            c["text"] = text
+        self.started = True
+        return self._tail(c, self._logprobs_body(entries), list(out.new_token_ids), out.finished)
+
+    def _tail(self, c: dict, logprobs: dict | None, token_ids: list[int], finished: bool) -> dict:
+        c["logprobs"] = logprobs
+        c["finish_reason"] = self.finish_reason if finished else None
+        c["stop_reason"] = self.stop_reason if finished else None
+        if self.return_token_ids:
+            c["token_ids"] = token_ids
+        return c
+
+    def whole(self) -> dict:
+        """The choice of a whole (non-streamed) response, after its final output."""
+        text = "".join(self.text) if self.started else self.echo
+        c: dict = {"index": self.index}
+        if self.chat:
+            c["message"] = {"role": "assistant", "content": text}
+        else:
+            c["text"] = text
+        return self._tail(c, self._logprobs_body(self.logprobs), self.token_ids, True)
