@@ -69,6 +69,11 @@ def _resolve_path(path: str) -> tuple[str, str | None]:
     raise FileNotFoundError(f"model path {path!r} does not exist")
 
 
+def resolve_model_path(path: str) -> tuple[str, str | None]:
+    """(directory, gguf file name or None) of a model path ("" = the default SmolLM2 GGUF)."""
+    return _resolve_path(path)
+
+
 RANDOM_PREFIX = "random:"
 
 

@@ -1,0 +1,96 @@
+"""Flags of `spec-runtime distill`, generated from DistillConfig's fields."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import typing
+
+from spec_runtime.distill.config import DistillConfig
+
+_HELP = {
+    "num_layers": "draft depth (default: a tenth of the target's, at least 1)",
+    "hidden_size": "draft width, a multiple of the target's head size (default: the width that makes "
+                   "the draft about 1/10 of the target's parameters)",
+    "intermediate_size": "draft MLP width (default: the target's ratio to hidden_size)",
+    "prompts": "file with one prompt per line (default: the prompt set shipped with spec-runtime)",
+    "num_prompts": "use only the first N prompts (0 = all)",
+    "max_new_tokens": "tokens the target generates per prompt",
+    "samples_per_prompt": "continuations per prompt: the first greedy, the others sampled at --gen-temperature",
+    "gen_temperature": "temperature of the sampled continuations",
+    "gen_batch_size": "prompts per generation batch",
+    "top_k_logits": "target log-probs kept per position (the KL is taken over them)",
+    "held_out_fraction": "fraction of prompts held out to measure acceptance",
+    "steps": "optimizer steps",
+    "batch_size": "sequences per step",
+    "lr": "peak learning rate (AdamW, cosine schedule)",
+    "warmup_steps": "linear warm-up steps",
+    "weight_decay": "AdamW weight decay",
+    "eval_every": "measure held-out acceptance every N steps",
+    "save_every": "write a checkpoint every N steps",
+    "device": "cuda, cuda:N or cpu (default: cuda if available)",
+    "seed": "seed of initialisation, sampling and data order",
+    "resume": "continue the run in --out from its teacher data and last checkpoint",
+}
+
+
+def add_distill_parser(sub) -> None:
+    p = sub.add_parser("distill", help="train a small draft model for a target by distillation",
+                       description="Train a draft for TARGET on the target's own continuations of a prompt set "
+                                   "(forward KL on its top-k log-probs) and write a Hugging Face directory "
+                                   "that `--draft DIR` loads.")
+    p.add_argument("target_model", metavar="TARGET", nargs="?", default="",
+                   help="HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct GGUF)")
+    hints = typing.get_type_hints(DistillConfig)
+    for f in dataclasses.fields(DistillConfig):
+        if f.name == "target":
+            continue
+        flag = f"--{f.name.replace('_', '-')}"
+        kw = {"dest": f.name, "default": argparse.SUPPRESS}
+        if f.name == "out":
+            p.add_argument(flag, required=True, metavar="DIR", help="directory the draft is written to", **kw)
+        elif hints[f.name] is bool:
+            p.add_argument(flag, action="store_true", help=_HELP[f.name], **kw)
+        else:
+            p.add_argument(flag, type=hints[f.name], help=f"{_HELP[f.name]} (default: {f.default!r})", **kw)
+    p.set_defaults(func=run_from_args)
+
+
+def config_from_args(args: argparse.Namespace) -> DistillConfig:
+    """The run's settings; with --resume, flags not given take the interrupted run's values."""
+    names = {f.name for f in dataclasses.fields(DistillConfig)}
+    given = {k: v for k, v in vars(args).items() if k in names}
+    if args.target_model or not given.get("resume"):
+        given["target"] = args.target_model
+    saved_path = os.path.join(given["out"], ".distill", "config.json")
+    if given.get("resume"):
+        if not os.path.isfile(saved_path):
+            raise ValueError(f"--resume: {given['out']!r} holds no distillation run to resume")
+        with open(saved_path) as f:
+            saved = {k: v for k, v in json.load(f).items() if k in names}
+        cfg = DistillConfig(**{**saved, **given})
+        cfg.check_resumable(saved)
+        return cfg
+    out = given["out"]
+    if os.path.isdir(out) and os.listdir(out):
+        hint = " (pass --resume to continue it)" if os.path.isfile(saved_path) else ""
+        raise ValueError(f"--out {out!r} exists and is not empty{hint}")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out {out!r} exists and is not a directory")
+    return DistillConfig(**given)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    from spec_runtime.distill import distill
+
+    cfg = config_from_args(args)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        summary = distill(cfg)
+    except FileNotFoundError as e:
+        raise ValueError(str(e)) from None
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("history", "settings")}))
+    return 0
