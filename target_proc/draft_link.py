@@ -8,6 +8,8 @@ The draft is a helper, never a dependency:
   - a dead draft is noticed from the socket itself (a zmq monitor reports the
     disconnect), and sends never block (NOBLOCK);
   - a response for a round we no longer wait for is stale and dropped;
+  - a draft token id outside the target's vocabulary can never be accepted: the
+    speculation is cut before it (a shorter speculation is still exact) and logged;
   - whenever the draft comes back (reconnected after a restart, or answering again
     after a stall) `generation` grows, and the worker re-adds every sequence.
 """
@@ -56,10 +58,13 @@ class Outcome:
 
 
 class DraftLink:
-    def __init__(self, channel, address: str, timeout_s: float, k: int):
+    def __init__(self, channel, address: str, timeout_s: float, k: int, vocab_size: int | None = None):
         """channel: an unconnected PAIR Channel; the link connects it to `address` once
-        its monitor is attached, so the first connect is seen too."""
+        its monitor is attached, so the first connect is seen too. vocab_size: the
+        target's; draft token ids outside [0, vocab_size) are treated as rejected."""
         self.channel = channel
+        self.vocab_size = vocab_size
+        self.num_out_of_vocab = 0  # draft tokens cut because the target has no such id
         self.timeout_s = timeout_s
         self.k = k
         self.step = 0
@@ -74,7 +79,7 @@ class DraftLink:
         self.healthy = True
         self._probe_sent = 0.0
         self._pending_releases: set[int] = set()
-        self._stash: list[SpecResponse] = []  # responses that arrived during query_stats
+        self._stash: list[SpecResponse] = []  # responses that arrived during request_stats
         self.hits_by_depth = [0] * (k + 1)
         # Up = the ZMTP handshake finished (with CURVE, the key check passed too), not
         # merely the transport connected. No ZMQ_IMMEDIATE: with it, a PAIR socket whose
@@ -179,22 +184,19 @@ class DraftLink:
             ids, self._pending_releases = sorted(self._pending_releases), set()
             self.release(ids)
 
-    def query_stats(self, timeout_s: float = 1.0) -> DraftStats | None:
-        """Ask the draft for its counters (sequences held, cache entries). Speculations
-        that arrive meanwhile are kept for the next collect()."""
-        if not self.alive or not self._send(DraftStatsRequest()):
-            return None
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            msg = self._recv(deadline - time.monotonic())
-            if isinstance(msg, DraftStats):
-                self.last_stats = msg
-                return msg
+    def request_stats(self) -> None:
+        """Ask the draft for fresh counters without waiting: what is queued now is taken
+        (DraftStats into `last_stats`, speculations kept for the next collect), then a new
+        request goes out, so `last_stats` is at most one stats request old and a stalled
+        draft never holds up the caller."""
+        if not self.alive:
+            return
+        while (msg := self._recv(0.0)) is not None:
             if isinstance(msg, SpecResponse):
                 self._stash.append(msg)
-            elif msg is not None:
+            else:
                 self._handle_other(msg, {})
-        return None
+        self._send(DraftStatsRequest())
 
     def collect(self, waiting: dict[int, int]) -> dict[int, Speculation]:
         """Wait for the speculations of `waiting` ({seq_id: round}).
@@ -249,12 +251,36 @@ class DraftLink:
                 logger.warning("draft sent num_draft_tokens=%d for seq %d; ignoring it", m, sid)
                 self.desynced.add(sid)
                 continue
+            draft_ids = msg.draft_token_ids[b, :m].astype(np.int64, copy=False)
+            q_ids = msg.q_token_ids[b, :m] if has_q else None
+            m_ok = self._in_vocab_prefix(draft_ids, q_ids)
+            if m_ok < m:
+                self.num_out_of_vocab += m - m_ok
+                bad = int(draft_ids[m_ok]) if not 0 <= int(draft_ids[m_ok]) < self.vocab_size else None
+                logger.warning("draft proposed %s at position %d of seq %d, outside the target's vocabulary of %d; "
+                               "those tokens are rejected (%d so far)",
+                               f"token id {bad}" if bad is not None else "a q token id", m_ok, sid,
+                               self.vocab_size, self.num_out_of_vocab)
+                m = m_ok
+                draft_ids = draft_ids[:m]
+                q_ids = q_ids[:m] if q_ids is not None else None
             got[sid] = Speculation(
-                draft_token_ids=msg.draft_token_ids[b, :m].astype(np.int64, copy=False),
-                q_token_ids=msg.q_token_ids[b, :m] if has_q else None,
+                draft_token_ids=draft_ids,
+                q_token_ids=q_ids,
                 q_probs=msg.q_probs[b, :m] if has_q else None,
                 cache_hit=bool(msg.cache_hit[b]),
             )
+
+    def _in_vocab_prefix(self, draft_ids: np.ndarray, q_ids: np.ndarray | None) -> int:
+        """Length of the longest prefix whose draft ids (and q ids) are all target token ids.
+        Cutting a speculation there keeps verification exact: its length depends on the
+        draft's proposal only, and the target samples the cut position itself."""
+        if self.vocab_size is None or draft_ids.size == 0:
+            return int(draft_ids.size)
+        ok = (draft_ids >= 0) & (draft_ids < self.vocab_size)  # [m]
+        if q_ids is not None and q_ids.size:
+            ok &= ((q_ids >= 0) & (q_ids < self.vocab_size)).all(axis=-1)
+        return int(draft_ids.size) if ok.all() else int(np.argmin(ok))
 
     def _handle_other(self, msg, waiting: dict[int, int]) -> None:
         if isinstance(msg, ErrorReply):

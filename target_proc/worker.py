@@ -118,7 +118,7 @@ class TargetWorker:
                 self.on_abort(ident, msg.request_id)
             elif isinstance(msg, StatsRequest):
                 if self.draft is not None:
-                    self.draft.query_stats()  # fresh draft counters (sequences held, cache entries)
+                    self.draft.request_stats()  # never waits: the answer lands in draft.last_stats
                 self.clients.send_to(ident, self.engine_stats())
 
     def on_generate(self, ident: bytes, req: GenerateRequest) -> None:

@@ -3,19 +3,23 @@
     POST /v1/completions, /v1/chat/completions   (SSE when stream=true, ending `data: [DONE]`)
     GET  /v1/models
     GET  /v1/engine_stats                        (spec-runtime extension: EngineStats as JSON)
-    GET  /health                                 (503 when a child process is dead)
+    GET  /health                                 (ok / degraded: 200; dead: 503)
     GET  /metrics                                (Prometheus text)
 
-Requests are parsed, tokenized and validated here (openai_protocol) before anything is
-submitted, so a bad request never reaches target_proc. A client that disconnects, while
-streaming or while waiting for a whole response, gets its request aborted: target_proc
-frees the slot and releases the draft's state, and the aborted request still counts in
-the metrics once its final output arrives.
+Requests are checked (request_checks: UTF-8, nesting), parsed strictly (openai_protocol),
+tokenized off the event loop and validated before anything is submitted, so a bad
+request never reaches target_proc. Every error is OpenAI's JSON body. A client that
+disconnects, while streaming or while waiting for a whole response, gets its request
+aborted: target_proc frees the slot and releases the draft's state. Every submitted
+request ends in the metrics exactly once: with its final output, or as "abort" or
+"error" when none comes. On shutdown, `drain()` refuses new requests and
+`stop_open_requests()` ends the ones still open (streams with an error event and [DONE]).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -23,12 +27,15 @@ import time
 
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from protocol.messages import EngineStats, RequestOutput
 from spec_runtime.client import RequestFailed
-from spec_runtime.server.async_client import AsyncClient, AsyncRequest
+from spec_runtime.server.async_client import AsyncClient
+from spec_runtime.server.flight import EngineStream, InFlight, Tracker
+from spec_runtime.server.http_limits import GuardMiddleware, HTTPConfig
 from spec_runtime.server.metrics import CONTENT_TYPE, ServerMetrics
 from spec_runtime.server.openai_protocol import (
     APIError,
@@ -41,46 +48,25 @@ from spec_runtime.server.openai_protocol import (
     to_sampling,
     usage_body,
 )
+from spec_runtime.server.request_checks import check_json_body
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_BODY_BYTES = 1 << 20  # larger bodies get 413
-
-
-class _Tracker:
-    """Latencies and token count of one request, recorded into the metrics at its end."""
-
-    def __init__(self, metrics: ServerMetrics):
-        self.metrics = metrics
-        self.arrival = time.monotonic()
-        self.first: float | None = None
-        self.last: float | None = None
-        self.token_ids: list[int] = []
-
-    def on_output(self, out: RequestOutput) -> None:
-        if out.new_token_ids:
-            now = time.monotonic()
-            if self.first is None:
-                self.first = now
-            else:
-                self.metrics.observe_chunk_gap(now - self.last)
-            self.last = now
-            self.token_ids.extend(out.new_token_ids)
-        if out.finished and out.stats is not None:
-            ttft = self.first - self.arrival if self.first is not None else None
-            self.metrics.observe_finished(out.stats, out.finish_reason, ttft, time.monotonic() - self.arrival,
-                                          len(self.token_ids))
+DEFAULT_MAX_BODY_BYTES = HTTPConfig.max_body_bytes  # larger bodies get 413
 
 
 class _Server:
     """Route bodies: checks, tokenization, submission, and response shaping over one AsyncClient."""
 
-    def __init__(self, client: AsyncClient, served_model_name: str, api_key: str | None, max_body_bytes: int,
+    def __init__(self, client: AsyncClient, served_model_name: str, api_key: str | None, http: HTTPConfig,
                  metrics: ServerMetrics | None = None):
         self.client = client
         self.model = served_model_name
         self.api_key = api_key
-        self.max_body_bytes = max_body_bytes
+        self.http = http
+        self.max_body_bytes = http.max_body_bytes
+        self.in_flight: set[InFlight] = set()
+        self.draining = False
         ready = client.client.ready
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
@@ -106,14 +92,26 @@ class _Server:
         if length.isdigit() and int(length) > limit:
             raise too_big
         buf = bytearray()
-        async for part in request.stream():
-            buf += part
-            if len(buf) > limit:
-                raise too_big
+
+        async def read() -> None:
+            async for part in request.stream():
+                buf.extend(part)
+                if len(buf) > limit:
+                    raise too_big
+
         try:
-            return json.loads(buf)
-        except ValueError:
+            await asyncio.wait_for(read(), self.http.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {self.http.body_timeout_s} s",
+                           code="request_timeout") from None
+        try:
+            body = json.loads(buf)
+        except RecursionError:
+            raise APIError(400, "the request body nests too deeply to parse") from None
+        except ValueError:  # UnicodeDecodeError included
             raise APIError(400, "the request body is not valid JSON") from None
+        check_json_body(body, self.http.max_json_depth)
+        return body
 
     def check_model(self, name: str) -> None:
         if name != self.model:
@@ -131,16 +129,21 @@ class _Server:
 
     async def completion(self, request: Request, chat: bool):
         self.check_auth(request)
+        if self.draining:
+            raise APIError(503, "the server is shutting down", type="server_error", code="server_shutting_down")
         body = await self.read_json(request)
         req = parse_request(ChatCompletionRequest if chat else CompletionRequest, body)
         self.check_model(req.model)
+        param = "messages" if chat else "prompt"
         try:
             if chat:
-                ids = self.client.client.encode_chat(req.chat_messages())
+                ids = await self.client.encode_chat(req.chat_messages())
             else:
-                ids = self.client.client.encode_prompt(req.single_prompt())
-        except ValueError as e:  # e.g. no chat template
-            raise APIError(400, str(e), param="messages" if chat else "prompt") from None
+                ids = await self.client.encode_prompt(req.single_prompt())
+        except APIError:
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever the tokenizer refuses is the request's fault
+            raise APIError(400, f"cannot tokenize the {param}: {e}", param=param) from None
         self.check_prompt_ids(ids)
         sp = to_sampling(req, len(ids), self.max_model_len)
         for t in sp.stop_token_ids:
@@ -149,36 +152,50 @@ class _Server:
         rids = ResponseIds(chat, self.model)
         try:
             areq = self.client.submit(ids, sp)
+        except ValueError as e:  # what the client's own checks refuse
+            raise APIError(400, str(e)) from None
         except RequestFailed as e:  # the runtime refuses work (its target died, or it is closing)
             raise APIError(503, str(e), type="server_error", code="engine_unavailable") from None
-        tracker = _Tracker(self.metrics)
+        flight = InFlight(self, areq, Tracker(self.metrics))
         if req.stream:
-            gen = self._sse(areq, tracker, rids, len(ids), req.include_usage, req.return_token_ids)
-            return StreamingResponse(gen, media_type="text/event-stream")
-        return await self._whole(request, areq, tracker, rids, len(ids), req.return_token_ids)
+            gen = self._sse(flight, rids, len(ids), req.include_usage, req.return_token_ids)
+            return EngineStream(gen, flight.end)
+        try:
+            return await self._whole(request, flight, rids, len(ids), req.return_token_ids)
+        finally:
+            flight.end()
 
-    def _usage(self, num_prompt: int, tracker: _Tracker, final: RequestOutput) -> dict:
+    def _usage(self, num_prompt: int, tracker: Tracker, final: RequestOutput) -> dict:
         spec = spec_decode_usage(final.stats, self.mode, self.k) if final.stats is not None else None
         return usage_body(num_prompt, len(tracker.token_ids), spec)
 
-    async def _consume(self, areq: AsyncRequest, tracker: _Tracker) -> tuple[str, RequestOutput]:
+    @staticmethod
+    async def _consume(flight: InFlight) -> tuple[str, RequestOutput]:
         text = []
-        async for out in areq:
-            tracker.on_output(out)
-            text.append(out.text_delta)
-        return "".join(text), areq.final
+        try:
+            async for out in flight.areq:
+                flight.tracker.on_output(out)
+                text.append(out.text_delta)
+        except RequestFailed:
+            flight.tracker.close("error")
+            raise
+        return "".join(text), flight.areq.final
 
-    async def _whole(self, request: Request, areq: AsyncRequest, tracker: _Tracker, rids: ResponseIds,
-                     num_prompt: int, return_ids: bool):
-        work = asyncio.create_task(self._consume(areq, tracker))
+    async def _whole(self, request: Request, flight: InFlight, rids: ResponseIds, num_prompt: int,
+                     return_ids: bool):
+        areq, tracker = flight.areq, flight.tracker
+        work = asyncio.create_task(self._consume(flight))
         gone = asyncio.create_task(_wait_disconnect(request))
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if not work.done():
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            finished = work.done()
+            if not finished:
+                work.cancel()  # the caller's flight.end() aborts the request and counts it
+        if not finished:
             logger.info("client went away; aborting %s", areq.request_id)
-            areq.abort()
-            self._keep(work)  # it still ends (finish_reason "abort") and is counted
             return Response(status_code=499)
-        gone.cancel()
         try:
             text, final = work.result()
         except RequestFailed as e:
@@ -189,8 +206,9 @@ class _Server:
         body["usage"] = self._usage(num_prompt, tracker, final)
         return JSONResponse(body)
 
-    async def _sse(self, areq: AsyncRequest, tracker: _Tracker, rids: ResponseIds, num_prompt: int,
-                   include_usage: bool, return_ids: bool):
+    async def _sse(self, flight: InFlight, rids: ResponseIds, num_prompt: int, include_usage: bool,
+                   return_ids: bool):
+        areq, tracker = flight.areq, flight.tracker
         first = True
         try:
             async for out in areq:
@@ -211,23 +229,37 @@ class _Server:
                     chunk["usage"] = self._usage(num_prompt, tracker, out)
                     yield _event(chunk)
         except RequestFailed as e:
-            err = _engine_error(e)
-            yield _event(err.body())
+            tracker.close("error")
+            yield _event(_engine_error(e).body())
+        except Exception:  # noqa: BLE001 - the stream still ends as a stream
+            logger.exception("stream of %s failed", areq.request_id)
+            tracker.close("error")
+            yield _event(APIError(500, "internal server error", type="server_error", code="internal_error").body())
         finally:
-            if not areq.finished:  # the client disconnected (the response task was cancelled)
-                logger.info("stream closed early; aborting %s", areq.request_id)
-                areq.abort()
-                self._keep(asyncio.ensure_future(self._drain(areq, tracker)))
+            flight.end()  # the client disconnected (the response task was cancelled): abort
         yield "data: [DONE]\n\n"
 
-    async def _drain(self, areq: AsyncRequest, tracker: _Tracker) -> None:
-        final = await areq.drain()
-        if final is not None:
-            tracker.on_output(final)
-
-    def _keep(self, task: asyncio.Future) -> None:
+    def keep(self, task: asyncio.Future) -> None:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    # ------------------------------------------------------------------ shutdown
+
+    def drain(self) -> None:
+        """Refuse new generation requests (503); the ones in flight go on."""
+        self.draining = True
+
+    def stop_open_requests(self) -> None:
+        """End every request still in flight: it is aborted in the engine, a stream gets
+        an error event and [DONE], a whole response gets 503."""
+        self.draining = True
+        if self.in_flight:
+            logger.warning("shutdown: ending %d request(s) still in flight", len(self.in_flight))
+        err = RequestFailed("server_shutdown: the server is shutting down and ended this request")
+        for flight in list(self.in_flight):
+            flight.areq.abort()
+            flight.tracker.close("abort")
+            flight.areq.fail(err)
 
     # ------------------------------------------------------------------ info
 
@@ -242,8 +274,8 @@ class _Server:
 
     async def engine_stats(self, timeout_s: float = 5.0):
         try:
-            return await asyncio.wait_for(self.client.engine_stats(), timeout_s)
-        except (RequestFailed, asyncio.TimeoutError) as e:
+            return await self.client.engine_stats(timeout_s)
+        except RequestFailed as e:
             logger.warning("no engine stats: %s", e)
             return None
 
@@ -271,6 +303,8 @@ def _engine_error(e: RequestFailed) -> APIError:
     msg = str(e)
     if msg.startswith("bad_request"):
         return APIError(400, msg)
+    if msg.startswith("server_shutdown"):
+        return APIError(503, msg, type="server_error", code="server_shutting_down")
     return APIError(500, msg, type="server_error", code="internal_error")
 
 
@@ -280,13 +314,19 @@ def model_name_of(cfg, served_model_name: str | None = None) -> str:
 
 
 def build_app(client: AsyncClient, *, served_model_name: str | None = None, api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, metrics: ServerMetrics | None = None) -> FastAPI:
+              max_body_bytes: int | None = None, http: HTTPConfig | None = None,
+              metrics: ServerMetrics | None = None) -> FastAPI:
     """The FastAPI app over a started AsyncClient (the caller owns and closes the client).
+    `http` holds the limits; max_body_bytes, if given, overrides its max_body_bytes.
     metrics: the ServerMetrics to record into (default: a fresh one, named after the model)."""
+    http = http or HTTPConfig()
+    if max_body_bytes is not None:
+        http = dataclasses.replace(http, max_body_bytes=max_body_bytes)
     name = model_name_of(client.config, served_model_name)
-    srv = _Server(client, name, api_key, max_body_bytes, metrics)
+    srv = _Server(client, name, api_key, http, metrics)
     app = FastAPI(title="spec-runtime", docs_url=None, redoc_url=None)
     app.state.server = srv
+    app.add_middleware(GuardMiddleware, cfg=http)
 
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, e: APIError):
@@ -296,6 +336,10 @@ def build_app(client: AsyncClient, *, served_model_name: str | None = None, api_
     async def _http_error(_request: Request, e: StarletteHTTPException):
         err = APIError(e.status_code, str(e.detail), code=None)
         return JSONResponse(err.body(), status_code=e.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request: Request, e: RequestValidationError):
+        return JSONResponse(APIError(422, str(e.errors()[:1])).body(), status_code=422)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -320,9 +364,11 @@ def build_app(client: AsyncClient, *, served_model_name: str | None = None, api_
 
     @app.get("/health")
     async def health():
-        dead = client.client.launcher.dead_child()
-        if dead is not None:
-            return JSONResponse({"status": "unhealthy", "dead_process": dead}, status_code=503)
+        status = client.health()
+        if status == "dead":
+            return JSONResponse({"status": "dead", "reason": client.client.dead_reason}, status_code=503)
+        if status == "degraded":
+            return {"status": "degraded", "reason": "the draft process is away; serving without speculation"}
         return {"status": "ok"}
 
     @app.get("/metrics")

@@ -161,7 +161,7 @@ def parse_request(cls: type[_Common], body: Any) -> _Common:
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     try:
-        req = cls.model_validate(body)
+        req = cls.model_validate(body, strict=True)  # no "10" as an int, no true as a token id
     except ValidationError as e:
         err = e.errors()[0]
         param = ".".join(str(x) for x in err["loc"]) or None
