@@ -236,12 +236,17 @@ class DraftLink:
         return got
 
     def _take_response(self, msg: SpecResponse, waiting: dict[int, int], got: dict[int, Speculation]) -> None:
+        why = _inconsistent(msg)
+        if why is not None:
+            logger.warning("dropping a SpecResponse with inconsistent arrays (%s)", why)
+            return
         self.last_draft_work_s = msg.draft_work_s
         if all(waiting.get(int(sid)) == int(r) for sid, r in zip(msg.seq_ids, msg.rounds)):
             # Hits of answers nobody waits for (plain steps, stale rounds) are no hits.
             for j, n in enumerate(msg.hits_by_depth[: len(self.hits_by_depth)]):
                 self.hits_by_depth[j] += n
         has_q = msg.q_token_ids is not None and msg.q_probs is not None and msg.q_token_ids.size > 0
+        cuts = self._vocab_cuts(msg, has_q)  # [B] or None
         for b in range(len(msg.seq_ids)):
             sid = int(msg.seq_ids[b])
             if waiting.get(sid) != int(msg.rounds[b]):
@@ -251,36 +256,37 @@ class DraftLink:
                 logger.warning("draft sent num_draft_tokens=%d for seq %d; ignoring it", m, sid)
                 self.desynced.add(sid)
                 continue
-            draft_ids = msg.draft_token_ids[b, :m].astype(np.int64, copy=False)
-            q_ids = msg.q_token_ids[b, :m] if has_q else None
-            m_ok = self._in_vocab_prefix(draft_ids, q_ids)
-            if m_ok < m:
-                self.num_out_of_vocab += m - m_ok
-                bad = int(draft_ids[m_ok]) if not 0 <= int(draft_ids[m_ok]) < self.vocab_size else None
-                logger.warning("draft proposed %s at position %d of seq %d, outside the target's vocabulary of %d; "
-                               "those tokens are rejected (%d so far)",
-                               f"token id {bad}" if bad is not None else "a q token id", m_ok, sid,
-                               self.vocab_size, self.num_out_of_vocab)
-                m = m_ok
-                draft_ids = draft_ids[:m]
-                q_ids = q_ids[:m] if q_ids is not None else None
+            if cuts is not None and cuts[b] < m:
+                cut = int(cuts[b])
+                self.num_out_of_vocab += m - cut
+                logger.warning("draft proposed token id %d (or a q id out of range) at position %d of seq %d, "
+                               "outside the target's vocabulary of %d; it and the %d after it are rejected "
+                               "(%d so far)", int(msg.draft_token_ids[b, cut]), cut, sid, self.vocab_size,
+                               m - cut - 1, self.num_out_of_vocab)
+                m = cut
             got[sid] = Speculation(
-                draft_token_ids=draft_ids,
-                q_token_ids=q_ids,
+                draft_token_ids=msg.draft_token_ids[b, :m].astype(np.int64, copy=False),
+                q_token_ids=msg.q_token_ids[b, :m] if has_q else None,
                 q_probs=msg.q_probs[b, :m] if has_q else None,
                 cache_hit=bool(msg.cache_hit[b]),
             )
 
-    def _in_vocab_prefix(self, draft_ids: np.ndarray, q_ids: np.ndarray | None) -> int:
-        """Length of the longest prefix whose draft ids (and q ids) are all target token ids.
+    def _vocab_cuts(self, msg: SpecResponse, has_q: bool) -> np.ndarray | None:
+        """Per sequence, the position of its first draft id (or q id) outside the target's
+        vocabulary, else None when every proposed id is in it (one pass per message).
         Cutting a speculation there keeps verification exact: its length depends on the
         draft's proposal only, and the target samples the cut position itself."""
-        if self.vocab_size is None or draft_ids.size == 0:
-            return int(draft_ids.size)
-        ok = (draft_ids >= 0) & (draft_ids < self.vocab_size)  # [m]
-        if q_ids is not None and q_ids.size:
-            ok &= ((q_ids >= 0) & (q_ids < self.vocab_size)).all(axis=-1)
-        return int(draft_ids.size) if ok.all() else int(np.argmin(ok))
+        if self.vocab_size is None or msg.draft_token_ids.size == 0:
+            return None
+        ids = msg.draft_token_ids  # [B, K]
+        bad = (ids < 0) | (ids >= self.vocab_size)  # [B, K]
+        if has_q:
+            q = msg.q_token_ids  # [B, K, top_k]
+            bad |= ((q < 0) | (q >= self.vocab_size)).any(axis=-1)
+        bad &= np.arange(ids.shape[1])[None, :] < np.asarray(msg.num_draft_tokens)[:, None]  # proposed only
+        if not bad.any():
+            return None
+        return np.where(bad.any(axis=1), bad.argmax(axis=1), ids.shape[1])  # [B]
 
     def _handle_other(self, msg, waiting: dict[int, int]) -> None:
         if isinstance(msg, ErrorReply):
@@ -298,3 +304,20 @@ class DraftLink:
         except ProtocolError as e:
             logger.warning("dropping a malformed message from the draft: %s", e)
             return None
+
+
+def _inconsistent(msg: SpecResponse) -> str | None:
+    """Why the arrays of a SpecResponse do not fit together, or None. The codec checks
+    each array alone; a peer could still send B seq ids with fewer rounds."""
+    b = msg.seq_ids.shape[0] if msg.seq_ids.ndim == 1 else -1
+    ids = msg.draft_token_ids
+    if b < 0 or ids.ndim != 2 or ids.shape[0] != b:
+        return f"seq_ids {msg.seq_ids.shape}, draft_token_ids {ids.shape}"
+    for name in ("rounds", "num_draft_tokens", "cache_hit"):
+        if getattr(msg, name).shape != (b,):
+            return f"{name} {getattr(msg, name).shape} for {b} sequences"
+    q_ids, q_probs = msg.q_token_ids, msg.q_probs
+    if q_ids is not None and q_ids.size and (q_ids.ndim != 3 or q_ids.shape[:2] != ids.shape
+                                             or q_probs is None or q_probs.shape != q_ids.shape):
+        return f"q_token_ids {q_ids.shape}, q_probs {None if q_probs is None else q_probs.shape}, draft {ids.shape}"
+    return None

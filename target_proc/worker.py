@@ -112,14 +112,22 @@ class TargetWorker:
                 return
             timeout = 0.0
             ident, msg = got
-            if isinstance(msg, GenerateRequest):
-                self.on_generate(ident, msg)
-            elif isinstance(msg, AbortRequest):
-                self.on_abort(ident, msg.request_id)
-            elif isinstance(msg, StatsRequest):
-                if self.draft is not None:
-                    self.draft.request_stats()  # never waits: the answer lands in draft.last_stats
-                self.clients.send_to(ident, self.engine_stats())
+            try:
+                self.on_client_message(ident, msg)
+            except Exception as e:  # noqa: BLE001 - one message that cannot be handled fails alone
+                logger.exception("could not handle a %s from a client", type(msg).__name__)
+                self.clients.send_error_to(ident, "internal", f"{type(e).__name__}: {e}",
+                                           request_id=getattr(msg, "request_id", ""))
+
+    def on_client_message(self, ident: bytes, msg) -> None:
+        if isinstance(msg, GenerateRequest):
+            self.on_generate(ident, msg)
+        elif isinstance(msg, AbortRequest):
+            self.on_abort(ident, msg.request_id)
+        elif isinstance(msg, StatsRequest):
+            if self.draft is not None:
+                self.draft.request_stats()  # never waits: the answer lands in draft.last_stats
+            self.clients.send_to(ident, self.engine_stats())
 
     def on_generate(self, ident: bytes, req: GenerateRequest) -> None:
         key = (ident, req.request_id)

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -156,6 +156,26 @@ def test_slow_body_is_408_json(server):
         conn.close()
 
 
+def test_a_route_that_raises_answers_json_500_and_the_connection_survives(server):
+    srv = server.app.state.server
+    orig = srv.models
+
+    def broken():
+        raise RuntimeError("a bug in a route")
+
+    srv.models = broken
+    conn = RawConnection(server.url)
+    try:
+        got, _, resp = conn.request("GET", "/v1/models")
+        assert got == 500 and _error(got, resp)["code"] == "internal_error"
+        srv.models = orig
+        got, _, resp = conn.request("GET", "/v1/models")
+        assert got == 200 and json.loads(resp)["data"][0]["id"] == MODEL
+    finally:
+        srv.models = orig
+        conn.close()
+
+
 def test_health_and_engine_stats(server):
     r = httpx.get(server.url + "/health", timeout=10)
     assert r.status_code == 200 and r.json() == {"status": "ok"}
@@ -213,6 +233,7 @@ def test_fuzz_request_schemas(server, body, chat):
     try:
         path = "/v1/chat/completions" if chat else "/v1/completions"
         got, headers, resp = conn.request("POST", path, body)
+        event(f"status {got}")  # --hypothesis-show-statistics shows the mix
         assert got in (200, 400, 413, 422), (got, resp[:300])
         parsed = json.loads(resp)
         if got == 200:
