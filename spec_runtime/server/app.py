@@ -330,7 +330,9 @@ def build_app(client: AsyncClient, *, served_model_name: str | None = None, api_
 
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
+        # After 408 or 413 the rest of the body is still on its way: close rather than read it.
+        headers = {"connection": "close"} if e.status in (408, 413) else None
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, e: StarletteHTTPException):
