@@ -70,6 +70,7 @@ class DraftLink:
         self.step = 0
         self.desynced: set[int] = set()
         self.last_stats: DraftStats | None = None
+        self.num_stats = 0  # DraftStats received so far: a waiter compares it with what it saw
         self.last_draft_work_s = 0.0
         self.num_timeouts = 0
         self.num_reconnects = 0
@@ -79,7 +80,7 @@ class DraftLink:
         self.healthy = True
         self._probe_sent = 0.0
         self._pending_releases: set[int] = set()
-        self._stash: list[SpecResponse] = []  # responses that arrived during request_stats
+        self._stash: list[SpecResponse] = []  # responses that arrived during poll_stats
         self.hits_by_depth = [0] * (k + 1)
         # Up = the ZMTP handshake finished (with CURVE, the key check passed too), not
         # merely the transport connected. No ZMQ_IMMEDIATE: with it, a PAIR socket whose
@@ -113,7 +114,7 @@ class DraftLink:
                 self._send(DraftStatsRequest())
             while (msg := self._recv(0.0)) is not None:
                 if isinstance(msg, DraftStats):
-                    self.last_stats = msg
+                    self._got_stats(msg)
                     self.healthy = True
                     self._back()
                     logger.warning("draft answers again; re-adding every sequence and resuming speculation")
@@ -185,10 +186,14 @@ class DraftLink:
             self.release(ids)
 
     def request_stats(self) -> None:
-        """Ask the draft for fresh counters without waiting: what is queued now is taken
-        (DraftStats into `last_stats`, speculations kept for the next collect), then a new
-        request goes out, so `last_stats` is at most one stats request old and a stalled
-        draft never holds up the caller."""
+        """Ask the draft for fresh counters without waiting for them: the answer is taken
+        by `poll_stats` (or by a collect) and bumps `num_stats`."""
+        if self.alive:
+            self._send(DraftStatsRequest())
+
+    def poll_stats(self) -> None:
+        """Take what the draft has sent, without waiting: DraftStats into `last_stats`,
+        speculations kept for the next collect."""
         if not self.alive:
             return
         while (msg := self._recv(0.0)) is not None:
@@ -196,7 +201,6 @@ class DraftLink:
                 self._stash.append(msg)
             else:
                 self._handle_other(msg, {})
-        self._send(DraftStatsRequest())
 
     def collect(self, waiting: dict[int, int]) -> dict[int, Speculation]:
         """Wait for the speculations of `waiting` ({seq_id: round}).
@@ -296,7 +300,11 @@ class DraftLink:
             else:
                 logger.warning("draft error %s: %s", msg.code, msg.message)
         elif isinstance(msg, DraftStats):
-            self.last_stats = msg
+            self._got_stats(msg)
+
+    def _got_stats(self, msg: DraftStats) -> None:
+        self.last_stats = msg
+        self.num_stats += 1
 
     def _recv(self, timeout_s: float):
         try:

@@ -11,6 +11,9 @@ rejected by the verifier, never looked up (it used to kill the target with an In
 
 from __future__ import annotations
 
+import os
+import signal
+
 import numpy as np
 import psutil
 import pytest
@@ -63,9 +66,20 @@ def test_padded_draft_vocabulary_serves_exactly(tmp_path, capfd):
         ref = [r.token_ids for r in ar.generate_batch(prompts, SP)]
     with Client(make_config(target, draft, mode="sd", k=4)) as c:
         assert c.ready.vocab_size == 384 and c.launcher.ready["draft"].vocab_size == 512
+        before = c.engine_stats()
         got = [r.token_ids for r in c.generate_batch(prompts, SP)]
         assert c.launcher.dead_child() is None and c.health() == "ok"
-        assert c.engine_stats().totals.num_draft_tokens > 0
+        after = c.engine_stats()
+        assert after.totals.num_draft_tokens > 0
+        # The draft's counters in EngineStats are current (they are asked for, not cached).
+        assert after.draft_num_answers > before.draft_num_answers
+        # A stalled draft does not hold up the stats: they come with the last counters.
+        draft_pid = c.launcher.pids()["draft"]
+        os.kill(draft_pid, signal.SIGSTOP)
+        try:
+            assert c.engine_stats(timeout_s=10).draft_num_answers == after.draft_num_answers
+        finally:
+            os.kill(draft_pid, signal.SIGCONT)
     assert got == ref
     assert "outside the target's vocabulary of 384" in capfd.readouterr().err
 
