@@ -34,6 +34,7 @@ from protocol.messages import (
 )
 from protocol.transport import Channel, set_curve_client
 from spec_runtime.config import RuntimeConfig
+from spec_runtime.inputs import as_token_ids, check_text
 from spec_runtime.launcher import Launcher
 from target_proc.validate import RequestError, validate_sampling
 
@@ -42,14 +43,6 @@ logger = logging.getLogger(__name__)
 
 class RequestFailed(RuntimeError):
     """The runtime rejected or could not finish a request."""
-
-
-def check_text(value: str, what: str) -> None:
-    """ValueError unless `value` encodes as UTF-8 (a lone surrogate does not)."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"{what} is not valid UTF-8 text ({e.reason} at index {e.start})") from None
 
 
 @dataclass
@@ -131,7 +124,7 @@ class Client:
     def encode_prompt(self, prompt: str | list[int], chat: bool = False) -> list[int]:
         """Token ids of a prompt; ValueError for text that is not valid UTF-8 or ids that are not ints."""
         if not isinstance(prompt, str):
-            return _as_token_ids(prompt)
+            return as_token_ids(prompt)
         check_text(prompt, "the prompt")
         if chat:
             return self.encode_chat([{"role": "user", "content": prompt}])
@@ -197,7 +190,7 @@ class Client:
         """Check and encode a GenerateRequest here, in the caller's thread."""
         if not isinstance(sampling, SamplingParams):
             raise ValueError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
-        ids = np.asarray(_as_token_ids(prompt_token_ids), dtype=np.int64)
+        ids = np.asarray(as_token_ids(prompt_token_ids), dtype=np.int64)
         try:
             validate_sampling(sampling)
         except RequestError as e:
@@ -412,16 +405,3 @@ class Client:
             except Exception:  # noqa: BLE001 - a broken sink must not keep the others from hearing
                 logger.exception("could not deliver an error to a request")
         time.sleep(0.05)
-
-
-def _as_token_ids(prompt) -> list[int]:
-    """A list of ints from token ids; ValueError for anything else (bools, floats, strings)."""
-    ids = []
-    for t in prompt:
-        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
-            raise ValueError(f"token ids must be ints, got {type(t).__name__}")
-        t = int(t)
-        if not -(2**63) <= t < 2**63:
-            raise ValueError(f"token id {t} does not fit in int64")
-        ids.append(t)
-    return ids
