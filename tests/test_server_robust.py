@@ -281,15 +281,17 @@ def _request_count(server) -> float:
 
 def test_every_request_counted_once_whatever_its_path(server):
     before = _request_count(server)
-    long = dict(GOOD, max_tokens=200)
+    long = dict(GOOD, max_tokens=240)
     sent = 0
     for i in range(6):  # streams the client drops after the first chunk
         with httpx.stream("POST", server.url + "/v1/completions", json=dict(long, stream=True), timeout=60) as r:
             next(r.iter_lines())
         sent += 1
-    for i in range(4):  # whole responses the client stops waiting for
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(server.url + "/v1/completions", json=long, timeout=0.3)
+    for i in range(4):  # whole responses the client stops waiting for (a fast host may finish one first)
+        try:
+            httpx.post(server.url + "/v1/completions", json=long, timeout=0.05)
+        except httpx.TimeoutException:
+            pass
         sent += 1
     for i in range(3):  # ordinary ones
         assert httpx.post(server.url + "/v1/completions", json=GOOD, timeout=60).status_code == 200
