@@ -9,7 +9,9 @@ Socket patterns (chosen once, here):
     msg)` answers that client. Clients use `Channel` with zmq.DEALER.
 
 Addresses: same host, `ipc://` inside a fresh 0700 directory (`private_ipc_dir`),
-so no other user can connect. Across hosts, `tcp://` with CURVE (set the keys
+so no other user can connect. The directory records its owner's pid; its owner
+removes it on the way out, and `remove_stale_ipc_dirs` removes those of owners that
+died without doing so (kill -9). Across hosts, `tcp://` with CURVE (set the keys
 before bind/connect). Binding a non-loopback tcp host needs allow_remote=True.
 
 Every socket gets LINGER 0 (close never blocks on unsent messages), bounded
@@ -27,6 +29,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import shutil
 import stat
 import tempfile
 from typing import Any
@@ -47,14 +50,61 @@ DEFAULT_HWM = 1000
 # ---------------------------------------------------------------- addresses
 
 
+IPC_OWNER_FILE = "owner.pid"
+
+
 def private_ipc_dir(prefix: str = "spec-rt-") -> str:
-    """A fresh directory only this user can enter (mode 0700) for ipc sockets."""
+    """A fresh directory only this user can enter (mode 0700) for ipc sockets; it holds
+    `owner.pid` (this process's pid) so a later start can tell it is stale."""
     path = tempfile.mkdtemp(prefix=prefix)
     st = os.stat(path)
     mode = stat.S_IMODE(st.st_mode)
     if mode != 0o700 or st.st_uid != os.getuid():
         raise RuntimeError(f"ipc dir {path} has mode {oct(mode)} owner {st.st_uid}; expected 0o700 owned by us")
+    with open(os.path.join(path, IPC_OWNER_FILE), "w") as f:
+        f.write(str(os.getpid()))
     return path
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: alive
+    return True
+
+
+def remove_stale_ipc_dirs(prefix: str = "spec-rt-") -> list[str]:
+    """Remove this user's ipc directories whose owner process is gone; returns them.
+
+    Only directories with an `owner.pid` naming a dead process are touched, so a
+    runtime starting beside this one (no owner file yet) is never disturbed.
+    """
+    root = tempfile.gettempdir()
+    removed = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(prefix):
+            continue
+        path = os.path.join(root, name)
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+                continue
+            with open(os.path.join(path, IPC_OWNER_FILE)) as f:
+                pid = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if pid != os.getpid() and not _pid_alive(pid):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+            logger.info("removed the stale ipc directory %s (owner pid %d is gone)", path, pid)
+    return removed
 
 
 def ipc_address(directory: str, name: str) -> str:

@@ -23,10 +23,9 @@ import zmq
 from protocol.codec import ProtocolError, check_version, decode_config
 from protocol.messages import PROTOCOL_VERSION, ErrorReply, HandshakeMessage, Hello, Init, Ready
 from protocol.transport import Channel
+from spec_runtime.child_boot import PARENT_PID_ENV, PR_SET_PDEATHSIG
 
 logger = logging.getLogger(__name__)
-
-PR_SET_PDEATHSIG = 1
 
 
 def setup_logging(role: str, level: str) -> None:
@@ -40,12 +39,17 @@ def setup_logging(role: str, level: str) -> None:
 
 def exit_with_parent() -> None:
     """Die with the parent: PR_SET_PDEATHSIG where Linux has it, plus a watchdog thread
-    (covers the race where the parent died before prctl, and other platforms)."""
-    parent = os.getppid()
+    (other platforms, and a death the signal cannot report). The parent is the pid the
+    launcher passed to spec_runtime.child_boot, which already checked it before the
+    imports; a child started some other way watches the parent it has now."""
+    expected = os.environ.get(PARENT_PID_ENV)
+    parent = int(expected) if expected else os.getppid()
+    if os.getppid() != parent:
+        os._exit(1)
     try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    except (OSError, AttributeError):
         pass
 
     def watch() -> None:
@@ -65,8 +69,8 @@ def run_child(role: str, build: Callable[[object, Init], tuple[Ready, Callable[[
     parser = argparse.ArgumentParser(prog=f"python -m {role}_proc")
     parser.add_argument("--control", required=True, help="launcher's handshake address")
     args = parser.parse_args()
-    setup_logging(role, os.environ.get("SPEC_RUNTIME_LOG_LEVEL", "WARNING"))
     exit_with_parent()
+    setup_logging(role, os.environ.get("SPEC_RUNTIME_LOG_LEVEL", "WARNING"))
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
 
     ctl = Channel(zmq.PAIR, HandshakeMessage)

@@ -170,6 +170,10 @@ def _check_ray_flags(args: argparse.Namespace) -> None:
         for name, why in _LOCAL_ONLY_FLAGS.items():
             if getattr(args, name) is not None:
                 raise ValueError(f"--{name.replace('_', '-')} does not apply with --ray: {why}")
+        http = sorted(n for n in vars(args) if n.startswith("http_"))  # given HTTP limits only
+        if http:
+            raise ValueError(f"--{http[0][len('http_'):].replace('_', '-')} does not apply with --ray: Ray Serve's "
+                             "proxy runs its own HTTP server")
     else:
         given = [n for n in _RAY_FLAGS if getattr(args, n) is not None]
         if given:
@@ -215,13 +219,30 @@ def _serve(args: argparse.Namespace) -> int:
         return run_server(cfg, host=args.host, port=args.port, api_key=args.api_key,
                           served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
                           log_level=args.uvicorn_log_level or "warning",
-                          on_target_death=args.on_target_death or "exit")
+                          on_target_death=args.on_target_death or "exit", http=_http_config(args))
     except StartupError as e:
         print(f"spec-runtime: start-up failed: {e}", file=sys.stderr)
         return 1
     except OSError as e:
         print(f"spec-runtime: cannot serve on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 1
+
+
+def _http_config(args: argparse.Namespace):
+    from spec_runtime.server.http_limits import HTTPConfig
+
+    given = {name[len("http_"):]: v for name, v in vars(args).items() if name.startswith("http_")}
+    return HTTPConfig(**given)
+
+
+def _add_http_flags(parser: argparse.ArgumentParser) -> None:
+    from spec_runtime.server.http_limits import HTTPConfig
+
+    g = parser.add_argument_group("HTTP limits")
+    hints = typing.get_type_hints(HTTPConfig)
+    for f in dataclasses.fields(HTTPConfig):
+        if f.name != "max_body_bytes":  # --max-body-bytes is a serve flag of its own
+            _add_field(g, f"--{f.name.replace('_', '-')}", f"http_{f.name}", f, hints[f.name])
 
 
 def _add_serve(sub) -> None:
@@ -260,6 +281,7 @@ def _add_serve(sub) -> None:
                      help="SpeculativeConfig fields as JSON, e.g. '{\"mode\": \"ssd\", \"k\": 4}'; unknown keys are errors")
     srv.add_argument("--max-body-bytes", type=int, default=None, help="larger request bodies get HTTP 413 (default: 1 MiB)")
     srv.add_argument("--uvicorn-log-level", default=None, help="uvicorn's log level (default: warning; not with --ray)")
+    _add_http_flags(srv)
     add_config_flags(srv)
     srv.set_defaults(func=_serve)
 

@@ -4,7 +4,11 @@ The handshake (Hello -> Init -> Ready) polls each child's control socket *and* i
 process, so a child that dies while loading is reported with its exit code instead of
 hung on; a child that sends ErrorReply(code="startup") is reported with its own words.
 Either way every child is stopped before the error reaches the caller: no orphans.
-Teardown is registered with weakref.finalize, so it also runs if the owner forgets.
+Once both are ready, a draft whose tokenizer differs from the target's is refused
+(spec_runtime.vocab_check). Teardown is registered with weakref.finalize, so it also runs
+if the owner forgets, and removes the private ipc directory; a start first removes the
+directories of owners that died without doing so (kill -9). Each child is started by
+spec_runtime.child_boot, which ties its life to this process before its imports.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ import zmq
 
 from protocol.codec import ProtocolError, encode_config
 from protocol.messages import PROTOCOL_VERSION, ErrorReply, HandshakeMessage, Hello, Init, Ready
-from protocol.transport import Channel, ipc_address, private_ipc_dir
+from protocol.transport import Channel, ipc_address, private_ipc_dir, remove_stale_ipc_dirs
 from spec_runtime.config import RuntimeConfig
+from spec_runtime.vocab_check import vocabulary_mismatch
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +60,8 @@ def _spawn(role: str, control_addr: str, cfg: RuntimeConfig) -> subprocess.Popen
     env["SPEC_RUNTIME_LOG_LEVEL"] = cfg.log_level
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     return subprocess.Popen(
-        [sys.executable, "-m", f"{role}_proc", "--control", control_addr],
+        [sys.executable, "-m", "spec_runtime.child_boot", role, "--parent-pid", str(os.getpid()),
+         "--control", control_addr],
         env=env,
         stdin=subprocess.DEVNULL,
     )
@@ -85,6 +91,7 @@ class Launcher:
 
     def __init__(self, cfg: RuntimeConfig):
         self.cfg = cfg
+        remove_stale_ipc_dirs()
         self.ipc_dir = private_ipc_dir()
         self.client_addr = ipc_address(self.ipc_dir, "client")
         self.spec_addr = ipc_address(self.ipc_dir, "spec")
@@ -95,6 +102,10 @@ class Launcher:
             for role in roles:
                 self._start(role)
             self._handshake()
+            if "draft" in self.children:
+                why = vocabulary_mismatch(cfg, self.children["target"].ready, self.children["draft"].ready)
+                if why is not None:
+                    raise StartupError(why)
         except BaseException:
             self.shutdown()
             raise
@@ -190,6 +201,11 @@ class Launcher:
                 logger.error("draft restart %d failed: %s", attempt, e)
                 time.sleep(min(5.0, attempt))
                 continue
+            why = vocabulary_mismatch(self.cfg, self.ready["target"], self.children["draft"].ready)
+            if why is not None:
+                logger.error("refusing the new draft (%s); serving without speculation", why)
+                _stop_processes([self.children["draft"].proc], None)
+                return
             self.num_draft_restarts += 1
             self.ready["draft"] = self.children["draft"].ready
             if self._dead == "draft":

@@ -32,7 +32,7 @@ def build(cfg, init, *, client_secret_key: bytes | None = None, draft_public_key
         spec_chan = Channel(zmq.PAIR, SpecLinkToTarget)
         if draft_public_key is not None:
             set_curve_client(spec_chan.socket, draft_public_key)
-        link = DraftLink(spec_chan, init.spec_addr, cfg.spec.draft_timeout_s, cfg.spec.k)
+        link = DraftLink(spec_chan, init.spec_addr, cfg.spec.draft_timeout_s, cfg.spec.k, runner.vocab_size)
         link.wait_connected(cfg.startup_timeout_s)
     worker = TargetWorker(cfg, runner, clients, link)
     ready = Ready(

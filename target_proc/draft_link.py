@@ -8,6 +8,8 @@ The draft is a helper, never a dependency:
   - a dead draft is noticed from the socket itself (a zmq monitor reports the
     disconnect), and sends never block (NOBLOCK);
   - a response for a round we no longer wait for is stale and dropped;
+  - a draft token id outside the target's vocabulary can never be accepted: the
+    speculation is cut before it (a shorter speculation is still exact) and logged;
   - whenever the draft comes back (reconnected after a restart, or answering again
     after a stall) `generation` grows, and the worker re-adds every sequence.
 """
@@ -56,15 +58,19 @@ class Outcome:
 
 
 class DraftLink:
-    def __init__(self, channel, address: str, timeout_s: float, k: int):
+    def __init__(self, channel, address: str, timeout_s: float, k: int, vocab_size: int | None = None):
         """channel: an unconnected PAIR Channel; the link connects it to `address` once
-        its monitor is attached, so the first connect is seen too."""
+        its monitor is attached, so the first connect is seen too. vocab_size: the
+        target's; draft token ids outside [0, vocab_size) are treated as rejected."""
         self.channel = channel
+        self.vocab_size = vocab_size
+        self.num_out_of_vocab = 0  # draft tokens cut because the target has no such id
         self.timeout_s = timeout_s
         self.k = k
         self.step = 0
         self.desynced: set[int] = set()
         self.last_stats: DraftStats | None = None
+        self.num_stats = 0  # DraftStats received so far: a waiter compares it with what it saw
         self.last_draft_work_s = 0.0
         self.num_timeouts = 0
         self.num_reconnects = 0
@@ -74,7 +80,7 @@ class DraftLink:
         self.healthy = True
         self._probe_sent = 0.0
         self._pending_releases: set[int] = set()
-        self._stash: list[SpecResponse] = []  # responses that arrived during query_stats
+        self._stash: list[SpecResponse] = []  # responses that arrived during poll_stats
         self.hits_by_depth = [0] * (k + 1)
         # Up = the ZMTP handshake finished (with CURVE, the key check passed too), not
         # merely the transport connected. No ZMQ_IMMEDIATE: with it, a PAIR socket whose
@@ -108,7 +114,7 @@ class DraftLink:
                 self._send(DraftStatsRequest())
             while (msg := self._recv(0.0)) is not None:
                 if isinstance(msg, DraftStats):
-                    self.last_stats = msg
+                    self._got_stats(msg)
                     self.healthy = True
                     self._back()
                     logger.warning("draft answers again; re-adding every sequence and resuming speculation")
@@ -179,22 +185,22 @@ class DraftLink:
             ids, self._pending_releases = sorted(self._pending_releases), set()
             self.release(ids)
 
-    def query_stats(self, timeout_s: float = 1.0) -> DraftStats | None:
-        """Ask the draft for its counters (sequences held, cache entries). Speculations
-        that arrive meanwhile are kept for the next collect()."""
-        if not self.alive or not self._send(DraftStatsRequest()):
-            return None
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            msg = self._recv(deadline - time.monotonic())
-            if isinstance(msg, DraftStats):
-                self.last_stats = msg
-                return msg
+    def request_stats(self) -> None:
+        """Ask the draft for fresh counters without waiting for them: the answer is taken
+        by `poll_stats` (or by a collect) and bumps `num_stats`."""
+        if self.alive:
+            self._send(DraftStatsRequest())
+
+    def poll_stats(self) -> None:
+        """Take what the draft has sent, without waiting: DraftStats into `last_stats`,
+        speculations kept for the next collect."""
+        if not self.alive:
+            return
+        while (msg := self._recv(0.0)) is not None:
             if isinstance(msg, SpecResponse):
                 self._stash.append(msg)
-            elif msg is not None:
+            else:
                 self._handle_other(msg, {})
-        return None
 
     def collect(self, waiting: dict[int, int]) -> dict[int, Speculation]:
         """Wait for the speculations of `waiting` ({seq_id: round}).
@@ -234,12 +240,17 @@ class DraftLink:
         return got
 
     def _take_response(self, msg: SpecResponse, waiting: dict[int, int], got: dict[int, Speculation]) -> None:
+        why = _inconsistent(msg)
+        if why is not None:
+            logger.warning("dropping a SpecResponse with inconsistent arrays (%s)", why)
+            return
         self.last_draft_work_s = msg.draft_work_s
         if all(waiting.get(int(sid)) == int(r) for sid, r in zip(msg.seq_ids, msg.rounds)):
             # Hits of answers nobody waits for (plain steps, stale rounds) are no hits.
             for j, n in enumerate(msg.hits_by_depth[: len(self.hits_by_depth)]):
                 self.hits_by_depth[j] += n
         has_q = msg.q_token_ids is not None and msg.q_probs is not None and msg.q_token_ids.size > 0
+        cuts = self._vocab_cuts(msg, has_q)  # [B] or None
         for b in range(len(msg.seq_ids)):
             sid = int(msg.seq_ids[b])
             if waiting.get(sid) != int(msg.rounds[b]):
@@ -249,12 +260,37 @@ class DraftLink:
                 logger.warning("draft sent num_draft_tokens=%d for seq %d; ignoring it", m, sid)
                 self.desynced.add(sid)
                 continue
+            if cuts is not None and cuts[b] < m:
+                cut = int(cuts[b])
+                self.num_out_of_vocab += m - cut
+                logger.warning("draft proposed token id %d (or a q id out of range) at position %d of seq %d, "
+                               "outside the target's vocabulary of %d; it and the %d after it are rejected "
+                               "(%d so far)", int(msg.draft_token_ids[b, cut]), cut, sid, self.vocab_size,
+                               m - cut - 1, self.num_out_of_vocab)
+                m = cut
             got[sid] = Speculation(
                 draft_token_ids=msg.draft_token_ids[b, :m].astype(np.int64, copy=False),
                 q_token_ids=msg.q_token_ids[b, :m] if has_q else None,
                 q_probs=msg.q_probs[b, :m] if has_q else None,
                 cache_hit=bool(msg.cache_hit[b]),
             )
+
+    def _vocab_cuts(self, msg: SpecResponse, has_q: bool) -> np.ndarray | None:
+        """Per sequence, the position of its first draft id (or q id) outside the target's
+        vocabulary, else None when every proposed id is in it (one pass per message).
+        Cutting a speculation there keeps verification exact: its length depends on the
+        draft's proposal only, and the target samples the cut position itself."""
+        if self.vocab_size is None or msg.draft_token_ids.size == 0:
+            return None
+        ids = msg.draft_token_ids  # [B, K]
+        bad = (ids < 0) | (ids >= self.vocab_size)  # [B, K]
+        if has_q:
+            q = msg.q_token_ids  # [B, K, top_k]
+            bad |= ((q < 0) | (q >= self.vocab_size)).any(axis=-1)
+        bad &= np.arange(ids.shape[1])[None, :] < np.asarray(msg.num_draft_tokens)[:, None]  # proposed only
+        if not bad.any():
+            return None
+        return np.where(bad.any(axis=1), bad.argmax(axis=1), ids.shape[1])  # [B]
 
     def _handle_other(self, msg, waiting: dict[int, int]) -> None:
         if isinstance(msg, ErrorReply):
@@ -264,7 +300,11 @@ class DraftLink:
             else:
                 logger.warning("draft error %s: %s", msg.code, msg.message)
         elif isinstance(msg, DraftStats):
-            self.last_stats = msg
+            self._got_stats(msg)
+
+    def _got_stats(self, msg: DraftStats) -> None:
+        self.last_stats = msg
+        self.num_stats += 1
 
     def _recv(self, timeout_s: float):
         try:
@@ -272,3 +312,20 @@ class DraftLink:
         except ProtocolError as e:
             logger.warning("dropping a malformed message from the draft: %s", e)
             return None
+
+
+def _inconsistent(msg: SpecResponse) -> str | None:
+    """Why the arrays of a SpecResponse do not fit together, or None. The codec checks
+    each array alone; a peer could still send B seq ids with fewer rounds."""
+    b = msg.seq_ids.shape[0] if msg.seq_ids.ndim == 1 else -1
+    ids = msg.draft_token_ids
+    if b < 0 or ids.ndim != 2 or ids.shape[0] != b:
+        return f"seq_ids {msg.seq_ids.shape}, draft_token_ids {ids.shape}"
+    for name in ("rounds", "num_draft_tokens", "cache_hit"):
+        if getattr(msg, name).shape != (b,):
+            return f"{name} {getattr(msg, name).shape} for {b} sequences"
+    q_ids, q_probs = msg.q_token_ids, msg.q_probs
+    if q_ids is not None and q_ids.size and (q_ids.ndim != 3 or q_ids.shape[:2] != ids.shape
+                                             or q_probs is None or q_probs.shape != q_ids.shape):
+        return f"q_token_ids {q_ids.shape}, q_probs {None if q_probs is None else q_probs.shape}, draft {ids.shape}"
+    return None

@@ -45,6 +45,8 @@ from target_proc.validate import RequestError, validate_request
 
 logger = logging.getLogger(__name__)
 
+STATS_WAIT_S = 1.0  # longest a stats request waits for the draft's counters
+
 
 class TargetWorker:
     def __init__(self, cfg: RuntimeConfig, runner, client_channel, draft_link: DraftLink | None):
@@ -66,6 +68,7 @@ class TargetWorker:
         self.outputs: dict[bytes, list[RequestOutput]] = {}
         self.timing = {"num_steps": 0, "verify_s": 0.0, "draft_wait_s": 0.0, "draft_work_s": 0.0}
         self.draft_generation = 0
+        self.stats_waiters: list[tuple[bytes, float, int]] = []  # (client, deadline, draft stats seen)
         self.policy = SpecPolicy(cfg.sched.spec_policy, cfg.sched.spec_policy_probe_every)
         self.work_ahead_policy = WorkAheadPolicy(cfg.spec.work_ahead if cfg.spec.mode == "ssd" else "always")
         # The work_ahead flags of the last three requests. A step waits for the answer to
@@ -82,6 +85,7 @@ class TargetWorker:
         """Serve until the process is stopped (the launcher signals its children)."""
         while True:
             self.poll_clients(block=not self.running and not self.waiting)
+            self.answer_stats()
             self.check_draft()
             self.admit()
             if self.running:
@@ -113,14 +117,39 @@ class TargetWorker:
                 return
             timeout = 0.0
             ident, msg = got
-            if isinstance(msg, GenerateRequest):
-                self.on_generate(ident, msg)
-            elif isinstance(msg, AbortRequest):
-                self.on_abort(ident, msg.request_id)
-            elif isinstance(msg, StatsRequest):
-                if self.draft is not None:
-                    self.draft.query_stats()  # fresh draft counters (sequences held, cache entries)
+            try:
+                self.on_client_message(ident, msg)
+            except Exception as e:  # noqa: BLE001 - one message that cannot be handled fails alone
+                logger.exception("could not handle a %s from a client", type(msg).__name__)
+                self.clients.send_error_to(ident, "internal", f"{type(e).__name__}: {e}",
+                                           request_id=getattr(msg, "request_id", ""))
+
+    def on_client_message(self, ident: bytes, msg) -> None:
+        if isinstance(msg, GenerateRequest):
+            self.on_generate(ident, msg)
+        elif isinstance(msg, AbortRequest):
+            self.on_abort(ident, msg.request_id)
+        elif isinstance(msg, StatsRequest):
+            if self.draft is not None and self.draft.alive:
+                # Answered once the draft's counters arrive (or after STATS_WAIT_S without
+                # them); the loop goes on meanwhile, so nothing waits on the draft.
+                self.draft.request_stats()
+                self.stats_waiters.append((ident, time.monotonic() + STATS_WAIT_S, self.draft.num_stats))
+            else:
                 self.clients.send_to(ident, self.engine_stats())
+
+    def answer_stats(self) -> None:
+        """Send EngineStats to the clients whose draft counters came in, or waited long enough."""
+        if not self.stats_waiters:
+            return
+        self.draft.poll_stats()
+        now, left = time.monotonic(), []
+        for ident, deadline, seen in self.stats_waiters:
+            if self.draft.num_stats > seen or now > deadline or not self.draft.alive:
+                self.clients.send_to(ident, self.engine_stats())
+            else:
+                left.append((ident, deadline, seen))
+        self.stats_waiters = left
 
     def on_generate(self, ident: bytes, req: GenerateRequest) -> None:
         key = (ident, req.request_id)

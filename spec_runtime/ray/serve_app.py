@@ -12,7 +12,7 @@ Health: Serve calls `check_health` every few seconds; it fails once the target i
 or once the draft is dead and the deployment has given up replacing it, and Serve then
 replaces the whole replica (a fresh placement group, fresh actors). While a new draft is
 being placed the replica stays healthy: requests decode without speculation meanwhile.
-GET /health still answers 503 while any child is down, as locally.
+GET /health answers as locally: 200 "degraded" while the draft is down, 503 once the target is.
 
 Metrics: every replica records into its own registry (GET /metrics through the proxy
 reaches one replica and says so) and into `ray.util.metrics` (spec_runtime.ray.metrics),

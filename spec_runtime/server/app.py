@@ -3,19 +3,23 @@
     POST /v1/completions, /v1/chat/completions   (SSE when stream=true, ending `data: [DONE]`)
     GET  /v1/models
     GET  /v1/engine_stats                        (spec-runtime extension: EngineStats as JSON)
-    GET  /health                                 (503 when a child process is dead)
+    GET  /health                                 (ok / degraded: 200; dead: 503)
     GET  /metrics                                (Prometheus text)
 
-Requests are parsed, tokenized and validated here (openai_protocol) before anything is
-submitted, so a bad request never reaches target_proc. A client that disconnects, while
-streaming or while waiting for a whole response, gets its request aborted: target_proc
-frees the slot and releases the draft's state, and the aborted request still counts in
-the metrics once its final output arrives.
+Requests are checked (request_checks: UTF-8, nesting), parsed strictly (openai_protocol),
+tokenized off the event loop and validated before anything is submitted, so a bad
+request never reaches target_proc. Every error is OpenAI's JSON body. A client that
+disconnects, while streaming or while waiting for a whole response, gets its request
+aborted: target_proc frees the slot and releases the draft's state. Every submitted
+request ends in the metrics exactly once: with its final output, or as "abort" or
+"error" when none comes. On shutdown, `drain()` refuses new requests and
+`stop_open_requests()` ends the ones still open (streams with an error event and [DONE]).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -23,12 +27,15 @@ import time
 
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from protocol.messages import EngineStats, RequestOutput
+from protocol.messages import EngineStats
 from spec_runtime.client import RequestFailed
 from spec_runtime.server.async_client import AsyncClient, AsyncRequest
+from spec_runtime.server.flight import EngineStream, InFlight, Tracker
+from spec_runtime.server.http_limits import GuardMiddleware, HTTPConfig
 from spec_runtime.server.metrics import CONTENT_TYPE, ServerMetrics
 from spec_runtime.server.openai_protocol import (
     APIError,
@@ -38,46 +45,25 @@ from spec_runtime.server.openai_protocol import (
     to_sampling,
 )
 from spec_runtime.server.openai_responses import Choice, ResponseIds, merge_stats, spec_decode_usage, usage_body
+from spec_runtime.server.request_checks import check_json_body
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_BODY_BYTES = 1 << 20  # larger bodies get 413
-
-
-class _Tracker:
-    """Latencies and token count of one request, recorded into the metrics at its end."""
-
-    def __init__(self, metrics: ServerMetrics):
-        self.metrics = metrics
-        self.arrival = time.monotonic()
-        self.first: float | None = None
-        self.last: float | None = None
-        self.token_ids: list[int] = []
-
-    def on_output(self, out: RequestOutput) -> None:
-        if out.new_token_ids:
-            now = time.monotonic()
-            if self.first is None:
-                self.first = now
-            else:
-                self.metrics.observe_chunk_gap(now - self.last)
-            self.last = now
-            self.token_ids.extend(out.new_token_ids)
-        if out.finished and out.stats is not None:
-            ttft = self.first - self.arrival if self.first is not None else None
-            self.metrics.observe_finished(out.stats, out.finish_reason, ttft, time.monotonic() - self.arrival,
-                                          len(self.token_ids))
+DEFAULT_MAX_BODY_BYTES = HTTPConfig.max_body_bytes  # larger bodies get 413
 
 
 class _Server:
     """Route bodies: checks, tokenization, submission, and response shaping over one AsyncClient."""
 
-    def __init__(self, client: AsyncClient, served_model_name: str, api_key: str | None, max_body_bytes: int,
+    def __init__(self, client: AsyncClient, served_model_name: str, api_key: str | None, http: HTTPConfig,
                  metrics: ServerMetrics | None = None):
         self.client = client
         self.model = served_model_name
         self.api_key = api_key
-        self.max_body_bytes = max_body_bytes
+        self.http = http
+        self.max_body_bytes = http.max_body_bytes
+        self.in_flight: set[InFlight] = set()
+        self.draining = False
         ready = client.client.ready
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
@@ -103,14 +89,26 @@ class _Server:
         if length.isdigit() and int(length) > limit:
             raise too_big
         buf = bytearray()
-        async for part in request.stream():
-            buf += part
-            if len(buf) > limit:
-                raise too_big
+
+        async def read() -> None:
+            async for part in request.stream():
+                buf.extend(part)
+                if len(buf) > limit:
+                    raise too_big
+
         try:
-            return json.loads(buf)
-        except ValueError:
+            await asyncio.wait_for(read(), self.http.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {self.http.body_timeout_s} s",
+                           code="request_timeout") from None
+        try:
+            body = json.loads(buf)
+        except RecursionError:
+            raise APIError(400, "the request body nests too deeply to parse") from None
+        except ValueError:  # UnicodeDecodeError included
             raise APIError(400, "the request body is not valid JSON") from None
+        check_json_body(body, self.http.max_json_depth)
+        return body
 
     def check_model(self, name: str) -> None:
         if name != self.model:
@@ -128,10 +126,12 @@ class _Server:
 
     async def completion(self, request: Request, chat: bool):
         self.check_auth(request)
+        if self.draining:
+            raise APIError(503, "the server is shutting down", type="server_error", code="server_shutting_down")
         body = await self.read_json(request)
         req = parse_request(ChatCompletionRequest if chat else CompletionRequest, body)
         self.check_model(req.model)
-        prompts, echoes = self._prompts(req, chat)
+        prompts, echoes = await self._prompts(req, chat)
         sps = []
         for ids in prompts:  # every prompt is checked before any is submitted
             self.check_prompt_ids(ids)
@@ -144,42 +144,58 @@ class _Server:
         rids = ResponseIds(chat, self.model)
         n, num_top = req.num_choices, req.num_top_logprobs()
         tokenizer = self._tokenizer("logprobs") if num_top is not None else None
-        areqs, trackers, choices = [], [], []
+        flights: list[InFlight] = []
+        choices: list[Choice] = []
         try:
             for p, (ids, sp) in enumerate(zip(prompts, sps)):
                 for j in range(n):  # n samples of a prompt: seeds seed, seed + 1, ... when given
                     sp_j = sp if sp.seed is None or j == 0 else msgspec.structs.replace(sp, seed=sp.seed + j)
-                    areqs.append(self.client.submit(ids, sp_j))
-                    trackers.append(_Tracker(self.metrics))
+                    flights.append(InFlight(self, self.client.submit(ids, sp_j), Tracker(self.metrics)))
                     choices.append(Choice(p * n + j, chat, tokenizer, num_top=num_top, echo=echoes[p],
                                           return_token_ids=req.return_token_ids))
+        except ValueError as e:  # what the client's own checks refuse
+            for f in flights:
+                f.end()
+            raise APIError(400, str(e)) from None
         except RequestFailed as e:  # the runtime refuses work (its target died, or it is closing)
-            for a in areqs:
-                a.abort()
+            for f in flights:
+                f.end()
             raise APIError(503, str(e), type="server_error", code="engine_unavailable") from None
         num_prompt = sum(len(ids) for ids in prompts)
-        if req.stream:
-            gen = self._sse(areqs, trackers, choices, rids, num_prompt, req.include_usage)
-            return StreamingResponse(gen, media_type="text/event-stream")
-        return await self._whole(request, areqs, trackers, choices, rids, num_prompt)
 
-    def _prompts(self, req, chat: bool) -> tuple[list[list[int]], list[str]]:
-        """Token ids of each prompt, and the text `echo` puts before each one's output."""
-        client = self.client.client
+        def end_all() -> None:
+            for f in flights:
+                f.end()
+
+        if req.stream:
+            gen = self._sse(flights, choices, rids, num_prompt, req.include_usage)
+            return EngineStream(gen, end_all)
+        try:
+            return await self._whole(request, flights, choices, rids, num_prompt)
+        finally:
+            end_all()
+
+    async def _prompts(self, req, chat: bool) -> tuple[list[list[int]], list[str]]:
+        """Token ids of each prompt (tokenized off the event loop), and the text `echo`
+        puts before each one's output."""
         if chat:
             messages, kwargs = req.chat_messages(), req.template_kwargs()
             try:
-                ids = client.encode_chat(messages, **kwargs)
-            except Exception as e:  # no chat template, or the template refused these messages
+                ids = await self.client.encode_chat(messages, **kwargs)
+            except APIError:
+                raise
+            except Exception as e:  # noqa: BLE001 - no chat template, or it refused these messages
                 raise APIError(400, f"the chat template failed: {e}", param="messages") from None
             last = messages[-1]
             echo = last["content"] if req.echo and last["role"] == "assistant" else ""
             return [ids], [echo]
         prompts = req.prompts()
         try:
-            ids = [client.encode_prompt(p) for p in prompts]
-        except ValueError as e:
-            raise APIError(400, str(e), param="prompt") from None
+            ids = [await self.client.encode_prompt(p) for p in prompts]
+        except APIError:
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever the tokenizer refuses is the request's fault
+            raise APIError(400, f"cannot tokenize the prompt: {e}", param="prompt") from None
         if not req.echo:
             return ids, [""] * len(ids)
         return ids, [p if isinstance(p, str) else self._tokenizer("echo").decode(p) for p in prompts]
@@ -197,40 +213,44 @@ class _Server:
         return usage_body(num_prompt, sum(len(c.token_ids) for c in choices), spec)
 
     @staticmethod
-    async def _consume(areq: AsyncRequest, tracker: _Tracker, choice: Choice) -> None:
-        async for out in areq:
-            tracker.on_output(out)
-            choice.add(out)
+    async def _consume(flight: InFlight, choice: Choice) -> None:
+        try:
+            async for out in flight.areq:
+                flight.tracker.on_output(out)
+                choice.add(out)
+        except RequestFailed:
+            flight.tracker.close("error")
+            raise
 
-    async def _whole(self, request: Request, areqs: list[AsyncRequest], trackers: list[_Tracker],
-                     choices: list[Choice], rids: ResponseIds, num_prompt: int):
-        work = asyncio.ensure_future(asyncio.gather(*(self._consume(a, t, c)
-                                                      for a, t, c in zip(areqs, trackers, choices))))
+    async def _whole(self, request: Request, flights: list[InFlight], choices: list[Choice], rids: ResponseIds,
+                     num_prompt: int):
+        work = asyncio.ensure_future(asyncio.gather(*(self._consume(f, c) for f, c in zip(flights, choices))))
         gone = asyncio.create_task(_wait_disconnect(request))
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if not work.done():
-            logger.info("client went away; aborting %s", ", ".join(a.request_id for a in areqs))
-            for a in areqs:
-                a.abort()
-            self._keep(work)  # they still end (finish_reason "abort") and are counted
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            finished = work.done()
+            if not finished:
+                work.cancel()  # the caller's end_all() aborts the requests and counts them
+        if not finished:
+            logger.info("client went away; aborting %s", ", ".join(f.areq.request_id for f in flights))
             return Response(status_code=499)
-        gone.cancel()
         try:
             work.result()
-        except RequestFailed as e:
-            for a in areqs:  # the other choices' requests still end and are counted
-                a.abort()
+        except RequestFailed as e:  # the caller's end_all() aborts and counts the other choices
             raise _engine_error(e) from None
         body = rids.head(chunk=False)
         body["choices"] = [c.whole() for c in choices]
         body["usage"] = self._usage(num_prompt, choices)
         return JSONResponse(body)
 
-    async def _sse(self, areqs: list[AsyncRequest], trackers: list[_Tracker], choices: list[Choice],
-                   rids: ResponseIds, num_prompt: int, include_usage: bool):
+    async def _sse(self, flights: list[InFlight], choices: list[Choice], rids: ResponseIds, num_prompt: int,
+                   include_usage: bool):
+        areqs = [f.areq for f in flights]
         try:
             async for i, out in _merged(areqs):
-                trackers[i].on_output(out)
+                flights[i].tracker.on_output(out)
                 if not (out.new_token_ids or out.text_delta or out.finished):
                     continue
                 chunk = rids.head(chunk=True)
@@ -244,24 +264,42 @@ class _Server:
                 chunk["usage"] = self._usage(num_prompt, choices)
                 yield _event(chunk)
         except RequestFailed as e:
-            err = _engine_error(e)
-            yield _event(err.body())
+            for f in flights:
+                if f.areq.finished:
+                    f.tracker.close("error")
+            yield _event(_engine_error(e).body())
+        except Exception:  # noqa: BLE001 - the stream still ends as a stream
+            logger.exception("stream of %s failed", ", ".join(a.request_id for a in areqs))
+            for f in flights:
+                if f.areq.finished:
+                    f.tracker.close("error")
+            yield _event(APIError(500, "internal server error", type="server_error", code="internal_error").body())
         finally:
-            for areq, tracker in zip(areqs, trackers):
-                if not areq.finished:  # the client disconnected, or another choice failed
-                    logger.info("stream closed early; aborting %s", areq.request_id)
-                    areq.abort()
-                    self._keep(asyncio.ensure_future(self._drain(areq, tracker)))
+            for f in flights:
+                f.end()  # the client disconnected (the response task was cancelled), or a choice failed: abort
         yield "data: [DONE]\n\n"
 
-    async def _drain(self, areq: AsyncRequest, tracker: _Tracker) -> None:
-        final = await areq.drain()
-        if final is not None:
-            tracker.on_output(final)
-
-    def _keep(self, task: asyncio.Future) -> None:
+    def keep(self, task: asyncio.Future) -> None:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    # ------------------------------------------------------------------ shutdown
+
+    def drain(self) -> None:
+        """Refuse new generation requests (503); the ones in flight go on."""
+        self.draining = True
+
+    def stop_open_requests(self) -> None:
+        """End every request still in flight: it is aborted in the engine, a stream gets
+        an error event and [DONE], a whole response gets 503."""
+        self.draining = True
+        if self.in_flight:
+            logger.warning("shutdown: ending %d request(s) still in flight", len(self.in_flight))
+        err = RequestFailed("server_shutdown: the server is shutting down and ended this request")
+        for flight in list(self.in_flight):
+            flight.areq.abort()
+            flight.tracker.close("abort")
+            flight.areq.fail(err)
 
     # ------------------------------------------------------------------ info
 
@@ -276,8 +314,8 @@ class _Server:
 
     async def engine_stats(self, timeout_s: float = 5.0):
         try:
-            return await asyncio.wait_for(self.client.engine_stats(), timeout_s)
-        except (RequestFailed, asyncio.TimeoutError) as e:
+            return await self.client.engine_stats(timeout_s)
+        except RequestFailed as e:
             logger.warning("no engine stats: %s", e)
             return None
 
@@ -334,6 +372,8 @@ def _engine_error(e: RequestFailed) -> APIError:
     msg = str(e)
     if msg.startswith("bad_request"):
         return APIError(400, msg)
+    if msg.startswith("server_shutdown"):
+        return APIError(503, msg, type="server_error", code="server_shutting_down")
     return APIError(500, msg, type="server_error", code="internal_error")
 
 
@@ -343,22 +383,34 @@ def model_name_of(cfg, served_model_name: str | None = None) -> str:
 
 
 def build_app(client: AsyncClient, *, served_model_name: str | None = None, api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, metrics: ServerMetrics | None = None) -> FastAPI:
+              max_body_bytes: int | None = None, http: HTTPConfig | None = None,
+              metrics: ServerMetrics | None = None) -> FastAPI:
     """The FastAPI app over a started AsyncClient (the caller owns and closes the client).
+    `http` holds the limits; max_body_bytes, if given, overrides its max_body_bytes.
     metrics: the ServerMetrics to record into (default: a fresh one, named after the model)."""
+    http = http or HTTPConfig()
+    if max_body_bytes is not None:
+        http = dataclasses.replace(http, max_body_bytes=max_body_bytes)
     name = model_name_of(client.config, served_model_name)
-    srv = _Server(client, name, api_key, max_body_bytes, metrics)
+    srv = _Server(client, name, api_key, http, metrics)
     app = FastAPI(title="spec-runtime", docs_url=None, redoc_url=None)
     app.state.server = srv
+    app.add_middleware(GuardMiddleware, cfg=http)
 
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
+        # After 408 or 413 the rest of the body is still on its way: close rather than read it.
+        headers = {"connection": "close"} if e.status in (408, 413) else None
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, e: StarletteHTTPException):
         err = APIError(e.status_code, str(e.detail), code=None)
         return JSONResponse(err.body(), status_code=e.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request: Request, e: RequestValidationError):
+        return JSONResponse(APIError(422, str(e.errors()[:1])).body(), status_code=422)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -383,9 +435,11 @@ def build_app(client: AsyncClient, *, served_model_name: str | None = None, api_
 
     @app.get("/health")
     async def health():
-        dead = client.client.launcher.dead_child()
-        if dead is not None:
-            return JSONResponse({"status": "unhealthy", "dead_process": dead}, status_code=503)
+        status = client.health()
+        if status == "dead":
+            return JSONResponse({"status": "dead", "reason": client.client.dead_reason}, status_code=503)
+        if status == "degraded":
+            return {"status": "degraded", "reason": "the draft process is away; serving without speculation"}
         return {"status": "ok"}
 
     @app.get("/metrics")

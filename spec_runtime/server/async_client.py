@@ -65,6 +65,11 @@ class AsyncRequest:
         if not self.finished:
             self._client.abort(self.request_id)
 
+    def fail(self, err: Exception) -> None:
+        """End the iteration with `err` after the outputs already queued (call on the loop's thread)."""
+        if not self.finished:
+            self._sink.queue.put_nowait(err)
+
     async def drain(self, timeout_s: float = 30.0) -> RequestOutput | None:
         """Consume what is left (after `abort`) and return the final output, or None."""
         async def rest() -> None:
@@ -112,7 +117,7 @@ class AsyncClient:
 
     async def stream(self, prompt: str | list[int], sampling: SamplingParams | None = None, *, chat: bool = False,
                      **kw) -> AsyncIterator[RequestOutput]:
-        req = self.submit(self.client.encode_prompt(prompt, chat), sampling or SamplingParams(**kw))
+        req = self.submit(await self.encode_prompt(prompt, chat), sampling or SamplingParams(**kw))
         try:
             async for out in req:
                 yield out
@@ -121,21 +126,45 @@ class AsyncClient:
 
     async def generate(self, prompt: str | list[int], sampling: SamplingParams | None = None, *,
                        chat: bool = False, **kw) -> GenerationResult:
-        req = self.submit(self.client.encode_prompt(prompt, chat), sampling or SamplingParams(**kw))
+        req = self.submit(await self.encode_prompt(prompt, chat), sampling or SamplingParams(**kw))
         return await _collect(req)
 
     async def generate_batch(self, prompts: list[str | list[int]], sampling: SamplingParams | None = None, *,
                              chat: bool = False, **kw) -> list[GenerationResult]:
         sp = sampling or SamplingParams(**kw)
-        reqs = [self.submit(self.client.encode_prompt(p, chat), sp) for p in prompts]
+        reqs = [self.submit(await self.encode_prompt(p, chat), sp) for p in prompts]
         return list(await asyncio.gather(*(_collect(r) for r in reqs)))
 
     async def chat(self, messages: list[dict], sampling: SamplingParams | None = None, **kw) -> GenerationResult:
-        req = self.submit(self.client.encode_chat(messages), sampling or SamplingParams(**kw))
+        req = self.submit(await self.encode_chat(messages), sampling or SamplingParams(**kw))
         return await _collect(req)
 
-    async def engine_stats(self) -> EngineStats:
-        return await asyncio.to_thread(self.client.engine_stats)
+    async def engine_stats(self, timeout_s: float = 5.0) -> EngineStats:
+        """The target's EngineStats; RequestFailed if it does not answer within timeout_s.
+        Waits on the event loop (no thread), so many callers never exhaust a pool."""
+        sink = _LoopSink(asyncio.get_running_loop())
+        self.client.request_stats(sink)
+        try:
+            item = await asyncio.wait_for(sink.queue.get(), timeout_s)
+        except asyncio.TimeoutError:
+            raise RequestFailed(f"no stats from the target within {timeout_s} s") from None
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def health(self) -> str:
+        """"ok", "degraded" (draft away, serving without speculation) or "dead"."""
+        return self.client.health()
+
+    async def encode_prompt(self, prompt: str | list[int], chat: bool = False) -> list[int]:
+        """Client.encode_prompt off the event loop (tokenizing a long prompt takes a while)."""
+        if not isinstance(prompt, str):
+            return self.client.encode_prompt(prompt, chat)
+        return await asyncio.to_thread(self.client.encode_prompt, prompt, chat)
+
+    async def encode_chat(self, messages: list[dict], **template_kwargs) -> list[int]:
+        """Client.encode_chat off the event loop."""
+        return await asyncio.to_thread(self.client.encode_chat, messages, **template_kwargs)
 
     async def aclose(self) -> None:
         if self._owns:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from protocol.messages import SamplingParams
 from target_proc.validate import MAX_TOP_LOGPROBS, RequestError, validate_sampling
@@ -288,7 +288,7 @@ def parse_request(cls: type[_Common], body: Any) -> _Common:
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     try:
-        req = cls.model_validate(body)
+        req = cls.model_validate(body, strict=True)  # no "10" as an int, no true as a token id
     except ValidationError as e:
         err = e.errors()[0]
         param = ".".join(str(x) for x in err["loc"]) or None

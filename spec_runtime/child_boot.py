@@ -1,0 +1,48 @@
+"""First code a child process runs: tie its life to the launcher's, then start the role.
+
+    python -m spec_runtime.child_boot ROLE --parent-pid PID --control ADDR
+
+Before the role's imports (torch takes seconds), the child asks Linux for SIGTERM when
+its parent dies (prctl PR_SET_PDEATHSIG) and then checks that its parent is still the
+launcher that started it: a parent that died before the prctl would otherwise never be
+noticed, since the child is already re-parented. Then `python -m ROLE_proc` runs as if
+started directly. This module imports nothing heavy, so the window is milliseconds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import runpy
+import signal
+import sys
+
+PR_SET_PDEATHSIG = 1
+PARENT_PID_ENV = "SPEC_RUNTIME_PARENT_PID"
+ROLES = ("target", "draft")
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """SIGTERM on the parent's death (Linux), and exit now if `parent_pid` is already gone."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        except (OSError, AttributeError):
+            pass  # the parent-watch thread of spec_runtime.child still covers it
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) < 3 or argv[0] not in ROLES or argv[1] != "--parent-pid":
+        sys.exit(f"usage: python -m spec_runtime.child_boot {{{','.join(ROLES)}}} --parent-pid PID --control ADDR")
+    role, parent_pid = argv[0], int(argv[2])
+    die_with_parent(parent_pid)
+    os.environ[PARENT_PID_ENV] = str(parent_pid)
+    sys.argv = [f"{role}_proc", *argv[3:]]
+    runpy.run_module(f"{role}_proc", run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
