@@ -23,6 +23,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from protocol.messages import mean_acceptance_length
+
 logger = logging.getLogger(__name__)
 
 _WORDS = ("the quick brown fox jumps over lazy dog speculative decoding drafts tokens small model verifies them "
@@ -148,7 +150,7 @@ def spec_summary(specs: list[dict]) -> dict:
         "k": specs[0].get("k") if specs else None,
         **tot,
         "acceptance_rate": tot["num_accepted_tokens"] / tot["num_draft_tokens"] if tot["num_draft_tokens"] else 0.0,
-        "acceptance_length": 1.0 + tot["num_accepted_tokens"] / tot["num_drafts"] if tot["num_drafts"] else 1.0,
+        "mean_acceptance_length": mean_acceptance_length(tot["num_accepted_tokens"], tot["num_drafts"]),
         "acceptance_per_position": [a / d if d else 0.0 for a, d in zip(acc, dra)],
         "cache_hit_rate": tot["num_cache_hits"] / looks if looks else None,
     }
@@ -235,7 +237,7 @@ def format_report(res: dict) -> str:
     row("Draft tokens:", sd.get("num_draft_tokens", 0), "{}")
     row("Accepted tokens:", sd.get("num_accepted_tokens", 0), "{}")
     row("Acceptance rate:", sd.get("acceptance_rate", 0.0))
-    row("Acceptance length (1 + accepted/drafts):", sd.get("acceptance_length", 1.0))
+    row("Acceptance length (1 + accepted/drafts):", sd.get("mean_acceptance_length", 1.0))
     row("Cache hit rate:", sd.get("cache_hit_rate"))
     per = ", ".join(f"{x:.2f}" for x in sd.get("acceptance_per_position", []))
     lines.append(f"{'Per-position acceptance:':<28}{'[' + per + ']':>32}")

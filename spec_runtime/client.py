@@ -31,6 +31,7 @@ from protocol.messages import (
     StatsRequest,
     TargetToClientMessage,
     TokenOutputs,
+    mean_acceptance_length,
 )
 from protocol.transport import Channel, set_curve_client
 from spec_runtime.config import RuntimeConfig
@@ -52,16 +53,16 @@ class GenerationResult:
     logprobs: list[float] = field(default_factory=list)
 
     def stats_dict(self) -> dict:
+        """The request's figures; docs/metrics.md defines each."""
         s = self.stats
-        spec_rounds = s.num_rounds - 1  # the first token comes from prefill, not a round
-        mean_accepted = 1.0 + s.num_accepted_tokens / spec_rounds if spec_rounds > 0 else 0.0
         return {
             "num_prompt_tokens": s.num_prompt_tokens,
             "num_generated_tokens": s.num_generated_tokens,
             "num_rounds": s.num_rounds,
+            "num_drafts": s.num_drafts,
             "num_draft_tokens": s.num_draft_tokens,
             "num_accepted_tokens": s.num_accepted_tokens,
-            "mean_accepted_tokens_per_round": round(mean_accepted, 4),
+            "mean_acceptance_length": round(mean_acceptance_length(s.num_accepted_tokens, s.num_drafts), 4),
             "acceptance_rate": round(s.num_accepted_tokens / s.num_draft_tokens, 4) if s.num_draft_tokens else 0.0,
             "acceptance_per_position": [
                 round(a / d, 4) if d else 0.0 for a, d in zip(s.accepted_per_position, s.drafted_per_position)

@@ -80,10 +80,8 @@ def serve_in_thread(app, timeout_s: float = 30.0):
     srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     th.start()
-    deadline = time.monotonic() + timeout_s
-    while not srv.started:
-        assert time.monotonic() < deadline and th.is_alive(), "server did not start"
-        time.sleep(0.02)
+    if not wait_until(lambda: srv.started or not th.is_alive(), timeout_s, 0.02) or not srv.started:
+        raise RuntimeError("the server did not start")
     try:
         yield f"http://127.0.0.1:{sock.getsockname()[1]}"
     finally:

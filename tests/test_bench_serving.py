@@ -90,8 +90,8 @@ def test_bench_random_prompts_saves_json(served, tmp_path):
     assert sd["mode"] == "sd" and sd["k"] == K
     # draft == target: every draft token is accepted.
     assert sd["num_accepted_tokens"] == sd["num_draft_tokens"] > 0
-    assert sd["acceptance_length"] == pytest.approx(1 + sd["num_accepted_tokens"] / sd["num_drafts"])
-    assert 1.0 <= sd["acceptance_length"] <= K + 1
+    assert sd["mean_acceptance_length"] == pytest.approx(1 + sd["num_accepted_tokens"] / sd["num_drafts"])
+    assert 1.0 <= sd["mean_acceptance_length"] <= K + 1
     assert sd["acceptance_per_position"] == [1.0] * K
     assert res["request_throughput"] == pytest.approx(24 / res["duration_s"])
 
@@ -146,11 +146,12 @@ def test_serve_exits_nonzero_when_the_target_dies(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     try:
-        deadline = time.monotonic() + 180
+        # readline blocks; a hung server is ended by the timeout of communicate() below at worst
         for line in proc.stdout:
             if READY.search(line):
                 break
-            assert time.monotonic() < deadline, "no ready line"
+        else:
+            pytest.fail("the server exited without a ready line")
         children = psutil.Process(proc.pid).children()
         target_proc = next(c for c in children if "target_proc" in " ".join(c.cmdline()))
         target_proc.kill()

@@ -45,11 +45,6 @@ def setup(tmp_path_factory):
     return target, prompts, ar
 
 
-# Seconds the batch may take to finish after a fault: a 5.5 s finish was seen once on
-# the 2-core CI-sized host with other tests running beside it; a hang costs 60 s.
-STALL_BOUND_S = 15.0
-
-
 def _run_with_fault(client, prompts, fault):
     """Generate all prompts at once; call fault() once the first tokens stream back."""
     rids = [client.submit(p, LONG) for p in prompts]
@@ -66,12 +61,12 @@ def _run_with_fault(client, prompts, fault):
     threads = [threading.Thread(target=consume, args=(r,)) for r in rids]
     for t in threads:
         t.start()
-    assert started.wait(30)
-    t_fault = time.monotonic()
+    assert started.wait(120)
     fault()
     for t in threads:
-        t.join(60)
-    return [results[r] for r in rids], time.monotonic() - t_fault
+        t.join(300)  # a hang guard, not a speed check
+    assert not any(t.is_alive() for t in threads), "requests did not finish after the fault"
+    return [results[r] for r in rids]
 
 
 
@@ -79,12 +74,12 @@ def test_draft_killed_mid_generation(setup):
     target, prompts, ar = setup
     with Client(_cfg(target, target)) as client:
         draft_pid = client.launcher.pids()["draft"]
-        outs, elapsed = _run_with_fault(client, prompts, lambda: os.kill(draft_pid, signal.SIGKILL))
+        outs = _run_with_fault(client, prompts, lambda: os.kill(draft_pid, signal.SIGKILL))
         assert outs == ar  # nothing lost, nothing different
-        # Not a speed check: the rest of the batch (a few seconds of CPU decoding, more
-        # on a loaded 2-core host) finishes without waiting on the dead peer round after
-        # round (draft_timeout_s each), which would take minutes.
-        assert elapsed < STALL_BOUND_S
+        # The dead peer is noticed from the socket: the batch does not wait on it round
+        # after round. At most the round in flight at the kill, plus a slow first answer
+        # or two of the restarted draft on a loaded host, end by a timeout (of ~130 rounds).
+        assert client.engine_stats().num_draft_timeouts <= 3
         # A new draft is started and speculation resumes.
         assert wait_until(lambda: client.launcher.num_draft_restarts == 1, 120)
         assert client.launcher.pids()["draft"] != draft_pid
@@ -112,11 +107,11 @@ def test_draft_stalled_then_resumed(setup):
     target, prompts, ar = setup
     with Client(_cfg(target, target, timeout_s=0.5)) as client:
         draft = psutil.Process(client.launcher.pids()["draft"])
-        outs, elapsed = _run_with_fault(client, prompts, draft.suspend)
+        outs = _run_with_fault(client, prompts, draft.suspend)
         assert outs == ar
-        assert elapsed < STALL_BOUND_S  # one timeout of 0.5 s, then plain decoding
-        fallback = client.engine_stats().totals.num_ar_fallback_rounds
-        assert fallback > 0
+        st = client.engine_stats()
+        assert st.num_draft_timeouts == 1  # one timeout, then plain decoding without waiting
+        assert st.totals.num_ar_fallback_rounds > 0
         draft.resume()
         # Once it answers a probe, speculation resumes.
         time.sleep(1.5)
@@ -143,11 +138,9 @@ def test_target_killed_fails_pending_calls(setup):
         t = threading.Thread(target=run)
         t.start()
         time.sleep(0.3)
-        t0 = time.monotonic()
         os.kill(pid, signal.SIGKILL)
-        t.join(10)
+        t.join(120)  # a hang guard, not a speed check
         assert not t.is_alive()
-        assert time.monotonic() - t0 < 5.0
         assert client.launcher.dead_child() == "target"
         with pytest.raises(RequestFailed, match="target process died"):
             client.generate(prompts[0], SamplingParams(max_tokens=4))
