@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from conftest import save_tiny_model
+from e2e_util import wait_until
 from spec_runtime import bench_serving
 from spec_runtime.cli import build_parser
 
@@ -119,6 +120,27 @@ def test_bench_reports_failures(served):
     args = build_parser().parse_args(["bench", "--base-url", url, "--num-prompts", "2"])
     with pytest.raises(ValueError, match="HTTP 401"):
         bench_serving.run_benchmark_sync(args)
+
+
+def test_bench_ctrl_c_reports_and_saves_what_finished(served, tmp_path):
+    _, url, _, _ = served
+    out = tmp_path / "partial.json"
+    proc = subprocess.Popen(_cli("bench", "--base-url", url, "--api-key", KEY, "--num-prompts", "40",
+                                 "--max-concurrency", "1", "--output-len", "60", "--ignore-eos",
+                                 "--save-result", str(out)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    assert wait_until(lambda: httpx.get(url + "/v1/engine_stats", headers=auth).json()["num_running"] > 0, 120)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr, stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("spec-runtime bench: interrupted after ") and str(out) in last, stderr
+    assert "interrupted: partial" in stdout
+    res = json.loads(out.read_text())
+    assert res["interrupted"] and res["completed"] + res["failed"] < 40
+    assert f"after {res['completed'] + res['failed']} of 40 requests" in last
 
 
 def test_speculative_config_rejects_unknown_keys():
