@@ -196,6 +196,8 @@ class EngineStats(_Cold, tag="stats"):
     # Rounds that stopped waiting for the draft (late or gone); after each, no round waits
     # on it again until it answers a probe.
     num_draft_timeouts: int = 0
+    # The current draft timeout (seconds): --draft-timeout-s, or measured when unset.
+    draft_timeout_s: float = 0.0
 
 
 class ErrorReply(_Cold, tag="error"):

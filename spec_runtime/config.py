@@ -71,7 +71,7 @@ class SpeculativeConfig:
     saguaro_rescale: float | None = _f(None, "Saguaro rescaling of the draft's top-F probabilities (SSD only): the sampled distribution and the q used in verification are both rescaled.")
     synthetic_acceptance: float | None = _f(None, "Benchmarks only, for random-weight models: replace both models' outputs so that each draft token is the target's with this probability (spec_runtime/oracle.py). Off by default.")
     synthetic_ranks: tuple[float, ...] = _f((), "Benchmark-only: given that the oracle token is not the draft's top token, the probabilities that it is its rank 2, 3, ... token.")
-    draft_timeout_s: float = _f(2.0, "Seconds the target waits for a SpecResponse before decoding that round without speculation (a stalled draft).")
+    draft_timeout_s: float | None = _f(None, "Seconds a round waits for the draft's speculation before decoding without it (a late or stalled draft). None: 4x the draft's slowest recent answer, at least 1 s (10 s before its first answer), logged.")
 
     def __post_init__(self) -> None:
         if self.mode not in ("ar", "sd", "ssd"):
@@ -103,8 +103,8 @@ class SpeculativeConfig:
             or sum(self.synthetic_ranks) > 1.0 + 1e-9
         ):
             raise ValueError("synthetic_ranks are probabilities given a top-1 miss: each >= 0, summing to at most 1")
-        if self.draft_timeout_s <= 0:
-            raise ValueError("draft_timeout_s must be > 0")
+        if self.draft_timeout_s is not None and self.draft_timeout_s <= 0:
+            raise ValueError(f"draft_timeout_s must be > 0, got {self.draft_timeout_s}")
 
     @property
     def uses_draft_process(self) -> bool:

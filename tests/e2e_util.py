@@ -25,7 +25,7 @@ def make_config(target: str, draft: str = "", mode: str = "sd", k: int = 3, max_
     return RuntimeConfig(
         target=ModelConfig(path=target),
         draft=ModelConfig(path=draft),
-        spec=SpeculativeConfig(mode=mode, k=k, draft_timeout_s=30.0, **spec),
+        spec=SpeculativeConfig(mode=mode, k=k, **{"draft_timeout_s": 30.0, **spec}),
         sched=SchedulerConfig(max_batch_size=max_batch_size, max_model_len=256, spec_policy=spec_policy),
         startup_timeout_s=240.0,
     )
