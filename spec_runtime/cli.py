@@ -83,11 +83,18 @@ def _cap_max_tokens(sp, num_prompt_tokens: int, max_model_len: int):
 
 def _generate(args: argparse.Namespace) -> int:
     cfg, sp = _checked_config(args, sampling=True)
+    from concurrent.futures import ThreadPoolExecutor
+
     from spec_runtime.client import Client, GenerationResult
     from spec_runtime.launcher import StartupError, format_startup
+    from spec_runtime.model.loader import load_tokenizer
 
+    # The tokenizer loads here while the processes start.
+    pool = ThreadPoolExecutor(1)
+    tokenizer = pool.submit(load_tokenizer, cfg.target.path, cfg.target.gguf_cache)
+    pool.shutdown(wait=False)
     try:
-        client = Client(cfg)
+        client = Client(cfg, tokenizer=tokenizer)
     except StartupError as e:
         print(f"spec-runtime: start-up failed: {e}", file=sys.stderr)
         return 1
@@ -268,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="print one JSON object: text, token_ids, finish_reason, startup (seconds per start-up "
                           "phase) and stats (docs/metrics.md)")
     add_sampling_flags(gen)
-    add_config_flags(gen)
+    add_config_flags(gen, defaults={"sched.max_batch_size": 1})  # one prompt: one KV slot
     gen.set_defaults(func=_generate)
     _add_serve(sub)
     _add_bench(sub)

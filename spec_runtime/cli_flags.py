@@ -67,9 +67,10 @@ def _parse_tuple(kind):
     return parse
 
 
-def _add_field(group, flag: str, dest: str, f: dataclasses.Field, hint: Any, help_text: str, default: str) -> None:
-    kw: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS,
-                          "help": f"{help_text} (default: {default})".replace("%", "%%")}
+def _add_field(group, flag: str, dest: str, hint: Any, help_text: str, shown: str, default: Any) -> None:
+    """default: argparse.SUPPRESS leaves an unset flag out, so the config's default applies."""
+    kw: dict[str, Any] = {"dest": dest, "default": default,
+                          "help": f"{help_text} (default: {shown})".replace("%", "%%")}
     origin, args = get_origin(hint), get_args(hint)
     if hint is bool:
         kw["action"] = argparse.BooleanOptionalAction
@@ -78,12 +79,14 @@ def _add_field(group, flag: str, dest: str, f: dataclasses.Field, hint: Any, hel
     elif origin is tuple:
         kw["type"] = _parse_tuple(args[0])
         kw["metavar"] = "A,B,..."
-    elif hint in (int, float, str):
-        kw["type"] = hint
-    elif type(None) in args:  # X | None
-        kw["type"] = next(a for a in args if a is not type(None))
     else:
-        kw["type"] = str
+        kw["metavar"] = dest.split(".", 1)[1].upper()
+        if hint in (int, float, str):
+            kw["type"] = hint
+        elif type(None) in args:  # X | None
+            kw["type"] = next(a for a in args if a is not type(None))
+        else:
+            kw["type"] = str
     group.add_argument(flag, **kw)
 
 
@@ -98,8 +101,10 @@ def _flag(section: str, name: str) -> str:
     return f"--{name.replace('_', '-')}"
 
 
-def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per config field, with the field's help and default."""
+def add_config_flags(parser: argparse.ArgumentParser, defaults: dict[str, Any] | None = None) -> None:
+    """One flag per config field, with the field's help and default. `defaults` ({"sched.max_batch_size": 1})
+    gives this command other defaults than the config's."""
+    defaults = defaults or {}
     for section, title in _SECTIONS:
         cls = {"target": ModelConfig, "draft": ModelConfig, "spec": SpeculativeConfig, "sched": SchedulerConfig,
                "runtime": RuntimeConfig}[section]
@@ -107,10 +112,11 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         for f, hint in _fields(cls):
             if section == "runtime" and f.name in ("target", "draft", "spec", "sched"):
                 continue
-            help_text, default = f.metadata.get("help", ""), _show(f.default)
+            dest = f"{section}.{f.name}"
+            help_text, shown = f.metadata.get("help", ""), _show(defaults.get(dest, f.default))
             if section in ("target", "draft") and f.name == "path":
-                help_text, default = _PATH_HELP[section]
-            _add_field(g, _flag(section, f.name), f"{section}.{f.name}", f, hint, help_text, default)
+                help_text, shown = _PATH_HELP[section]
+            _add_field(g, _flag(section, f.name), dest, hint, help_text, shown, defaults.get(dest, argparse.SUPPRESS))
 
 
 def _flag_message(section: str, cls, message: str) -> str:

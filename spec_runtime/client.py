@@ -13,6 +13,7 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -82,7 +83,9 @@ class Client:
     def __init__(self, config: RuntimeConfig | None = None, *, tokenizer=None, launcher=None):
         """launcher: an already started runtime (e.g. spec_runtime.ray's RayDeployment) with
         the Launcher's `client_addr`, `ready`, `dead_child()`, `pids()`, `shutdown()`; the
-        client owns it from here (close() shuts it down). None: start a local Launcher."""
+        client owns it from here (close() shuts it down). None: start a local Launcher.
+        tokenizer: the target's, or a Future of it (loaded while the processes start), or
+        None to load it on first use."""
         self.config = config or RuntimeConfig()
         self.launcher = launcher if launcher is not None else Launcher(self.config)
         self.ready = self.launcher.ready["target"]
@@ -116,7 +119,9 @@ class Client:
         if self._tokenizer is None:
             from spec_runtime.model.loader import load_tokenizer
 
-            self._tokenizer = load_tokenizer(self.config.target.path)
+            self._tokenizer = load_tokenizer(self.config.target.path, self.config.target.gguf_cache)
+        elif isinstance(self._tokenizer, Future):
+            self._tokenizer = self._tokenizer.result()
         return self._tokenizer
 
     def encode_prompt(self, prompt: str | list[int], chat: bool = False) -> list[int]:

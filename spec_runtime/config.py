@@ -58,20 +58,20 @@ class SpeculativeConfig:
 
     mode: Mode = _f("sd", "ar: target only; sd: synchronous speculation; ssd: the draft works ahead from a tree cache.")
     k: int = _f(4, "Speculation length K: draft tokens verified per round.")
-    fan_out: tuple[int, ...] = _f((), "SSD fan-out F_0..F_K: branches forked at each depth j of the returned speculation. Empty means \"choose a default for K\" (see fan_out_for).")
+    fan_out: tuple[int, ...] = _f((), "SSD fan-out F_0..F_K: branches forked at each depth j of the returned speculation. Empty: 3,2,1 at the first depths and 1 after, since rejection is likeliest early.")
     fan_out_miss: tuple[int, ...] = _f((), "Fan-out for sequences whose last look-up missed (rejection is likely early).")
     tree_budget: int = _f(64, "SSD: most branches tree-decoded per round over the whole batch; per-sequence fan-out shrinks (deepest depths first) when batch x sum(F) exceeds it, so the draft's work stays inside one verify.")
     backup: Backup = _f("jit", "What answers a tree-cache miss.")
     work_ahead: Literal["auto", "always"] = _f("auto", "SSD: auto: per batch size, run SSD rounds (the draft works ahead) or synchronous SD rounds, whichever measures faster, re-measuring now and then (each choice is logged and counted in the stats); always: work ahead every round.")
     ssd_prefetch: bool = _f(True, "SSD: on a new sequence, the draft works ahead for its first outcome while the target prefills, so the first look-up can hit.")
-    draft_top_k: int = _f(64, "The draft samples from its this many most likely tokens only; verification uses the same truncated draft distribution, so output stays exact, and what the draft sends per round does not grow with the vocabulary.")
-    draft_temperature: float | None = _f(None, "Draft temperature; None means \"the request's temperature\".")
+    draft_top_k: int = _f(64, "The draft samples only from this many of its most likely tokens; verification uses the same truncated draft distribution, so output stays exact, and what the draft sends per round does not grow with the vocabulary.")
+    draft_temperature: float | None = _f(None, "Draft temperature; unset: the request's temperature.")
     ngram_max: int = _f(4, "n-gram speculator: longest suffix to match.")
     ngram_min: int = _f(1, "n-gram speculator: shortest suffix to match.")
     saguaro_rescale: float | None = _f(None, "Saguaro rescaling of the draft's top-F probabilities (SSD only): the sampled distribution and the q used in verification are both rescaled.")
-    synthetic_acceptance: float | None = _f(None, "Benchmarks only, for random-weight models: replace both models' outputs so that each draft token is the target's with this probability (spec_runtime/oracle.py). Off by default.")
+    synthetic_acceptance: float | None = _f(None, "Benchmarks only, for random-weight models: replace both models' outputs so that each draft token is the target's with this probability (spec_runtime/oracle.py).")
     synthetic_ranks: tuple[float, ...] = _f((), "Benchmark-only: given that the oracle token is not the draft's top token, the probabilities that it is its rank 2, 3, ... token.")
-    draft_timeout_s: float | None = _f(None, "Seconds a round waits for the draft's speculation before decoding without it (a late or stalled draft). None: 4x the draft's slowest recent answer, at least 1 s (10 s before its first answer), logged.")
+    draft_timeout_s: float | None = _f(None, "Seconds a round waits for the draft's speculation before decoding without it (a late or stalled draft). Unset: 4x the draft's slowest recent answer, at least 1 s (10 s before its first answer), logged.")
 
     def __post_init__(self) -> None:
         if self.mode not in ("ar", "sd", "ssd"):

@@ -102,3 +102,21 @@ def test_summary_line_and_acceptance_length():
     assert line.startswith("[sd, draft ngram, K=4] 9 tokens") and "acceptance length 2.33" in line
     ar = _summary(RuntimeConfig(spec=SpeculativeConfig(mode="ar")), st, "stop")
     assert ar.startswith("[ar] 9 tokens") and "K=" not in ar
+
+
+def test_generate_json_caps_max_tokens_and_reports_startup_phases(tiny_llama_dir, capsys):
+    import json
+
+    rc = main(["generate", "Hello", "--raw", "--json", "--target", tiny_llama_dir, "--draft", tiny_llama_dir,
+               "--max-model-len", "32", "--max-tokens", "100000", "--k", "2"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "--max-tokens 100000 is more than the context leaves" in err
+    res = json.loads(out)
+    num_prompt = res["stats"]["num_prompt_tokens"]
+    assert res["finish_reason"] in ("length", "stop") and len(res["token_ids"]) <= 32 - num_prompt
+    assert set(res["startup"]["target"]) == {"load_s", "kv_alloc_s", "graph_capture_s", "ready_s"}
+    assert set(res["startup"]["draft"]) == {"ready_s"}
+    assert res["startup"]["target"]["ready_s"] >= res["startup"]["target"]["load_s"] > 0
+    st = res["stats"]
+    assert st["mean_acceptance_length"] == pytest.approx(1 + st["num_accepted_tokens"] / st["num_drafts"], abs=1e-4)

@@ -54,6 +54,7 @@ def test_ssd_with_draft_equal_to_target_mostly_hits(models):
         assert r.stats.num_accepted_tokens == r.stats.num_draft_tokens
 
 
+@pytest.mark.slow
 def test_ssd_sampling_distribution_matches_ar(models):
     """Exact at temperature 1 with the tree cache in the path: the 8 tokens of 1,500
     seeded requests follow the same distribution in SSD mode (most verify rounds

@@ -108,6 +108,7 @@ def _wait_empty(url: str, timeout_s: float = 20.0) -> dict:
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_200_concurrent_then_10_percent_aborted(server):
     url, client = server
     bodies = _bodies()

@@ -258,6 +258,7 @@ async def _concurrent(server, bodies: list[dict]):
                                       for b in bodies))
 
 
+@pytest.mark.slow
 def test_100_concurrent_requests_finish_with_requested_counts(server):
     bodies = [{"prompt": [3 + i % 50, 4 + i % 7, 5], "max_tokens": 1 + i % 13} for i in range(100)]
     rs = asyncio.run(_concurrent(server, bodies))
