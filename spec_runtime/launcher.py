@@ -17,8 +17,7 @@ import sys
 import threading
 import time
 import weakref
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 
@@ -51,7 +50,7 @@ class _Child:
     init: Init
     ready: Ready | None = None
     hello: bool = False
-    spawned_at: float = dataclasses.field(default_factory=time.monotonic)
+    spawned_at: float = field(default_factory=time.monotonic)
     ready_s: float = 0.0  # spawn -> Ready, seconds
 
     @property
