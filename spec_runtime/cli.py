@@ -191,17 +191,30 @@ def _serve_ray(args: argparse.Namespace, cfg) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from spec_runtime.launcher import StartupError
-    from spec_runtime.server.serve import run_server
-
     if args.target_model is not None:
         if vars(args).get("target.path", args.target_model) != args.target_model:
             raise ValueError("give the target either as TARGET or as --target, not both")
         setattr(args, "target.path", args.target_model)
     if args.speculative_config:
         _apply_speculative_config(args, args.speculative_config)
-    cfg, _ = _checked_config(args, local=not args.ray)
-    _check_ray_flags(args)
+    errors = []
+    if not 0 <= args.port <= 65535:
+        errors.append(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_body_bytes is not None and args.max_body_bytes < 1:
+        errors.append(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
+    try:
+        _check_ray_flags(args)
+    except ValueError as e:
+        errors.append(str(e))
+    try:
+        cfg, _ = _checked_config(args, local=not args.ray)
+    except ConfigErrors as e:
+        errors = e.errors + errors
+    if errors:
+        raise ConfigErrors(errors)
+    from spec_runtime.launcher import StartupError
+    from spec_runtime.server.serve import run_server
+
     if args.ray:
         return _serve_ray(args, cfg)
     try:

@@ -67,6 +67,13 @@ def test_bad_flags_fail_before_start_one_line_each(flags, expected, capsys):
         assert any(want in line for line in err), (want, err)
 
 
+def test_serve_checks_its_flags_too(capsys):
+    assert main(["serve", "--port", "70000", "--k", "0", "--target", "/does/not/exist"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(line.startswith("spec-runtime serve: error: ") for line in err), err
+    assert any("--port must be in [0, 65535]" in line for line in err)
+
+
 def test_bad_flags_load_nothing():
     """The checks run in the command's own process, before torch or a child is started."""
     code = ("import sys; from spec_runtime.cli import main; rc = main(['generate', 'hi', '--temperature', '-1']); "
