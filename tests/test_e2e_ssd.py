@@ -24,7 +24,10 @@ def models(tmp_path_factory):
     return target, draft, prompts, ar
 
 
-@pytest.mark.parametrize("backup,k", [("jit", 3), ("jit", 8), ("ngram", 3), ("none", 3)])
+# jit at K=3 is the quick check; the other backups and K=8 take minutes on a small CPU.
+@pytest.mark.parametrize("backup,k", [("jit", 3), pytest.param("jit", 8, marks=pytest.mark.slow),
+                                      pytest.param("ngram", 3, marks=pytest.mark.slow),
+                                      pytest.param("none", 3, marks=pytest.mark.slow)])
 def test_ssd_greedy_equals_ar(models, backup, k):
     target, draft, prompts, ar = models
     cfg = make_config(target, draft, mode="ssd", k=k, backup=backup)

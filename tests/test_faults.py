@@ -27,7 +27,9 @@ from spec_runtime.config import ModelConfig, RuntimeConfig, SchedulerConfig, Spe
 LONG = SamplingParams(max_tokens=400, ignore_eos=True)
 
 
-def _cfg(target, draft, timeout_s=0.5):
+def _cfg(target, draft, timeout_s=None):
+    """timeout_s None: measured from the draft's answers, so a loaded host does not turn
+    speculation off; the stall test sets a short one."""
     return RuntimeConfig(
         target=ModelConfig(path=target), draft=ModelConfig(path=draft),
         spec=SpeculativeConfig(mode="sd", k=3, draft_timeout_s=timeout_s),

@@ -128,7 +128,7 @@ def test_200_concurrent_then_10_percent_aborted(server):
     assert client.launcher.num_draft_restarts == 0
 
 
-@pytest.mark.parametrize("mode,k", [("sd", 1), ("ssd", 3), ("ssd", 8)])
+@pytest.mark.parametrize("mode,k", [("sd", 1), ("ssd", 3), pytest.param("ssd", 8, marks=pytest.mark.slow)])
 def test_prompts_at_the_context_limit(models, mode, k):
     target, draft = models
     limit = 64
