@@ -25,11 +25,16 @@ from spec_runtime.client import Client, RequestFailed
 from spec_runtime.config import ModelConfig, RuntimeConfig, SchedulerConfig, SpeculativeConfig
 
 LONG = SamplingParams(max_tokens=400, ignore_eos=True)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _cfg(target, draft, timeout_s=None):
-    """timeout_s None: measured from the draft's answers, so a loaded host does not turn
-    speculation off; the stall test sets a short one."""
+# The kill tests wait long for an answer, so on a loaded host a round without speculation
+# can only come from the link (a disconnect), never from a slow answer; the stall test
+# sets a short timeout.
+PATIENT_S = 60.0
+
+
+def _cfg(target, draft, timeout_s=PATIENT_S):
     return RuntimeConfig(
         target=ModelConfig(path=target), draft=ModelConfig(path=draft),
         spec=SpeculativeConfig(mode="sd", k=3, draft_timeout_s=timeout_s),
@@ -78,10 +83,9 @@ def test_draft_killed_mid_generation(setup):
         draft_pid = client.launcher.pids()["draft"]
         outs = _run_with_fault(client, prompts, lambda: os.kill(draft_pid, signal.SIGKILL))
         assert outs == ar  # nothing lost, nothing different
-        # The dead peer is noticed from the socket: the batch does not wait on it round
-        # after round. At most the round in flight at the kill, plus a slow first answer
-        # or two of the restarted draft on a loaded host, end by a timeout (of ~130 rounds).
-        assert client.engine_stats().num_draft_timeouts <= 3
+        # The dead peer is noticed from the socket, not by waiting out the (long) timeout
+        # round after round: at most the round in flight at the kill ends early.
+        assert client.engine_stats().num_draft_timeouts <= 1
         # A new draft is started and speculation resumes.
         assert wait_until(lambda: client.launcher.num_draft_restarts == 1, 120)
         assert client.launcher.pids()["draft"] != draft_pid
@@ -155,6 +159,7 @@ def test_children_exit_when_parent_is_killed(setup, tmp_path):
     script = tmp_path / "parent.py"
     script.write_text(
         "import sys, time\n"
+        f"sys.path.insert(0, {ROOT!r})\n"  # the code under test, not an installed copy
         "from spec_runtime.client import Client\n"
         "from spec_runtime.config import *\n"
         f"cfg = RuntimeConfig(target=ModelConfig(path={target!r}), draft=ModelConfig(path={target!r}),"
