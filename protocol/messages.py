@@ -77,6 +77,8 @@ class Ready(_Cold, tag="ready"):
     # Batch sizes with captured CUDA graphs (empty on CPU).
     graph_batch_sizes: list[int] = []
     model_name: str = ""
+    # Seconds per start-up phase (load, kv_alloc, graph_capture) where the child measures them.
+    startup_phases: dict[str, float] = {}
 
 
 # ---------------------------------------------------------------- client link
@@ -139,6 +141,18 @@ class RequestStats(_Cold):
     ttft_s: float = 0.0
     e2e_s: float = 0.0
 
+    @property
+    def num_drafts(self) -> int:
+        """Rounds in which the draft proposed at least one token."""
+        return self.drafted_per_position[0] if self.drafted_per_position else 0
+
+
+def mean_acceptance_length(num_accepted_tokens: int, num_drafts: int) -> float:
+    """vLLM's acceptance length: 1 + accepted / drafts, the tokens a round with a draft
+    yields on average, in [1, K + 1]; 1.0 when nothing was drafted. Every output of the
+    runtime (CLI, HTTP usage, /metrics, bench) reports this one figure under this name."""
+    return 1.0 + num_accepted_tokens / num_drafts if num_drafts else 1.0
+
 
 class RequestOutput(_Hot):
     request_id: str
@@ -198,6 +212,11 @@ class EngineStats(_Cold, tag="stats"):
     draft_num_answers: int = 0
     # SSD tree-cache hits by the depth j of the outcome they answered (index 0..K).
     hits_by_depth: list[int] = []
+    # Rounds that stopped waiting for the draft (late or gone); after each, no round waits
+    # on it again until it answers a probe.
+    num_draft_timeouts: int = 0
+    # The current draft timeout (seconds): --draft-timeout-s, or measured when unset.
+    draft_timeout_s: float = 0.0
 
 
 class ErrorReply(_Cold, tag="error"):

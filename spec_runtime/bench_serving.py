@@ -6,7 +6,8 @@ inf = all at once) and/or capped at --max-concurrency in flight, with random pro
 the chat endpoint, random words) or prompts from a file (JSONL with a "prompt" field,
 or one prompt per line). It reports throughput; TTFT, TPOT, ITL and end-to-end latency
 (mean, median, p99); and a Speculative Decoding section summed from each response's
-`usage.spec_decode`. --save-result writes everything as JSON.
+`usage.spec_decode`. --save-result writes everything as JSON. A progress bar counts
+finished requests on stderr; Ctrl-C stops the run and reports (and saves) what finished.
 
 ITL is the gap between streamed chunks: with speculation one chunk carries every token
 a round accepted, so ITL is per round, and TPOT (per token) is the fairer comparison.
@@ -22,6 +23,8 @@ import random
 import sys
 import time
 from dataclasses import dataclass, field
+
+from protocol.messages import mean_acceptance_length
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +59,18 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly --output-len tokens (extension field)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=600.0, help="per-request timeout")
-    p.add_argument("--save-result", default=None, metavar="PATH", help="write the results as JSON to PATH")
+    p.add_argument("--save-result", default=None, metavar="PATH",
+                   help="write the results as JSON to PATH (partial ones too, on Ctrl-C)")
+    p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+
+
+@dataclass
+class _Run:
+    """What a run has so far, readable after Ctrl-C."""
+
+    model: str = ""
+    t0: float = 0.0
+    results: list[RequestResult] = field(default_factory=list)
 
 
 def load_prompts(args, vocab_size: int, eos_ids: list[int]) -> list:
@@ -148,15 +162,17 @@ def spec_summary(specs: list[dict]) -> dict:
         "k": specs[0].get("k") if specs else None,
         **tot,
         "acceptance_rate": tot["num_accepted_tokens"] / tot["num_draft_tokens"] if tot["num_draft_tokens"] else 0.0,
-        "acceptance_length": 1.0 + tot["num_accepted_tokens"] / tot["num_drafts"] if tot["num_drafts"] else 1.0,
+        "mean_acceptance_length": mean_acceptance_length(tot["num_accepted_tokens"], tot["num_drafts"]),
         "acceptance_per_position": [a / d if d else 0.0 for a, d in zip(acc, dra)],
         "cache_hit_rate": tot["num_cache_hits"] / looks if looks else None,
     }
 
 
-async def benchmark(args) -> dict:
+async def benchmark(args, run: _Run | None = None) -> dict:
     import httpx
+    from tqdm.auto import tqdm
 
+    run = run if run is not None else _Run()
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=args.base_url.rstrip("/"), headers=headers, limits=limits) as http:
@@ -164,7 +180,7 @@ async def benchmark(args) -> dict:
         if r.status_code != 200:
             raise ValueError(f"GET {args.base_url}/v1/models: HTTP {r.status_code}: {r.text[:300]}")
         card = r.json()["data"][0]
-        model = args.model or card["id"]
+        model = run.model = args.model or card["id"]
         ext = card.get("spec_runtime", {})
         prompts = load_prompts(args, ext.get("vocab_size", 0), ext.get("eos_token_ids", []))
         sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
@@ -176,19 +192,33 @@ async def benchmark(args) -> dict:
             async with sem:
                 return await _one(http, args, model, p)
 
-        t0 = time.perf_counter()
+        bar = tqdm(total=len(prompts), desc="requests", unit="req", disable=args.disable_tqdm or None)
+
+        def done(task: asyncio.Task) -> None:
+            if not task.cancelled():
+                run.results.append(task.result())
+                bar.update(1)
+
+        run.t0 = time.perf_counter()
         tasks = []
-        for p in prompts:
-            tasks.append(asyncio.create_task(limited(p)))
-            if args.request_rate != float("inf"):
-                await asyncio.sleep(rng.expovariate(args.request_rate))
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - t0
-    return report(args, model, results, duration)
+        try:
+            for p in prompts:
+                tasks.append(asyncio.create_task(limited(p)))
+                tasks[-1].add_done_callback(done)
+                if args.request_rate != float("inf"):
+                    await asyncio.sleep(rng.expovariate(args.request_rate))
+            await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+            bar.close()
+        duration = time.perf_counter() - run.t0
+    return report(args, model, run.results, duration)
 
 
-def report(args, model: str, results: list[RequestResult], duration: float) -> dict:
+def report(args, model: str, results: list[RequestResult], duration: float, interrupted: bool = False) -> dict:
     ok = [r for r in results if r.ok]
+    duration = max(duration, 1e-9)
     out_tok = sum(r.output_tokens for r in ok)
     in_tok = sum(r.prompt_tokens for r in ok)
     tpots = [(r.e2e_s - r.ttft_s) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
@@ -196,7 +226,7 @@ def report(args, model: str, results: list[RequestResult], duration: float) -> d
         "model": model, "base_url": args.base_url, "endpoint": args.endpoint, "dataset": args.dataset,
         "num_prompts": args.num_prompts, "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
         "output_len": args.output_len, "temperature": args.temperature, "ignore_eos": args.ignore_eos,
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "interrupted": interrupted,
         "duration_s": duration, "completed": len(ok), "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if not r.ok})[:10],
         "total_input_tokens": in_tok, "total_output_tokens": out_tok,
@@ -210,7 +240,8 @@ def report(args, model: str, results: list[RequestResult], duration: float) -> d
 
 
 def format_report(res: dict) -> str:
-    lines = [f"{' Serving Benchmark Result ':=^60}"]
+    title = " Serving Benchmark Result (interrupted: partial) " if res.get("interrupted") else " Serving Benchmark Result "
+    lines = [f"{title:=^60}"]
 
     def row(name, value, fmt="{:.2f}"):
         lines.append(f"{name:<44}{fmt.format(value) if value is not None else 'n/a':>16}")
@@ -235,7 +266,7 @@ def format_report(res: dict) -> str:
     row("Draft tokens:", sd.get("num_draft_tokens", 0), "{}")
     row("Accepted tokens:", sd.get("num_accepted_tokens", 0), "{}")
     row("Acceptance rate:", sd.get("acceptance_rate", 0.0))
-    row("Acceptance length (1 + accepted/drafts):", sd.get("acceptance_length", 1.0))
+    row("Acceptance length (1 + accepted/drafts):", sd.get("mean_acceptance_length", 1.0))
     row("Cache hit rate:", sd.get("cache_hit_rate"))
     per = ", ".join(f"{x:.2f}" for x in sd.get("acceptance_per_position", []))
     lines.append(f"{'Per-position acceptance:':<28}{'[' + per + ']':>32}")
@@ -247,20 +278,43 @@ def format_report(res: dict) -> str:
 
 def run_benchmark_sync(args: argparse.Namespace) -> dict:
     """Validate the flags, run the benchmark, return the result dict (what --save-result writes)."""
+    _check_args(args)
+    return asyncio.run(benchmark(args))
+
+
+def _check_args(args: argparse.Namespace) -> None:
     if args.num_prompts < 1:
         raise ValueError("--num-prompts must be >= 1")
     if args.request_rate <= 0:
         raise ValueError("--request-rate must be > 0")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError("--max-concurrency must be >= 1")
-    return asyncio.run(benchmark(args))
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    res = run_benchmark_sync(args)
+    _check_args(args)
+    run = _Run()
+    try:
+        res = asyncio.run(benchmark(args, run))
+    except KeyboardInterrupt:
+        if not run.t0:
+            print("spec-runtime bench: interrupted before any request was sent", file=sys.stderr)
+            return 130
+        res = report(args, run.model, run.results, time.perf_counter() - run.t0, interrupted=True)
+        print(format_report(res))
+        saved = f"; saved them to {args.save_result}" if args.save_result else "; --save-result PATH keeps them"
+        if args.save_result:
+            _save(res, args.save_result)
+        print(f"spec-runtime bench: interrupted after {len(run.results)} of {args.num_prompts} requests; "
+              f"the results above cover those{saved}", file=sys.stderr)
+        return 130
     print(format_report(res))
     if args.save_result:
-        with open(args.save_result, "w", encoding="utf-8") as f:
-            json.dump(res, f, indent=2)
+        _save(res, args.save_result)
         print(f"saved {args.save_result}", file=sys.stderr)
     return 0 if res["failed"] == 0 else 1
+
+
+def _save(res: dict, path: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(res, f, indent=2)

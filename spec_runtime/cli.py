@@ -1,11 +1,9 @@
-"""The `spec-runtime` command.
+"""The `spec-runtime` command: `generate`, `serve`, `bench`.
 
-Flags are generated from the config dataclasses (spec_runtime.config), so `--help`
-always matches what the runtime accepts:
-  ModelConfig fields      -> --target, --target-device, ... and --draft, --draft-device, ...
-  SpeculativeConfig       -> --mode, --k, --fan-out, --backup, ...
-  SchedulerConfig         -> --max-batch-size, --max-model-len, ...
-  RuntimeConfig (scalars) -> --seed, --startup-timeout-s, --log-level
+Model, speculation, scheduler and runtime flags are generated from the config
+dataclasses (spec_runtime.cli_flags), so `--help` always matches what the runtime
+accepts. Every flag is checked before any process starts: each problem is printed on
+a line of its own and the exit code is 2.
 """
 
 from __future__ import annotations
@@ -14,105 +12,105 @@ import argparse
 import dataclasses
 import json
 import sys
-import typing
-from typing import Any, get_args, get_origin
 
-from spec_runtime.config import ModelConfig, RuntimeConfig, SchedulerConfig, SpeculativeConfig
+from spec_runtime.cli_flags import (
+    ConfigErrors,
+    add_config_flags,
+    add_sampling_flags,
+    config_from_args,
+    preflight,
+    sampling_from_args,
+)
+from spec_runtime.config import SpeculativeConfig
+
+__all__ = ["add_config_flags", "build_parser", "config_from_args", "main"]
 
 
-def _parse_tuple(kind):
-    def parse(text: str) -> tuple:
-        text = text.strip()
-        if not text:
-            return ()
+def _checked_config(args: argparse.Namespace, sampling: bool = False, local: bool = True):
+    """(config, SamplingParams or None) from the flags; ConfigErrors lists every problem."""
+    errors: list[str] = []
+    cfg = sp = None
+    try:
+        cfg = config_from_args(args)
+    except ConfigErrors as e:
+        errors += e.errors
+    if sampling:
         try:
-            return tuple(kind(x) for x in text.split(","))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected comma-separated {kind.__name__}s, got {text!r}") from None
-
-    return parse
-
-
-def _add_field(group, flag: str, dest: str, f: dataclasses.Field, hint: Any) -> None:
-    help_text = f.metadata.get("help", "")
-    default = f.default
-    kw: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS, "help": f"{help_text} (default: {default!r})"}
-    origin, args = get_origin(hint), get_args(hint)
-    if hint is bool:
-        kw["action"] = argparse.BooleanOptionalAction
-    elif origin is typing.Literal:
-        kw["choices"] = list(args)
-    elif origin is tuple:
-        kw["type"] = _parse_tuple(args[0])
-        kw["metavar"] = "A,B,..."
-    elif hint in (int, float, str):
-        kw["type"] = hint
-    elif type(None) in args:  # X | None
-        inner = next(a for a in args if a is not type(None))
-        kw["type"] = inner
-    else:
-        kw["type"] = str
-    group.add_argument(flag, **kw)
+            sp = sampling_from_args(args)
+        except ConfigErrors as e:
+            errors += e.errors
+    if local:
+        given = vars(args)
+        roles = ["target"]
+        if cfg is not None and cfg.spec.uses_draft_process or cfg is None and given.get("spec.mode") != "ar":
+            roles.append("draft")
+        try:
+            preflight({r: given.get(f"{r}.path", "") for r in roles},
+                      {r: given.get(f"{r}.device", "cpu") for r in roles})
+        except ConfigErrors as e:
+            errors += e.errors
+    if errors:
+        raise ConfigErrors(errors)
+    return cfg, sp
 
 
-def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    def fields(cls):
-        hints = typing.get_type_hints(cls)
-        return [(f, hints[f.name]) for f in dataclasses.fields(cls)]
-
-    for role in ("target", "draft"):
-        g = parser.add_argument_group(f"{role} model")
-        for f, hint in fields(ModelConfig):
-            flag = f"--{role}" if f.name == "path" else f"--{role}-{f.name.replace('_', '-')}"
-            _add_field(g, flag, f"{role}.{f.name}", f, hint)
-    for cls, section, title in ((SpeculativeConfig, "spec", "speculation"), (SchedulerConfig, "sched", "scheduler")):
-        g = parser.add_argument_group(title)
-        for f, hint in fields(cls):
-            _add_field(g, f"--{f.name.replace('_', '-')}", f"{section}.{f.name}", f, hint)
-    g = parser.add_argument_group("runtime")
-    for f, hint in fields(RuntimeConfig):
-        if f.name not in ("target", "draft", "spec", "sched"):
-            _add_field(g, f"--{f.name.replace('_', '-')}", f"runtime.{f.name}", f, hint)
+def _summary(cfg, st: dict, finish_reason) -> str:
+    """The one-line result the CLI prints after the text (docs/metrics.md defines each figure)."""
+    head = f"{st['num_generated_tokens']} tokens in {st['e2e_s']:.2f} s"
+    if cfg.spec.mode == "ar":
+        return f"[ar] {head}; finish: {finish_reason}"
+    per = ", ".join(f"{x:.2f}" for x in st["acceptance_per_position"])
+    return (f"[{cfg.spec.mode}, draft {cfg.draft_name}, K={cfg.spec.k}] {head}; {st['num_rounds']} rounds, "
+            f"{st['num_drafts']} with a draft; acceptance length {st['mean_acceptance_length']:.2f} "
+            f"(1 + accepted/drafts), acceptance rate {st['acceptance_rate']:.2f}, per position [{per}]; "
+            f"finish: {finish_reason}")
 
 
-def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
-    """Build the frozen config tree from the flags that were given; ValueError if invalid."""
-    given: dict[str, dict[str, Any]] = {"target": {}, "draft": {}, "spec": {}, "sched": {}, "runtime": {}}
-    for dest, value in vars(args).items():
-        if "." in dest:
-            section, name = dest.split(".", 1)
-            given[section][name] = value
-    return RuntimeConfig(
-        target=ModelConfig(**given["target"]),
-        draft=ModelConfig(**given["draft"]),
-        spec=SpeculativeConfig(**given["spec"]),
-        sched=SchedulerConfig(**given["sched"]),
-        **given["runtime"],
-    )
+def _cap_max_tokens(sp, num_prompt_tokens: int, max_model_len: int):
+    """vLLM's rule: a max_tokens beyond the context is capped, with a warning."""
+    import msgspec
+
+    room = max_model_len - num_prompt_tokens
+    if room < 1:
+        raise ConfigErrors([f"the prompt ({num_prompt_tokens} tokens) fills the context ({max_model_len} tokens); "
+                            f"raise --max-model-len or shorten the prompt"])
+    if sp.max_tokens > room:
+        print(f"spec-runtime: warning: --max-tokens {sp.max_tokens} is more than the context leaves "
+              f"({max_model_len} - {num_prompt_tokens} prompt tokens); generating at most {room}", file=sys.stderr)
+        sp = msgspec.structs.replace(sp, max_tokens=room)
+    return sp
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from protocol.messages import SamplingParams
-    from spec_runtime.client import Client
-    from spec_runtime.launcher import StartupError
+    cfg, sp = _checked_config(args, sampling=True)
+    from concurrent.futures import ThreadPoolExecutor
 
-    cfg = config_from_args(args)
-    sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                        top_p=args.top_p, seed=args.request_seed, stop=args.stop or [])
+    from spec_runtime.client import Client, GenerationResult
+    from spec_runtime.launcher import StartupError, format_startup
+    from spec_runtime.model.loader import load_tokenizer
+
+    # The tokenizer loads here while the processes start.
+    pool = ThreadPoolExecutor(1)
+    tokenizer = pool.submit(load_tokenizer, cfg.target.path, cfg.target.gguf_cache)
+    pool.shutdown(wait=False)
     try:
-        client = Client(cfg)
+        client = Client(cfg, tokenizer=tokenizer)
     except StartupError as e:
         print(f"spec-runtime: start-up failed: {e}", file=sys.stderr)
         return 1
     with client:
+        phases = client.launcher.startup_phases() if hasattr(client.launcher, "startup_phases") else {}
         chat = not args.raw and bool(getattr(client.tokenizer, "chat_template", None))
         prompt_ids = client.encode_prompt(args.prompt, chat=chat)
+        sp = _cap_max_tokens(sp, len(prompt_ids), client.ready.max_model_len)
         if args.json:
             res = client.generate(prompt_ids, sp)
             print(json.dumps({"text": res.text, "token_ids": res.token_ids, "finish_reason": res.finish_reason,
                               "mode": cfg.spec.mode, "draft": cfg.draft_name if cfg.spec.mode != "ar" else None,
-                              "k": cfg.spec.k, "stats": res.stats_dict()}))
+                              "k": cfg.spec.k if cfg.spec.mode != "ar" else None, "startup": phases,
+                              "stats": res.stats_dict()}))
             return 0
+        print(f"[start-up] {format_startup(phases)}", file=sys.stderr)
         final = None
         for out in client.stream(prompt_ids, sp):
             sys.stdout.write(out.text_delta)
@@ -120,17 +118,12 @@ def _generate(args: argparse.Namespace) -> int:
             final = out
         sys.stdout.write("\n")
         if final is not None and final.stats is not None:
-            from spec_runtime.client import GenerationResult
-
             st = GenerationResult("", [], final.finish_reason, final.stats).stats_dict()
-            draft = f", draft {cfg.draft_name}" if cfg.spec.mode != "ar" else ""
-            print(
-                f"[{cfg.spec.mode}{draft}, K={cfg.spec.k}] {st['num_generated_tokens']} tokens in {st['e2e_s']:.2f} s, "
-                f"{st['num_rounds']} rounds, {st['mean_accepted_tokens_per_round']:.2f} tokens/round, "
-                f"acceptance {st['acceptance_rate']:.2f} per position {st['acceptance_per_position']}, "
-                f"finish: {final.finish_reason}",
-                file=sys.stderr,
-            )
+            print(_summary(cfg, st, final.finish_reason), file=sys.stderr)
+            if st["num_ar_fallback_rounds"] and cfg.spec.mode != "ar":
+                print(f"spec-runtime: note: {st['num_ar_fallback_rounds']} rounds ran without speculation because "
+                      f"the draft answered later than --draft-timeout-s; on a busy machine raise it "
+                      f"(e.g. --draft-timeout-s 10)", file=sys.stderr)
     return 0
 
 
@@ -170,9 +163,9 @@ def _check_ray_flags(args: argparse.Namespace) -> None:
         for name, why in _LOCAL_ONLY_FLAGS.items():
             if getattr(args, name) is not None:
                 raise ValueError(f"--{name.replace('_', '-')} does not apply with --ray: {why}")
-        http = sorted(n for n in vars(args) if n.startswith("http_"))  # given HTTP limits only
+        http = sorted(n for n in vars(args) if n.startswith("http."))  # given HTTP limits only
         if http:
-            raise ValueError(f"--{http[0][len('http_'):].replace('_', '-')} does not apply with --ray: Ray Serve's "
+            raise ValueError(f"--{http[0][len('http.'):].replace('_', '-')} does not apply with --ray: Ray Serve's "
                              "proxy runs its own HTTP server")
     else:
         given = [n for n in _RAY_FLAGS if getattr(args, n) is not None]
@@ -202,17 +195,30 @@ def _serve_ray(args: argparse.Namespace, cfg) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from spec_runtime.launcher import StartupError
-    from spec_runtime.server.serve import run_server
-
     if args.target_model is not None:
         if vars(args).get("target.path", args.target_model) != args.target_model:
             raise ValueError("give the target either as TARGET or as --target, not both")
         setattr(args, "target.path", args.target_model)
     if args.speculative_config:
         _apply_speculative_config(args, args.speculative_config)
-    cfg = config_from_args(args)
-    _check_ray_flags(args)
+    errors = []
+    if not 0 <= args.port <= 65535:
+        errors.append(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_body_bytes is not None and args.max_body_bytes < 1:
+        errors.append(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
+    try:
+        _check_ray_flags(args)
+    except ValueError as e:
+        errors.append(str(e))
+    try:
+        cfg, _ = _checked_config(args, local=not args.ray)
+    except ConfigErrors as e:
+        errors = e.errors + errors
+    if errors:
+        raise ConfigErrors(errors)
+    from spec_runtime.launcher import StartupError
+    from spec_runtime.server.serve import run_server
+
     if args.ray:
         return _serve_ray(args, cfg)
     try:
@@ -231,18 +237,22 @@ def _serve(args: argparse.Namespace) -> int:
 def _http_config(args: argparse.Namespace):
     from spec_runtime.server.http_limits import HTTPConfig
 
-    given = {name[len("http_"):]: v for name, v in vars(args).items() if name.startswith("http_")}
+    given = {name[len("http."):]: v for name, v in vars(args).items() if name.startswith("http.")}
     return HTTPConfig(**given)
 
 
 def _add_http_flags(parser: argparse.ArgumentParser) -> None:
+    import typing
+
+    from spec_runtime.cli_flags import _add_field
     from spec_runtime.server.http_limits import HTTPConfig
 
     g = parser.add_argument_group("HTTP limits")
     hints = typing.get_type_hints(HTTPConfig)
     for f in dataclasses.fields(HTTPConfig):
         if f.name != "max_body_bytes":  # --max-body-bytes is a serve flag of its own
-            _add_field(g, f"--{f.name.replace('_', '-')}", f"http_{f.name}", f, hints[f.name])
+            _add_field(g, f"--{f.name.replace('_', '-')}", f"http.{f.name}", hints[f.name],
+                       f.metadata.get("help", ""), str(f.default), argparse.SUPPRESS)
 
 
 def _add_serve(sub) -> None:
@@ -299,15 +309,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one prompt and print it with speculation stats")
     gen.add_argument("prompt", help="the prompt (chat-templated when the model has a template, unless --raw)")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--request-seed", type=int, default=None, help="seed of this request's sampling")
-    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    gen.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids and stats")
-    add_config_flags(gen)
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON object: text, token_ids, finish_reason, startup (seconds per start-up "
+                          "phase) and stats (docs/metrics.md)")
+    add_sampling_flags(gen)
+    add_config_flags(gen, defaults={"sched.max_batch_size": 1})  # one prompt: one KV slot
     gen.set_defaults(func=_generate)
     _add_serve(sub)
     _add_bench(sub)
@@ -322,8 +329,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
+    except ConfigErrors as e:
+        for line in e.errors:
+            print(f"spec-runtime {args.command}: error: {line}", file=sys.stderr)
+        return 2
     except ValueError as e:
-        print(f"spec-runtime: {e}", file=sys.stderr)
+        print(f"spec-runtime {args.command}: error: {e}", file=sys.stderr)
         return 2
 
 

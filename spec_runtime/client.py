@@ -13,6 +13,7 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -31,6 +32,7 @@ from protocol.messages import (
     StatsRequest,
     TargetToClientMessage,
     TokenOutputs,
+    mean_acceptance_length,
 )
 from protocol.transport import Channel, set_curve_client
 from spec_runtime.config import RuntimeConfig
@@ -54,16 +56,16 @@ class GenerationResult:
     logprobs: list[float] = field(default_factory=list)
 
     def stats_dict(self) -> dict:
+        """The request's figures; docs/metrics.md defines each."""
         s = self.stats
-        spec_rounds = s.num_rounds - 1  # the first token comes from prefill, not a round
-        mean_accepted = 1.0 + s.num_accepted_tokens / spec_rounds if spec_rounds > 0 else 0.0
         return {
             "num_prompt_tokens": s.num_prompt_tokens,
             "num_generated_tokens": s.num_generated_tokens,
             "num_rounds": s.num_rounds,
+            "num_drafts": s.num_drafts,
             "num_draft_tokens": s.num_draft_tokens,
             "num_accepted_tokens": s.num_accepted_tokens,
-            "mean_accepted_tokens_per_round": round(mean_accepted, 4),
+            "mean_acceptance_length": round(mean_acceptance_length(s.num_accepted_tokens, s.num_drafts), 4),
             "acceptance_rate": round(s.num_accepted_tokens / s.num_draft_tokens, 4) if s.num_draft_tokens else 0.0,
             "acceptance_per_position": [
                 round(a / d, 4) if d else 0.0 for a, d in zip(s.accepted_per_position, s.drafted_per_position)
@@ -83,7 +85,9 @@ class Client:
     def __init__(self, config: RuntimeConfig | None = None, *, tokenizer=None, launcher=None):
         """launcher: an already started runtime (e.g. spec_runtime.ray's RayDeployment) with
         the Launcher's `client_addr`, `ready`, `dead_child()`, `pids()`, `shutdown()`; the
-        client owns it from here (close() shuts it down). None: start a local Launcher."""
+        client owns it from here (close() shuts it down). None: start a local Launcher.
+        tokenizer: the target's, or a Future of it (loaded while the processes start), or
+        None to load it on first use."""
         self.config = config or RuntimeConfig()
         self.launcher = launcher if launcher is not None else Launcher(self.config)
         self.ready = self.launcher.ready["target"]
@@ -118,7 +122,9 @@ class Client:
         if self._tokenizer is None:
             from spec_runtime.model.loader import load_tokenizer
 
-            self._tokenizer = load_tokenizer(self.config.target.path)
+            self._tokenizer = load_tokenizer(self.config.target.path, self.config.target.gguf_cache)
+        elif isinstance(self._tokenizer, Future):
+            self._tokenizer = self._tokenizer.result()
         return self._tokenizer
 
     def encode_prompt(self, prompt: str | list[int], chat: bool = False) -> list[int]:

@@ -11,6 +11,8 @@ This module imports no torch, so the protocol and the CLI can use it cheaply.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -37,14 +39,17 @@ class ModelConfig:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = _f("auto", "\"auto\": float32 on CPU, bfloat16 on CUDA.")
     cuda_graphs: bool = _f(True, "Capture CUDA graphs for decode/verify (ignored on CPU).")
     gpu_memory_utilization: float = _f(0.85, "Fraction of GPU memory the process may use; the KV cache takes what the weights and a warm-up forward leave.")
+    gguf_cache: bool = _f(True, "Keep a de-quantized copy of a .gguf model in $XDG_CACHE_HOME/spec-runtime/gguf (~/.cache when unset), so only the first start converts it.")
 
     def __post_init__(self) -> None:
         if not 0.05 <= self.gpu_memory_utilization <= 0.99:
             raise ValueError(
                 f"gpu_memory_utilization must be in [0.05, 0.99], got {self.gpu_memory_utilization}"
             )
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
+        if not (self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", self.device)):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
 
 
 @dataclass(frozen=True)
@@ -53,20 +58,20 @@ class SpeculativeConfig:
 
     mode: Mode = _f("sd", "ar: target only; sd: synchronous speculation; ssd: the draft works ahead from a tree cache.")
     k: int = _f(4, "Speculation length K: draft tokens verified per round.")
-    fan_out: tuple[int, ...] = _f((), "SSD fan-out F_0..F_K: branches forked at each depth j of the returned speculation. Empty means \"choose a default for K\" (see fan_out_for).")
+    fan_out: tuple[int, ...] = _f((), "SSD fan-out F_0..F_K: branches forked at each depth j of the returned speculation. Empty: 3,2,1 at the first depths and 1 after, since rejection is likeliest early.")
     fan_out_miss: tuple[int, ...] = _f((), "Fan-out for sequences whose last look-up missed (rejection is likely early).")
     tree_budget: int = _f(64, "SSD: most branches tree-decoded per round over the whole batch; per-sequence fan-out shrinks (deepest depths first) when batch x sum(F) exceeds it, so the draft's work stays inside one verify.")
     backup: Backup = _f("jit", "What answers a tree-cache miss.")
     work_ahead: Literal["auto", "always"] = _f("auto", "SSD: auto: per batch size, run SSD rounds (the draft works ahead) or synchronous SD rounds, whichever measures faster, re-measuring now and then (each choice is logged and counted in the stats); always: work ahead every round.")
     ssd_prefetch: bool = _f(True, "SSD: on a new sequence, the draft works ahead for its first outcome while the target prefills, so the first look-up can hit.")
-    draft_top_k: int = _f(64, "The draft samples from its top-`draft_top_k` tokens only, so q is sparse and a SpecResponse does not grow with the vocabulary. Verification uses the same q.")
-    draft_temperature: float | None = _f(None, "Draft temperature; None means \"the request's temperature\".")
+    draft_top_k: int = _f(64, "The draft samples only from this many of its most likely tokens; verification uses the same truncated draft distribution, so output stays exact, and what the draft sends per round does not grow with the vocabulary.")
+    draft_temperature: float | None = _f(None, "Draft temperature; unset: the request's temperature.")
     ngram_max: int = _f(4, "n-gram speculator: longest suffix to match.")
     ngram_min: int = _f(1, "n-gram speculator: shortest suffix to match.")
     saguaro_rescale: float | None = _f(None, "Saguaro rescaling of the draft's top-F probabilities (SSD only): the sampled distribution and the q used in verification are both rescaled.")
-    synthetic_acceptance: float | None = _f(None, "Benchmark-only synthetic acceptance oracle (../shared/BENCH.md). Off by default.")
+    synthetic_acceptance: float | None = _f(None, "Benchmarks only, for random-weight models: replace both models' outputs so that each draft token is the target's with this probability (spec_runtime/oracle.py).")
     synthetic_ranks: tuple[float, ...] = _f((), "Benchmark-only: given that the oracle token is not the draft's top token, the probabilities that it is its rank 2, 3, ... token.")
-    draft_timeout_s: float = _f(2.0, "Seconds the target waits for a SpecResponse before decoding that round without speculation (a stalled draft).")
+    draft_timeout_s: float | None = _f(None, "Seconds a round waits for the draft's speculation before decoding without it (a late or stalled draft). Unset: 4x the draft's slowest recent answer, at least 1 s (10 s before its first answer), logged.")
 
     def __post_init__(self) -> None:
         if self.mode not in ("ar", "sd", "ssd"):
@@ -98,8 +103,8 @@ class SpeculativeConfig:
             or sum(self.synthetic_ranks) > 1.0 + 1e-9
         ):
             raise ValueError("synthetic_ranks are probabilities given a top-1 miss: each >= 0, summing to at most 1")
-        if self.draft_timeout_s <= 0:
-            raise ValueError("draft_timeout_s must be > 0")
+        if self.draft_timeout_s is not None and self.draft_timeout_s <= 0:
+            raise ValueError(f"draft_timeout_s must be > 0, got {self.draft_timeout_s}")
 
     @property
     def uses_draft_process(self) -> bool:
@@ -127,9 +132,11 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
-            raise ValueError("max_batch_size must be >= 1")
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.max_model_len < 16:
-            raise ValueError("max_model_len must be >= 16")
+            raise ValueError(f"max_model_len must be >= 16, got {self.max_model_len}")
+        if self.max_draft_seqs < 0:
+            raise ValueError(f"max_draft_seqs must be >= 0 (0 means max_batch_size), got {self.max_draft_seqs}")
         if self.spec_policy not in ("always", "adaptive"):
             raise ValueError(f"spec_policy must be always or adaptive, got {self.spec_policy!r}")
         if self.spec_policy_probe_every < 2:
@@ -146,11 +153,15 @@ class RuntimeConfig:
     sched: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = _f(0, "Seed for requests that bring none.")
     startup_timeout_s: float = _f(300.0, "Seconds allowed for Hello -> Init -> Ready of each child (model load included).")
-    log_level: str = _f("WARNING", "Log level of the child processes.")
+    log_level: str = _f("WARNING", "Log level of the child processes: DEBUG, INFO, WARNING or ERROR.")
 
     def __post_init__(self) -> None:
         if self.startup_timeout_s <= 0:
-            raise ValueError("startup_timeout_s must be > 0")
+            raise ValueError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")
+        if not isinstance(logging.getLevelName(self.log_level.upper()), int):
+            raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
+        if self.spec.mode == "ssd" and self.draft_name == "ngram":
+            raise ValueError("mode ssd needs a draft model (--draft PATH); the n-gram speculator has no tree to build")
 
     @property
     def draft_name(self) -> str:

@@ -46,6 +46,7 @@ def build(cfg, init, *, client_secret_key: bytes | None = None, draft_public_key
         eos_token_ids=list(runner.eos_token_ids),
         graph_batch_sizes=list(getattr(runner, "graph_batch_sizes", [])),
         model_name=runner.model_name,
+        startup_phases=dict(runner.startup_phases),
     )
     return ready, worker.run_forever
 

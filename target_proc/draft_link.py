@@ -1,7 +1,7 @@
 """target_proc's end of the spec link: send outcomes, collect speculations.
 
 The draft is a helper, never a dependency:
-  - a speculation that does not arrive within `draft_timeout_s` is not waited for (that
+  - a speculation that does not arrive within the draft timeout is not waited for (that
     round verifies nothing, which is plain decoding), and the draft is then *suspect*:
     no round waits on it again until it answers a probe (a stalled draft costs one
     timeout, not one per round);
@@ -38,6 +38,42 @@ from protocol.messages import (
 logger = logging.getLogger(__name__)
 
 
+class DraftTimeout:
+    """How long a round waits for the draft: `draft_timeout_s` when set, else measured.
+
+    Measured: FACTOR times a slowly decaying maximum of the draft's answer times (request
+    sent to response received; a tree-cache miss answers slower than a hit, so a maximum,
+    not a mean), never under FLOOR_S, and INITIAL_S until the first answer (which
+    includes the draft's prefill). A busy machine slows every answer, so the timeout
+    follows it instead of turning speculation off.
+    """
+
+    FACTOR = 4.0
+    FLOOR_S = 1.0
+    INITIAL_S = 10.0
+    DECAY = 0.99  # per answer
+
+    def __init__(self, configured_s: float | None):
+        self.configured_s = configured_s
+        self.slowest_s = 0.0  # the decaying maximum
+        self._logged_s = 0.0
+
+    @property
+    def value(self) -> float:
+        if self.configured_s is not None:
+            return self.configured_s
+        if self.slowest_s == 0.0:
+            return self.INITIAL_S
+        return max(self.FLOOR_S, self.FACTOR * self.slowest_s)
+
+    def observe(self, answer_s: float) -> None:
+        self.slowest_s = max(answer_s, self.slowest_s * self.DECAY)
+        if self.configured_s is None and not 0.5 * self._logged_s <= self.value <= 2 * self._logged_s:
+            self._logged_s = self.value
+            logger.info("draft timeout %.2f s: %.0fx the draft's slowest recent answer (%.3f s), at least %.1f s "
+                        "(--draft-timeout-s sets it)", self.value, self.FACTOR, self.slowest_s, self.FLOOR_S)
+
+
 @dataclass
 class Speculation:
     """The draft's proposal for one sequence and round."""
@@ -58,16 +94,18 @@ class Outcome:
 
 
 class DraftLink:
-    def __init__(self, channel, address: str, timeout_s: float, k: int, vocab_size: int | None = None):
+    def __init__(self, channel, address: str, timeout_s: float | None, k: int, vocab_size: int | None = None):
         """channel: an unconnected PAIR Channel; the link connects it to `address` once
-        its monitor is attached, so the first connect is seen too. vocab_size: the
-        target's; draft token ids outside [0, vocab_size) are treated as rejected."""
+        its monitor is attached, so the first connect is seen too. timeout_s: None measures
+        it. vocab_size: the target's; draft token ids outside [0, vocab_size) are treated
+        as rejected."""
         self.channel = channel
         self.vocab_size = vocab_size
         self.num_out_of_vocab = 0  # draft tokens cut because the target has no such id
-        self.timeout_s = timeout_s
+        self.timeout = DraftTimeout(timeout_s)
         self.k = k
         self.step = 0
+        self._step_sent = 0.0
         self.desynced: set[int] = set()
         self.last_stats: DraftStats | None = None
         self.num_stats = 0  # DraftStats received so far: a waiter compares it with what it saw
@@ -88,6 +126,10 @@ class DraftLink:
         # non-blocking, and nothing is sent while the draft is known to be down.
         self._monitor = channel.socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         channel.connect(address)
+
+    @property
+    def timeout_s(self) -> float:
+        return self.timeout.value
 
     @property
     def alive(self) -> bool:
@@ -157,6 +199,7 @@ class DraftLink:
         if not outcomes:
             return
         self.step += 1
+        self._step_sent = time.monotonic()
         self._send(
             SpecRequest(
                 step=self.step,
@@ -220,10 +263,12 @@ class DraftLink:
             if remaining <= 0 or not self.connected:
                 self.num_timeouts += 1
                 self.healthy = False  # suspect until it answers a probe
-                logger.warning(
-                    "draft did not answer %d of %d sequences within %.2fs; decoding without speculation until it "
-                    "answers again", len(waiting) - len(got), len(waiting), self.timeout_s,
-                )
+                # Said once with the fix; later occurrences are counted (num_draft_timeouts).
+                log = logger.warning if self.num_timeouts == 1 and self.connected else logger.info
+                log("draft did not answer %d of %d sequences within %.2f s; decoding without speculation until it "
+                    "answers again%s", len(waiting) - len(got), len(waiting), self.timeout_s,
+                    " (a busy machine slows the draft: raise --draft-timeout-s, e.g. 10)"
+                    if self.num_timeouts == 1 and self.connected else "")
                 break
             msg = self._recv(min(remaining, 0.1))
             if msg is None:
@@ -244,6 +289,9 @@ class DraftLink:
         if why is not None:
             logger.warning("dropping a SpecResponse with inconsistent arrays (%s)", why)
             return
+        if msg.step == self.step and self._step_sent:
+            self.timeout.observe(time.monotonic() - self._step_sent)
+            self._step_sent = 0.0  # one observation per step
         self.last_draft_work_s = msg.draft_work_s
         if all(waiting.get(int(sid)) == int(r) for sid, r in zip(msg.seq_ids, msg.rounds)):
             # Hits of answers nobody waits for (plain steps, stale rounds) are no hits.

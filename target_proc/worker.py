@@ -452,6 +452,8 @@ class TargetWorker:
             num_ssd_rounds=self.work_ahead_policy.num_work_ahead if self.cfg.spec.mode == "ssd" else 0,
             num_sd_rounds=self.work_ahead_policy.num_sync if self.cfg.spec.mode == "ssd" else 0,
             hits_by_depth=list(self.draft.hits_by_depth) if self.draft is not None else [],
+            num_draft_timeouts=self.draft.num_timeouts if self.draft is not None else 0,
+            draft_timeout_s=self.draft.timeout_s if self.draft is not None else 0.0,
             **self.timing,
         )
 

@@ -25,7 +25,7 @@ def make_config(target: str, draft: str = "", mode: str = "sd", k: int = 3, max_
     return RuntimeConfig(
         target=ModelConfig(path=target),
         draft=ModelConfig(path=draft),
-        spec=SpeculativeConfig(mode=mode, k=k, draft_timeout_s=30.0, **spec),
+        spec=SpeculativeConfig(mode=mode, k=k, **{"draft_timeout_s": 30.0, **spec}),
         sched=SchedulerConfig(max_batch_size=max_batch_size, max_model_len=256, spec_policy=spec_policy),
         startup_timeout_s=240.0,
     )
@@ -80,10 +80,8 @@ def serve_in_thread(app, timeout_s: float = 30.0):
     srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     th.start()
-    deadline = time.monotonic() + timeout_s
-    while not srv.started:
-        assert time.monotonic() < deadline and th.is_alive(), "server did not start"
-        time.sleep(0.02)
+    if not wait_until(lambda: srv.started or not th.is_alive(), timeout_s, 0.02) or not srv.started:
+        raise RuntimeError("the server did not start")
     try:
         yield f"http://127.0.0.1:{sock.getsockname()[1]}"
     finally:

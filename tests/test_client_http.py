@@ -11,13 +11,12 @@ import asyncio
 import json
 import os
 import signal
-import time
 
 import httpx
 import pytest
 
 from conftest import save_tiny_model
-from e2e_util import make_config, perturbed_copy, serve_in_thread
+from e2e_util import make_config, perturbed_copy, serve_in_thread, wait_until
 from protocol.messages import SamplingParams
 from spec_runtime import AsyncClient, Client
 from spec_runtime.server.app import build_app
@@ -68,10 +67,11 @@ def test_async_stream_stopped_early_aborts(rt):
             break  # leaving the loop closes the generator, which aborts the request
 
     asyncio.run(main())
-    deadline = time.monotonic() + 10
-    while (st := ac.client.engine_stats()).num_running or st.num_waiting:
-        assert time.monotonic() < deadline, st
-        time.sleep(0.05)
+    def idle():
+        st = ac.client.engine_stats()
+        return not (st.num_running or st.num_waiting)
+
+    assert wait_until(idle, 60), ac.client.engine_stats()
 
 
 def test_http_client_matches_in_process(rt):
@@ -142,10 +142,8 @@ def test_health_503_and_requests_fail_when_target_dies(rt):
     # The in-flight stream ends with an OpenAI error event, then [DONE], instead of hanging.
     assert rest[-1] == "data: [DONE]"
     assert any("error" in json.loads(ln[5:]) for ln in rest[:-1]), rest[-3:]
-    deadline = time.monotonic() + 10
-    while (h := httpx.get(url + "/health")).status_code != 503:
-        assert time.monotonic() < deadline, h.text
-        time.sleep(0.1)
+    assert wait_until(lambda: httpx.get(url + "/health").status_code == 503, 60, 0.1)
+    h = httpx.get(url + "/health")
     assert h.json()["status"] == "dead" and "target" in h.json()["reason"]
     r = httpx.post(url + "/v1/completions", json=dict(body, stream=False), timeout=30)
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"

@@ -24,7 +24,10 @@ def models(tmp_path_factory):
     return target, draft, prompts, ar
 
 
-@pytest.mark.parametrize("backup,k", [("jit", 3), ("jit", 8), ("ngram", 3), ("none", 3)])
+# jit at K=3 is the quick check; the other backups and K=8 take minutes on a small CPU.
+@pytest.mark.parametrize("backup,k", [("jit", 3), pytest.param("jit", 8, marks=pytest.mark.slow),
+                                      pytest.param("ngram", 3, marks=pytest.mark.slow),
+                                      pytest.param("none", 3, marks=pytest.mark.slow)])
 def test_ssd_greedy_equals_ar(models, backup, k):
     target, draft, prompts, ar = models
     cfg = make_config(target, draft, mode="ssd", k=k, backup=backup)
@@ -54,6 +57,7 @@ def test_ssd_with_draft_equal_to_target_mostly_hits(models):
         assert r.stats.num_accepted_tokens == r.stats.num_draft_tokens
 
 
+@pytest.mark.slow
 def test_ssd_sampling_distribution_matches_ar(models):
     """Exact at temperature 1 with the tree cache in the path: the 8 tokens of 1,500
     seeded requests follow the same distribution in SSD mode (most verify rounds

@@ -25,9 +25,16 @@ from spec_runtime.client import Client, RequestFailed
 from spec_runtime.config import ModelConfig, RuntimeConfig, SchedulerConfig, SpeculativeConfig
 
 LONG = SamplingParams(max_tokens=400, ignore_eos=True)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _cfg(target, draft, timeout_s=0.5):
+# The kill tests wait long for an answer, so on a loaded host a round without speculation
+# can only come from the link (a disconnect), never from a slow answer; the stall test
+# sets a short timeout.
+PATIENT_S = 60.0
+
+
+def _cfg(target, draft, timeout_s=PATIENT_S):
     return RuntimeConfig(
         target=ModelConfig(path=target), draft=ModelConfig(path=draft),
         spec=SpeculativeConfig(mode="sd", k=3, draft_timeout_s=timeout_s),
@@ -43,11 +50,6 @@ def setup(tmp_path_factory):
     with Client(cfg) as client:
         ar = [r.token_ids for r in client.generate_batch(prompts, LONG)]
     return target, prompts, ar
-
-
-# Seconds the batch may take to finish after a fault: a 5.5 s finish was seen once on
-# the 2-core CI-sized host with other tests running beside it; a hang costs 60 s.
-STALL_BOUND_S = 15.0
 
 
 def _run_with_fault(client, prompts, fault):
@@ -66,12 +68,12 @@ def _run_with_fault(client, prompts, fault):
     threads = [threading.Thread(target=consume, args=(r,)) for r in rids]
     for t in threads:
         t.start()
-    assert started.wait(30)
-    t_fault = time.monotonic()
+    assert started.wait(120)
     fault()
     for t in threads:
-        t.join(60)
-    return [results[r] for r in rids], time.monotonic() - t_fault
+        t.join(300)  # a hang guard, not a speed check
+    assert not any(t.is_alive() for t in threads), "requests did not finish after the fault"
+    return [results[r] for r in rids]
 
 
 
@@ -79,12 +81,11 @@ def test_draft_killed_mid_generation(setup):
     target, prompts, ar = setup
     with Client(_cfg(target, target)) as client:
         draft_pid = client.launcher.pids()["draft"]
-        outs, elapsed = _run_with_fault(client, prompts, lambda: os.kill(draft_pid, signal.SIGKILL))
+        outs = _run_with_fault(client, prompts, lambda: os.kill(draft_pid, signal.SIGKILL))
         assert outs == ar  # nothing lost, nothing different
-        # Not a speed check: the rest of the batch (a few seconds of CPU decoding, more
-        # on a loaded 2-core host) finishes without waiting on the dead peer round after
-        # round (draft_timeout_s each), which would take minutes.
-        assert elapsed < STALL_BOUND_S
+        # The dead peer is noticed from the socket, not by waiting out the (long) timeout
+        # round after round: at most the round in flight at the kill ends early.
+        assert client.engine_stats().num_draft_timeouts <= 1
         # A new draft is started and speculation resumes.
         assert wait_until(lambda: client.launcher.num_draft_restarts == 1, 120)
         assert client.launcher.pids()["draft"] != draft_pid
@@ -112,11 +113,11 @@ def test_draft_stalled_then_resumed(setup):
     target, prompts, ar = setup
     with Client(_cfg(target, target, timeout_s=0.5)) as client:
         draft = psutil.Process(client.launcher.pids()["draft"])
-        outs, elapsed = _run_with_fault(client, prompts, draft.suspend)
+        outs = _run_with_fault(client, prompts, draft.suspend)
         assert outs == ar
-        assert elapsed < STALL_BOUND_S  # one timeout of 0.5 s, then plain decoding
-        fallback = client.engine_stats().totals.num_ar_fallback_rounds
-        assert fallback > 0
+        st = client.engine_stats()
+        assert st.num_draft_timeouts == 1  # one timeout, then plain decoding without waiting
+        assert st.totals.num_ar_fallback_rounds > 0
         draft.resume()
         # Once it answers a probe, speculation resumes.
         time.sleep(1.5)
@@ -143,11 +144,9 @@ def test_target_killed_fails_pending_calls(setup):
         t = threading.Thread(target=run)
         t.start()
         time.sleep(0.3)
-        t0 = time.monotonic()
         os.kill(pid, signal.SIGKILL)
-        t.join(10)
+        t.join(120)  # a hang guard, not a speed check
         assert not t.is_alive()
-        assert time.monotonic() - t0 < 5.0
         assert client.launcher.dead_child() == "target"
         with pytest.raises(RequestFailed, match="target process died"):
             client.generate(prompts[0], SamplingParams(max_tokens=4))
@@ -160,6 +159,7 @@ def test_children_exit_when_parent_is_killed(setup, tmp_path):
     script = tmp_path / "parent.py"
     script.write_text(
         "import sys, time\n"
+        f"sys.path.insert(0, {ROOT!r})\n"  # the code under test, not an installed copy
         "from spec_runtime.client import Client\n"
         "from spec_runtime.config import *\n"
         f"cfg = RuntimeConfig(target=ModelConfig(path={target!r}), draft=ModelConfig(path={target!r}),"

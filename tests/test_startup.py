@@ -31,10 +31,8 @@ def _assert_no_new_children(before: set[int]) -> None:
 
 def test_bad_target_path(tmp_path):
     before = _children()
-    t0 = time.monotonic()
     with pytest.raises(StartupError, match=r"target process \(pid \d+\).*does-not-exist"):
         Launcher(make_config(str(tmp_path / "does-not-exist"), mode="ar"))
-    assert time.monotonic() - t0 < 120
     _assert_no_new_children(before)
 
 

@@ -2,7 +2,9 @@
 
 HF directories are read straight from safetensors (single file or sharded with an
 index); the transformers model is never built for them. A GGUF file goes through
-transformers, which dequantizes it into a float state dict that we copy and free.
+transformers, which dequantizes it into a float state dict that we copy and free; the
+result is kept as a HF directory in the user's cache (spec_runtime.model.gguf_cache),
+which every later load of the same file reads instead.
 """
 
 from __future__ import annotations
@@ -54,8 +56,9 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device | str) -> torch
     return _DTYPES[dtype]
 
 
-def _resolve_path(path: str) -> tuple[str, str | None]:
-    """(directory, gguf file name or None); raise naming the path if it is unusable."""
+def _resolve_path(path: str, use_cache: bool = True) -> tuple[str, str | None]:
+    """(directory, gguf file name or None); raise naming the path if it is unusable.
+    A GGUF file converted before resolves to its cached HF directory (use_cache)."""
     path = path or default_model_path()
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
@@ -64,6 +67,12 @@ def _resolve_path(path: str) -> tuple[str, str | None]:
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
             raise ValueError(f"model path {path!r} is a file but not a .gguf file")
+        if use_cache:
+            from spec_runtime.model import gguf_cache
+
+            cached = gguf_cache.lookup(path)
+            if cached is not None:
+                return cached, None
         directory, name = os.path.split(os.path.abspath(path))
         return directory, name
     raise FileNotFoundError(f"model path {path!r} does not exist")
@@ -91,11 +100,11 @@ def model_name(path: str) -> str:
     return base[: -len(".gguf")] if base.endswith(".gguf") else base
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, use_cache: bool = True):
     """The tokenizer of a HF directory or a GGUF file ("" = default model)."""
     from transformers import AutoTokenizer
 
-    directory, gguf = _resolve_path(path)
+    directory, gguf = _resolve_path(path, use_cache)
     if gguf is not None:
         return AutoTokenizer.from_pretrained(directory, gguf_file=gguf)
     if not any(os.path.isfile(os.path.join(directory, f)) for f in _TOKENIZER_FILES):
@@ -150,8 +159,10 @@ def _progress(total: int, desc: str) -> tqdm:
     return tqdm(total=total, desc=desc, unit="tensor", disable=not sys.stderr.isatty())
 
 
-def load_model(path: str, device: torch.device | str = "cpu", dtype: str | torch.dtype = "auto"):
-    """(model, arch, tokenizer) for a HF directory, a .gguf file, or "" (default SmolLM2)."""
+def load_model(path: str, device: torch.device | str = "cpu", dtype: str | torch.dtype = "auto",
+               use_cache: bool = True):
+    """(model, arch, tokenizer) for a HF directory, a .gguf file, or "" (default SmolLM2).
+    use_cache: read a GGUF file's converted copy, writing it on the first load."""
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
     if is_random(path):
@@ -163,8 +174,9 @@ def load_model(path: str, device: torch.device | str = "cpu", dtype: str | torch
         arch = BENCH_ARCHS[name]
         logger.info("building %s with random weights on %s (benchmarks only: it has no tokenizer)", name, device)
         return random_model(arch, device, dtype), arch, None
-    directory, gguf = _resolve_path(path)
+    directory, gguf = _resolve_path(path, use_cache)
     logger.info("loading %s on %s", model_name(path), device)
+    tokenizer = None
     if gguf is None:
         arch = load_arch(directory)
         model = _build(arch, device, dtype)
@@ -177,9 +189,15 @@ def load_model(path: str, device: torch.device | str = "cpu", dtype: str | torch
         # transformers dequantizes to float32; reading the config separately first would
         # parse the file a second time (seconds), and transformers rejects the
         # architectures it cannot map itself anyway.
+        logger.info("de-quantizing %s (once: the result is cached)" if use_cache else "de-quantizing %s", gguf)
         hf_model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf, dtype=torch.float32)
         arch = arch_from_config(hf_model.config)
         state = hf_model.state_dict()
+        if use_cache:
+            from spec_runtime.model import gguf_cache
+
+            tokenizer = load_tokenizer(path, use_cache=False)
+            gguf_cache.store(os.path.join(directory, gguf), hf_model.config, state, tokenizer)
         del hf_model
         model = _build(arch, device, dtype)
         with _progress(len(state), f"Loading {gguf}") as bar:
@@ -191,13 +209,14 @@ def load_model(path: str, device: torch.device | str = "cpu", dtype: str | torch
             model.load_weights(weights())
         del state
         gc.collect()
-    tokenizer = load_tokenizer(path)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(path, use_cache)
     logger.info("loaded %s (%s, %d layers) on %s as %s", model_name(path), arch.model_type,
                 arch.num_layers, device, dtype)
     return model, arch, tokenizer
 
 
-def eos_token_ids(path: str, arch: ModelArch, tokenizer) -> list[int]:
+def eos_token_ids(path: str, arch: ModelArch, tokenizer, use_cache: bool = True) -> list[int]:
     """End-of-sequence ids: generation_config.json, config, tokenizer, and the chat end token."""
     ids: list[int] = []
     if is_random(path):
@@ -208,7 +227,7 @@ def eos_token_ids(path: str, arch: ModelArch, tokenizer) -> list[int]:
             if v is not None and int(v) not in ids:
                 ids.append(int(v))
 
-    directory, gguf = _resolve_path(path)
+    directory, gguf = _resolve_path(path, use_cache)
     gen_path = os.path.join(directory, "generation_config.json")
     if gguf is None and os.path.isfile(gen_path):
         with open(gen_path) as f:

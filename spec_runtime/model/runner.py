@@ -9,6 +9,7 @@ the items they pass.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 
 import torch
@@ -51,10 +52,15 @@ class ModelRunner:
             # flashinfer and CUDA graphs launch on the current device: make it this one.
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
-        self.model, self.arch, self.tokenizer = load_model(cfg.path, self.device, self.dtype)
+        # Seconds per start-up phase (load, kv_alloc, graph_capture), sent in Ready.
+        self.startup_phases: dict[str, float] = {}
+        t0 = time.perf_counter()
+        self.model, self.arch, self.tokenizer = load_model(cfg.path, self.device, self.dtype, cfg.gguf_cache)
         self.model_name = model_name(cfg.path)
         self.vocab_size = self.arch.vocab_size
-        self.eos_token_ids = eos_token_ids(cfg.path, self.arch, self.tokenizer)
+        self.eos_token_ids = eos_token_ids(cfg.path, self.arch, self.tokenizer, cfg.gguf_cache)
+        self.startup_phases["load_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
         if max_model_len > self.arch.max_position_embeddings:
             logger.warning("max_model_len %d capped to the model's max_position_embeddings %d",
                            max_model_len, self.arch.max_position_embeddings)
@@ -77,6 +83,8 @@ class ModelRunner:
         self.kv_cache = KVCache(self.arch.num_layers, self.layout.num_rows + 1, self.arch.num_kv_heads,
                                 self.arch.head_dim, self.dtype, self.device)
         self.model.bind(self.backend, self.kv_cache)
+        self.startup_phases["kv_alloc_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
         self.graphs = None
         if is_cuda:
             from spec_runtime.model.cuda_ops import fused_ops_enabled, pick_small_linear
@@ -94,7 +102,9 @@ class ModelRunner:
                 q_lens=graph_q_lens, max_kv_len=max_model_len, dummy_row=self.dummy_row, device=self.device,
                 logits_fn=self.model.compute_logits, tree_shapes=tree_shapes, tree_local_rows=tree_local_rows)
             self.graphs.capture()
-        logger.info("%s: %s, layout %s", self.model_name, self.kv_cache, self.layout)
+        self.startup_phases["graph_capture_s"] = time.perf_counter() - t0
+        logger.info("%s: %s, layout %s; start-up %s", self.model_name, self.kv_cache, self.layout,
+                    ", ".join(f"{k} {v:.2f}" for k, v in self.startup_phases.items()))
 
     def _make_backend(self) -> AttentionBackend:
         """SDPA on CPU, flashinfer on CUDA."""

@@ -68,7 +68,7 @@ class RayMetrics:
 
     def observe_finished(self, stats: RequestStats, finish_reason: str | None, ttft_s: float | None,
                          e2e_s: float, num_completion: int) -> None:
-        self._inc(self.num_drafts, stats.drafted_per_position[0] if stats.drafted_per_position else 0)
+        self._inc(self.num_drafts, stats.num_drafts)
         self._inc(self.num_draft_tokens, stats.num_draft_tokens)
         self._inc(self.num_accepted_tokens, stats.num_accepted_tokens)
         for i, (a, d) in enumerate(zip(stats.accepted_per_position, stats.drafted_per_position)):

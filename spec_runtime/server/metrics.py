@@ -94,7 +94,7 @@ class ServerMetrics:
     def observe_finished(self, stats: RequestStats, finish_reason: str | None, ttft_s: float | None,
                          e2e_s: float, num_completion: int) -> None:
         m = self._model
-        num_drafts = stats.drafted_per_position[0] if stats.drafted_per_position else 0
+        num_drafts = stats.num_drafts
         self.num_drafts.labels(m).inc(num_drafts)
         self.num_draft_tokens.labels(m).inc(stats.num_draft_tokens)
         self.num_accepted_tokens.labels(m).inc(stats.num_accepted_tokens)

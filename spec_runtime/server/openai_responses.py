@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from protocol.messages import RequestOutput, RequestStats
+from protocol.messages import RequestOutput, RequestStats, mean_acceptance_length
 from target_proc.outputs import add_totals
 
 # JSON has no -inf; vLLM reports logprobs below this as this.
@@ -23,7 +23,7 @@ def spec_decode_usage(stats: RequestStats, mode: str, k: int) -> dict:
     num_drafts counts rounds in which the draft proposed at least one token, so
     mean_acceptance_length = 1 + accepted / drafts lies in [1, K + 1].
     """
-    num_drafts = stats.drafted_per_position[0] if stats.drafted_per_position else 0
+    num_drafts = stats.num_drafts
     pos = [round(a / d, 4) if d else 0.0 for a, d in zip(stats.accepted_per_position, stats.drafted_per_position)]
     return {
         "mode": mode,
@@ -32,7 +32,7 @@ def spec_decode_usage(stats: RequestStats, mode: str, k: int) -> dict:
         "num_drafts": num_drafts,
         "num_draft_tokens": stats.num_draft_tokens,
         "num_accepted_tokens": stats.num_accepted_tokens,
-        "mean_acceptance_length": round(1.0 + stats.num_accepted_tokens / num_drafts, 4) if num_drafts else 1.0,
+        "mean_acceptance_length": round(mean_acceptance_length(stats.num_accepted_tokens, num_drafts), 4),
         "acceptance_rate": (round(stats.num_accepted_tokens / stats.num_draft_tokens, 4)
                             if stats.num_draft_tokens else 0.0),
         "acceptance_per_position": pos,
