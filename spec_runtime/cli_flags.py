@@ -133,8 +133,8 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
     every section's problem."""
     given: dict[str, dict[str, Any]] = {s: {} for s, _ in _SECTIONS}
     for dest, value in vars(args).items():
-        if "." in dest:
-            section, name = dest.split(".", 1)
+        section, _, name = dest.partition(".")
+        if name and section in given:  # other dotted groups (serve's http.*) are not config sections
             given[section][name] = value
     parts: dict[str, Any] = {}
     errors: list[str] = []

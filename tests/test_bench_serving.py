@@ -175,7 +175,7 @@ def test_serve_exits_nonzero_when_the_target_dies(tmp_path):
         else:
             pytest.fail("the server exited without a ready line")
         children = psutil.Process(proc.pid).children()
-        target_proc = next(c for c in children if "target_proc" in " ".join(c.cmdline()))
+        target_proc = next(c for c in children if "spec_runtime.child_boot target" in " ".join(c.cmdline()))
         target_proc.kill()
         rc = proc.wait(timeout=30)
         assert rc == 1

@@ -50,7 +50,9 @@ def _runtime_pids(parents: set[int] | None = None) -> set[int]:
     out = set()
     for p in psutil.process_iter(["cmdline", "status", "ppid"]):
         cmd = p.info["cmdline"] or []
-        if not any(a in ("target_proc", "draft_proc") for a in cmd) or p.info["status"] == psutil.STATUS_ZOMBIE:
+        # Children run as `python -m spec_runtime.child_boot {target,draft} ...`.
+        is_child = "spec_runtime.child_boot" in cmd and any(a in ("target", "draft") for a in cmd)
+        if not is_child or p.info["status"] == psutil.STATUS_ZOMBIE:
             continue
         if p.pid in mine or p.info["ppid"] == 1 or p.info["ppid"] in (parents or set()):
             out.add(p.pid)
