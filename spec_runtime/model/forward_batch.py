@@ -111,6 +111,21 @@ class ForwardBatch:
         return self.max_q_len == 1
 
 
+def _upload(parts: Sequence[np.ndarray], device: torch.device | str) -> list[torch.Tensor]:
+    """One host-to-device copy for all arrays (each copy costs a launch and, from pageable
+    memory, a wait): int64 device views of one buffer, in order. input_ids, positions and
+    kv_write_rows go first and back to back, so the graph runner refills all three with
+    one copy."""
+    packed = torch.from_numpy(np.concatenate([a.astype(np.int64, copy=False) for a in parts]))
+    if torch.device(device).type == "cuda":
+        packed = packed.pin_memory().to(device, non_blocking=True)
+    views, start = [], 0
+    for a in parts:
+        views.append(packed[start : start + len(a)])
+        start += len(a)
+    return views
+
+
 def build_forward_batch(items: Sequence[ForwardItem], device: torch.device | str) -> ForwardBatch:
     """Flatten items into one ForwardBatch; one host-to-device copy per array."""
     if not items:
@@ -143,17 +158,8 @@ def build_forward_batch(items: Sequence[ForwardItem], device: torch.device | str
             raise ValueError(f"logits must be last, all or none, got {it.logits!r}")
     logits_indices = np.concatenate(logit_idx) if logit_idx else np.zeros(0, dtype=np.int64)
 
-    # One host-to-device copy for all seven arrays (each copy costs a launch and, from
-    # pageable memory, a wait); the device tensors are views of one buffer.
-    parts = (input_ids, positions, write_rows, qo_indptr, kv_indptr, kv_indices, logits_indices)
-    packed = torch.from_numpy(np.concatenate([a.astype(np.int64, copy=False) for a in parts]))
-    if torch.device(device).type == "cuda":
-        packed = packed.pin_memory().to(device, non_blocking=True)
-    views, start = [], 0
-    for a in parts:
-        views.append(packed[start : start + len(a)])
-        start += len(a)
-    ids_d, pos_d, write_d, qo_d, kv_d, kvi_d, logit_d = views
+    ids_d, pos_d, write_d, qo_d, kv_d, kvi_d, logit_d = _upload(
+        (input_ids, positions, write_rows, qo_indptr, kv_indptr, kv_indices, logits_indices), device)
 
     return ForwardBatch(
         input_ids=ids_d,
@@ -228,21 +234,12 @@ def build_tree_batch(prefixes: Sequence[np.ndarray], branches: Sequence[Sequence
     kv_indptr = np.zeros(r + 1, dtype=np.int32)
     np.cumsum(kv_lens, out=kv_indptr[1:])
     kv_indices = np.concatenate(rows)
-    # input_ids, positions and kv_write_rows back to back (the graph runner copies the
-    # three in one go), then the rest; one host-to-device copy.
-    parts = (input_ids, positions, write_rows, advance, qo_indptr, kv_indptr, kv_indices, lo, hi, prefix_len)
-    packed = torch.from_numpy(np.concatenate([a.astype(np.int64, copy=False) for a in parts]))
-    if torch.device(device).type == "cuda":
-        packed = packed.pin_memory().to(device, non_blocking=True)
-    views, start = [], 0
-    for a in parts:
-        views.append(packed[start : start + len(a)])
-        start += len(a)
-    ids_d, pos_d, write_d, adv_d, qo_d, kv_d, kvi_d, lo_d, hi_d, plen_d = views
+    ids_d, pos_d, write_d, adv_d, qo_d, kv_d, kvi_d, lo_d, hi_d, plen_d = _upload(
+        (input_ids, positions, write_rows, advance, qo_indptr, kv_indptr, kv_indices, lo, hi, prefix_len), device)
     return ForwardBatch(
         input_ids=ids_d, positions=pos_d, kv_write_rows=write_d,
         qo_indptr=qo_d.to(torch.int32), kv_indptr=kv_d.to(torch.int32), kv_indices=kvi_d.to(torch.int32),
-        logits_indices=torch.arange(t, device=packed.device),
+        logits_indices=torch.arange(t, device=ids_d.device),
         qo_indptr_cpu=qo_indptr, kv_indptr_cpu=kv_indptr, max_q_len=q_len,
         logits_positions_cpu=positions,
         tree=TreeMask(prefix_len=plen_d.to(torch.int32), lo=lo_d.to(torch.int32), hi=hi_d.to(torch.int32),
