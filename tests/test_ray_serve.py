@@ -154,11 +154,12 @@ def test_two_replicas_success_counter_aggregates_in_ray_metrics(cluster, server)
     body = {"model": "tiny", "prompt": "One two three", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
 
     def post(_):
-        return httpx.post(f"{server['base']}/v1/completions", json=body, timeout=120).status_code
+        r = httpx.post(f"{server['base']}/v1/completions", json=body, timeout=120)
+        return r.status_code, r.text
 
     with ThreadPoolExecutor(8) as pool:
-        codes = list(pool.map(post, range(20)))
-    assert codes == [200] * 20
+        answers = list(pool.map(post, range(20)))
+    assert [code for code, _ in answers] == [200] * 20, [text for code, text in answers if code != 200]
     assert wait_until(lambda: _ray_metric_sum(port, name) == before + 20, 60, poll_s=1.0), \
         _ray_metric_sum(port, name)
     # GET /metrics through the proxy reaches one replica, and says so.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from typing import AsyncIterator
 
 from protocol.messages import EngineStats, RequestOutput, SamplingParams
@@ -90,6 +91,13 @@ class AsyncClient:
         # Starting the runtime blocks (model load); use `await AsyncClient.start(cfg)` inside a loop.
         self._owns = client is None
         self.client = client if client is not None else Client(config, tokenizer=tokenizer)
+        # A fast (Rust) tokenizer refuses concurrent use from several threads ("Already
+        # borrowed"): tokenizing runs off the event loop, one call at a time.
+        self._tokenizer_lock = threading.Lock()
+
+    def _locked(self, fn, *args, **kwargs):
+        with self._tokenizer_lock:
+            return fn(*args, **kwargs)
 
     @classmethod
     async def start(cls, config: RuntimeConfig | None = None, **kw) -> "AsyncClient":
@@ -160,11 +168,11 @@ class AsyncClient:
         """Client.encode_prompt off the event loop (tokenizing a long prompt takes a while)."""
         if not isinstance(prompt, str):
             return self.client.encode_prompt(prompt, chat)
-        return await asyncio.to_thread(self.client.encode_prompt, prompt, chat)
+        return await asyncio.to_thread(self._locked, self.client.encode_prompt, prompt, chat)
 
     async def encode_chat(self, messages: list[dict], **template_kwargs) -> list[int]:
         """Client.encode_chat off the event loop."""
-        return await asyncio.to_thread(self.client.encode_chat, messages, **template_kwargs)
+        return await asyncio.to_thread(self._locked, self.client.encode_chat, messages, **template_kwargs)
 
     async def aclose(self) -> None:
         if self._owns:
