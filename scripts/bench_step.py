@@ -1,4 +1,4 @@
-"""Step latencies of the CUDA path against the bandwidth floor (issue 3).
+"""Step latencies of the CUDA path against the bandwidth floor.
 
 Builds the real-size random-weight models of ../shared/BENCH.md on the GPU, measures
 device-to-device copy bandwidth in the same run, and times, with CUDA events, the

@@ -23,10 +23,8 @@ With one token (triton_linear.MAX_ROWS), a decode or draft step of one sequence,
 projections can be triton_linear.small_linear with the norms, the residual adds and
 SiLU-and-mul folded in: 7 kernels per layer (4 projections, rope+store, attention
 and its split merge) where there were 11. Whether that is faster depends on the
-model and the GPU: with the fixed blocks of session 3, scripts/bench_linear.py found
-it faster per layer than cuBLAS plus the ops for every BENCH.md shape on an H100 and
-for the draft shapes on an H200, but 4-7% slower for the 8B and 32B shapes on the
-H200, whose cuBLAS GEMVs reach higher bandwidth. So at start-up (ModelRunner, before
+model, its block sizes and the GPU (the H200's cuBLAS GEMVs reach higher bandwidth
+for the 8B and 32B shapes than a kernel with untuned blocks). So at start-up (ModelRunner, before
 capturing graphs) `pick_small_linear(model)` first tunes small_linear's block sizes
 per projection shape on the model's own weights (`tune_small_linear`), then times
 both variants on its first layers and keeps the faster.
