@@ -15,7 +15,7 @@ from __future__ import annotations
 from ray.util.metrics import Counter, Gauge, Histogram
 
 from protocol.messages import EngineStats, RequestStats
-from spec_runtime.server.metrics import _LATENCY_BUCKETS, P as _SERVER_PREFIX
+from spec_runtime.server.metrics import _LATENCY_BUCKETS, COUNTERS, P as _SERVER_PREFIX
 
 P = _SERVER_PREFIX.replace(":", "_")
 
@@ -33,22 +33,8 @@ class RayMetrics:
         def histogram(name: str, doc: str) -> Histogram:
             return Histogram(P + name, doc, boundaries=list(_LATENCY_BUCKETS), tag_keys=lbl)
 
-        self.num_drafts = counter("spec_decode_num_drafts", "Rounds in which the draft proposed tokens.")
-        self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
-        self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
-        self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
-                                        "Draft tokens accepted at each position (0-based).", "position")
-        self.drafted_per_pos = counter("spec_decode_num_draft_tokens_per_pos",
-                                       "Draft tokens proposed at each position (0-based).", "position")
-        self.cache_hits = counter("spec_decode_cache_hits", "SSD tree-cache look-ups that hit.")
-        self.cache_misses = counter("spec_decode_cache_misses", "SSD tree-cache look-ups that missed.")
-        self.ar_fallback = counter("spec_decode_ar_fallback_rounds", "Rounds decoded without speculation.")
-        self.sd_rounds = counter("spec_decode_sd_rounds",
-                                 "SSD mode: rounds answered by a chain drafted on request, as the work-ahead policy chose.")
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
-        self.generation_tokens = counter("generation_tokens", "Generated tokens of finished requests.")
-        self.requests = counter("request_success", "Finished requests by finish reason.", "finished_reason")
-        self.draft_restarts = counter("draft_restarts", "Draft processes started again after one died.")
+        for attr, name, doc, *extra in COUNTERS:
+            setattr(self, attr, counter(name, doc, *extra))
         self.running = Gauge(P + "num_requests_running", "Requests being decoded.", tag_keys=lbl)
         self.waiting = Gauge(P + "num_requests_waiting", "Requests waiting for a slot.", tag_keys=lbl)
         self.draft_alive = Gauge(P + "draft_alive", "1 while the draft answers, 0 while the target decodes alone.",

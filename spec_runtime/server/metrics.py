@@ -31,6 +31,28 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
+# The counters both the server's registry and Ray's metrics (spec_runtime.ray.metrics)
+# export: (attribute, name, help, extra label keys...).
+COUNTERS = (
+    ("num_drafts", "spec_decode_num_drafts", "Rounds in which the draft proposed tokens."),
+    ("num_draft_tokens", "spec_decode_num_draft_tokens", "Draft tokens proposed."),
+    ("num_accepted_tokens", "spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+    ("accepted_per_pos", "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each position (0-based).",
+     "position"),
+    ("drafted_per_pos", "spec_decode_num_draft_tokens_per_pos", "Draft tokens proposed at each position (0-based).",
+     "position"),
+    ("cache_hits", "spec_decode_cache_hits", "SSD tree-cache look-ups that hit."),
+    ("cache_misses", "spec_decode_cache_misses", "SSD tree-cache look-ups that missed."),
+    ("ar_fallback", "spec_decode_ar_fallback_rounds", "Rounds decoded without speculation."),
+    ("sd_rounds", "spec_decode_sd_rounds",
+     "SSD mode: rounds answered by a chain drafted on request, as the work-ahead policy chose."),
+    ("prompt_tokens", "prompt_tokens", "Prompt tokens of finished requests."),
+    ("generation_tokens", "generation_tokens", "Generated tokens of finished requests."),
+    ("requests", "request_success", "Finished requests by finish reason.", "finished_reason"),
+    ("draft_restarts", "draft_restarts", "Draft processes started again after one died."),
+)
+
+
 class ServerMetrics:
     """The server's metrics in their own registry; updated per chunk and per finished request."""
 
@@ -50,24 +72,10 @@ class ServerMetrics:
         def histogram(name: str, doc: str) -> Histogram:
             return Histogram(P + name, doc, lbl, buckets=_LATENCY_BUCKETS, registry=r)
 
-        self.num_drafts = counter("spec_decode_num_drafts", "Rounds in which the draft proposed tokens.")
-        self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
-        self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
-        self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
-                                        "Draft tokens accepted at each position (0-based).", "position")
-        self.drafted_per_pos = counter("spec_decode_num_draft_tokens_per_pos",
-                                       "Draft tokens proposed at each position (0-based).", "position")
-        self.cache_hits = counter("spec_decode_cache_hits", "SSD tree-cache look-ups that hit.")
-        self.cache_misses = counter("spec_decode_cache_misses", "SSD tree-cache look-ups that missed.")
-        self.ar_fallback = counter("spec_decode_ar_fallback_rounds", "Rounds decoded without speculation.")
-        self.sd_rounds = counter("spec_decode_sd_rounds",
-                                 "SSD mode: rounds answered by a chain drafted on request, as the work-ahead policy chose.")
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
-        self.generation_tokens = counter("generation_tokens", "Generated tokens of finished requests.")
-        self.requests = counter("request_success", "Finished requests by finish reason.", "finished_reason")
+        for attr, name, doc, *extra in COUNTERS:
+            setattr(self, attr, counter(name, doc, *extra))
         self.running = Gauge(P + "num_requests_running", "Requests being decoded.", lbl, registry=r)
         self.waiting = Gauge(P + "num_requests_waiting", "Requests waiting for a slot.", lbl, registry=r)
-        self.draft_restarts = counter("draft_restarts", "Draft processes started again after one died.")
         self.draft_alive = Gauge(P + "draft_alive", "1 while the draft answers, 0 while the target decodes alone.",
                                  lbl, registry=r)
         self._restarts_seen = 0
