@@ -219,7 +219,7 @@ def bench_model(name: str, args, bw: float, log) -> dict:
         # Host time of one step (no sync): what the GPU waits for before the graph runs;
         # and of the graph launch alone (replay with the inputs already in place).
         extra["decode_b1_host_ms"] = host_ms(torch, graph_step(batch, graphs), args.iters)
-        extra["decode_b1_replay_host_ms"] = host_ms(torch, graphs.graphs[(1, 1)].graph.replay, args.iters)
+        extra["decode_b1_replay_host_ms"] = host_ms(torch, graphs.graphs[(1, 1, False)].graph.replay, args.iters)
         # A draft's steps as SSD and the chain drafter run them: 8 steps back to back,
         # each step's argmax fed to the next on the device, one sync at the end.
         extra["decode_b1_chain8_ms_per_step"] = time_step(
