@@ -62,7 +62,7 @@ def run_mode(args, mode: str) -> list[dict]:
         for prompt_len, temp, bs in _points(args):
             prompts = [rng.integers(10, vocab, size=prompt_len).tolist() for _ in range(bs)]
             sp = SamplingParams(max_tokens=args.max_tokens, temperature=temp, ignore_eos=True, seed=None)
-            client.generate_batch(prompts[:bs], SamplingParams(max_tokens=8, temperature=temp, ignore_eos=True))
+            client.generate_batch(prompts[:bs], SamplingParams(max_tokens=args.warmup_tokens, temperature=temp, ignore_eos=True))
             before = client.engine_stats()
             results, wall, decode_wall = [], 0.0, 0.0
             for _ in range(args.repeats):
@@ -169,6 +169,8 @@ def main() -> None:
     p.add_argument("--temperatures", type=_tuple(float), default=(0.0, 0.7))
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=1, help="runs of each batch, summed")
+    p.add_argument("--warmup-tokens", type=int, default=64,
+                   help="tokens of an untimed run of each point first (graphs, kernels and the SSD policy settle)")
     p.add_argument("--prompt-lens", type=_tuple(int), default=(128,))
     p.add_argument("--sampled-prompt-lens", type=_tuple(int), default=(),
                    help="prompt lengths at which temperatures > 0 run (default: all)")
