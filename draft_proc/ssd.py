@@ -37,6 +37,7 @@ import torch
 
 from draft_proc.speculator import Proposal, Speculator
 from draft_proc.state import DraftSeq
+from draft_proc.tree_budget import TreeBudget, ladder
 from draft_proc.tree_cache import CachedSpeculation, Fork, TreeCache, select_forks
 from spec_runtime.model.forward_batch import ForwardItem, TreeBranch, build_tree_batch, tree_step_batch
 
@@ -63,13 +64,19 @@ def branches_per_seq(spec_cfg, num_seqs: int) -> int:
 
 def tree_shapes(spec_cfg, max_seqs: int) -> list[tuple[int, int]]:
     """(sequences, branches per sequence) of the tree-step CUDA graphs: one per power of
-    two up to max_seqs (and max_seqs), branches padded to a power of two."""
+    two up to max_seqs (and max_seqs), branches padded to a power of two; with
+    tree_shape "auto", also every smaller level of TreeBudget's ladder."""
     sizes, b = [], 1
     while b < max_seqs:
         sizes.append(b)
         b *= 2
     sizes.append(max_seqs)
-    return [(s, _pow2_at_least(branches_per_seq(spec_cfg, s))) for s in sizes]
+    shapes = []
+    for s in sizes:
+        top = branches_per_seq(spec_cfg, s)
+        levels = ladder(top) if spec_cfg.tree_shape == "auto" else [top]
+        shapes += [(s, _pow2_at_least(q)) for q in levels]
+    return sorted(set(shapes))
 
 
 def tree_local_rows(spec_cfg) -> int:
@@ -86,6 +93,7 @@ class SSDEngine:
         self.cfg = spec_cfg
         self.k = spec_cfg.k
         self.cache = TreeCache(max_branches(spec_cfg), spec_cfg.k, self.layout.scratch_base)
+        self.budget = TreeBudget(lambda b: branches_per_seq(spec_cfg, b), spec_cfg.tree_shape)
         self._pending: dict[int, CachedSpeculation | None] = {}
         self._pending_depth: dict[int, int] = {}
         self.num_hits = 0
@@ -226,8 +234,9 @@ class SSDEngine:
             self.last_work_s = round_work_s
 
     def _branches_per_seq(self, batch: int) -> int:
-        # The total budget bounds the tree-decode batch whatever the batch size.
-        return branches_per_seq(self.cfg, batch)
+        # The total budget bounds the tree-decode batch whatever the batch size; within
+        # it, TreeBudget keeps the work-ahead inside the target's verify.
+        return self.budget.branches(batch)
 
     def _glue(self, seqs: list[DraftSeq]) -> list[tuple[np.ndarray, np.ndarray]]:
         """Forward [x_n, d_1..d_m]; per sequence the ranked candidates and their draft

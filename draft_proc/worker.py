@@ -54,6 +54,10 @@ class DraftWorker:
         # SSD: ids of sequences added but not yet named by a SpecRequest, in arrival order.
         self.fresh: dict[int, None] = {}
         self._worked_ahead = True  # the last SpecRequest's work_ahead flag
+        # The last work-ahead, for TreeBudget: (sequences, work s, end time, whether the
+        # next request was already waiting when it ended); None when no work-ahead is
+        # the last thing that ran.
+        self._last_tree: tuple[int, float, float, bool] | None = None
 
     def run_forever(self) -> None:
         while self.running:
@@ -77,6 +81,7 @@ class DraftWorker:
         """One SSD work-ahead over every fresh sequence. A failure is logged and costs only
         hit rate: those sequences miss their first look-up."""
         ids, self.fresh = list(self.fresh), {}
+        self._last_tree = None  # a prefetch runs in the window: it measures nothing
         seqs = [self.seqs[sid] for sid in ids if sid in self.seqs]
         if self.ssd is None or not seqs:
             return
@@ -141,6 +146,7 @@ class DraftWorker:
 
     def on_spec_request(self, req: SpecRequest) -> None:
         t0 = time.perf_counter()
+        self._observe_tree_window(t0)
         self.num_requests += 1
         b = len(req.seq_ids)
         arrays = (req.seq_ids, req.rounds, req.num_accepted, req.token_ids, req.seq_lens)
@@ -188,10 +194,20 @@ class DraftWorker:
             if req.work_ahead:
                 # Answer first, then work ahead for the outcomes expected next round.
                 self.ssd.work_ahead(ok, req.k)
+                self._last_tree = (len(ok), self.ssd.last_work_s, time.perf_counter(), self.channel.pending())
             else:
                 # The next round is synchronous SD: entries for this round's outcomes
                 # would answer a speculation that is no longer outstanding.
                 self.ssd.skip_work_ahead(ok)
+
+    def _observe_tree_window(self, now: float) -> None:
+        """Tell TreeBudget how the last work-ahead fit the target's verify: the wait for
+        this request after it ended (zero if the request was already waiting)."""
+        last, self._last_tree = self._last_tree, None
+        if last is None or self.ssd is None:
+            return
+        n, work_s, ended, overran = last
+        self.ssd.budget.observe(n, work_s, 0.0 if overran else now - ended)
 
     def _response(self, step: int, seqs: list[DraftSeq], prop: Proposal, hits: np.ndarray, hits_by_depth) -> SpecResponse:
         return SpecResponse(
@@ -216,4 +232,6 @@ class DraftWorker:
             num_misses=self.ssd.num_misses if self.ssd is not None else 0,
             answer_s=self.answer_s,
             num_answers=self.num_answers,
+            num_tree_shrinks=self.ssd.budget.num_shrinks if self.ssd is not None else 0,
+            num_tree_grows=self.ssd.budget.num_grows if self.ssd is not None else 0,
         )

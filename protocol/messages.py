@@ -210,6 +210,9 @@ class EngineStats(_Cold, tag="stats"):
     # draft_wait_s the draft spends working, the rest being transfer and queueing.
     draft_answer_s: float = 0.0
     draft_num_answers: int = 0
+    # SSD (tree_shape auto): times the draft shrank or grew its tree to fit the verify.
+    draft_tree_shrinks: int = 0
+    draft_tree_grows: int = 0
     # SSD tree-cache hits by the depth j of the outcome they answered (index 0..K).
     hits_by_depth: list[int] = []
     # Rounds that stopped waiting for the draft (late or gone); after each, no round waits
@@ -304,6 +307,9 @@ class DraftStats(_Cold, tag="dstats"):
     # Seconds from receiving a SpecRequest to sending its answer, summed over num_answers.
     answer_s: float = 0.0
     num_answers: int = 0
+    # SSD: TreeBudget's moves to fewer / more branches per sequence.
+    num_tree_shrinks: int = 0
+    num_tree_grows: int = 0
 
 
 class Shutdown(_Cold, tag="bye"):

@@ -251,6 +251,10 @@ class Channel:
     def send_error(self, code: str, message: str, request_id: str = "", seq_id: int = -1) -> None:
         self.send(_error_reply(code, message, request_id, seq_id))
 
+    def pending(self) -> bool:
+        """Whether a message is waiting (recv would not block)."""
+        return bool(self.socket.poll(0, zmq.POLLIN))
+
     def close(self) -> None:
         self.socket.close(linger=0)
 

@@ -44,6 +44,7 @@ def run_mode(args, mode: str) -> list[dict]:
         draft=ModelConfig(path=args.draft, device=args.draft_device, cuda_graphs=not args.no_cuda_graphs),
         spec=SpeculativeConfig(mode=mode, k=args.k, fan_out=args.fan_out, fan_out_miss=args.fan_out_miss,
                                backup=args.backup, tree_budget=args.tree_budget, work_ahead=args.work_ahead,
+                               tree_shape=args.tree_shape,
                                synthetic_acceptance=args.synthetic_acceptance,
                                synthetic_ranks=args.synthetic_ranks, draft_timeout_s=30.0),
         # SD is the synchronous baseline: it speculates every step. SSD runs with the
@@ -79,6 +80,8 @@ def run_mode(args, mode: str) -> list[dict]:
             r["ssd_rounds"] = after.num_ssd_rounds - before.num_ssd_rounds
             r["sd_rounds"] = after.num_sd_rounds - before.num_sd_rounds
             r["plain_steps"] = after.num_plain_steps - before.num_plain_steps
+            r["tree_shrinks"] = after.draft_tree_shrinks - before.draft_tree_shrinks
+            r["tree_grows"] = after.draft_tree_grows - before.draft_tree_grows
             answers = after.draft_num_answers - before.draft_num_answers
             r["draft_answer_ms"] = 1e3 * (after.draft_answer_s - before.draft_answer_s) / answers if answers else None
             # The first repeat's tokens, to compare greedy output across modes.
@@ -89,6 +92,7 @@ def run_mode(args, mode: str) -> list[dict]:
                   f"tok/round, hit {r['cache_hit_rate']}, v={r['verify_ms_per_step']:.2f} ms, "
                   f"wait={r['draft_wait_ms_per_step']:.2f} ms, work={r['draft_work_ms_per_step']:.2f} ms, "
                   f"ssd/sd rounds {r['ssd_rounds']}/{r['sd_rounds']}, plain steps {r['plain_steps']}, "
+                  f"tree shrinks/grows {r['tree_shrinks']}/{r['tree_grows']}, "
                   f"draft answer {r['draft_answer_ms'] or 0:.2f} ms",
                   file=sys.stderr, flush=True)
     return rows
@@ -163,6 +167,7 @@ def main() -> None:
     p.add_argument("--fan-out-miss", type=_tuple(int), default=())
     p.add_argument("--backup", default="jit")
     p.add_argument("--tree-budget", type=int, default=64, help="SSD: most branches per round over the batch")
+    p.add_argument("--tree-shape", default="auto", help="SSD: auto (branches fit to the verify) or fixed")
     p.add_argument("--work-ahead", default="auto", help="SSD: auto (SSD or SD rounds by measurement) or always")
     p.add_argument("--spec-policy", default="adaptive", help="SSD's speculation policy (SD always speculates)")
     p.add_argument("--batch-sizes", type=_tuple(int), default=(1, 2, 4, 8, 16))

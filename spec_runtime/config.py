@@ -61,6 +61,7 @@ class SpeculativeConfig:
     fan_out: tuple[int, ...] = _f((), "SSD fan-out F_0..F_K: branches forked at each depth j of the returned speculation. Empty: 3,2,1 at the first depths and 1 after, since rejection is likeliest early.")
     fan_out_miss: tuple[int, ...] = _f((), "Fan-out for sequences whose last look-up missed (rejection is likely early).")
     tree_budget: int = _f(64, "SSD: most branches tree-decoded per round over the whole batch; per-sequence fan-out shrinks (deepest depths first) when batch x sum(F) exceeds it, so the draft's work stays inside one verify.")
+    tree_shape: Literal["auto", "fixed"] = _f("auto", "SSD: auto: per batch size, halve the branches per sequence (down to a quarter of --tree-budget's share) when the draft's work-ahead outlasts the target's verify, and grow them back when a larger tree measures to fit (each change is logged); fixed: always --tree-budget's share.")
     backup: Backup = _f("jit", "What answers a tree-cache miss.")
     work_ahead: Literal["auto", "always"] = _f("auto", "SSD: auto: per batch size, run SSD rounds (the draft works ahead) or synchronous SD rounds, whichever measures faster, re-measuring now and then (each choice is logged and counted in the stats); always: work ahead every round.")
     ssd_prefetch: bool = _f(True, "SSD: on a new sequence, the draft works ahead for its first outcome while the target prefills, so the first look-up can hit.")
@@ -88,6 +89,8 @@ class SpeculativeConfig:
             raise ValueError(f"backup must be jit, ngram or none, got {self.backup!r}")
         if self.tree_budget < 1:
             raise ValueError(f"tree_budget must be >= 1, got {self.tree_budget}")
+        if self.tree_shape not in ("auto", "fixed"):
+            raise ValueError(f"tree_shape must be auto or fixed, got {self.tree_shape!r}")
         if self.work_ahead not in ("auto", "always"):
             raise ValueError(f"work_ahead must be auto or always, got {self.work_ahead!r}")
         if self.draft_top_k < 1:

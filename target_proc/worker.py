@@ -448,6 +448,8 @@ class TargetWorker:
             draft_num_cache_entries=ds.num_cache_entries if ds else -1,
             draft_answer_s=ds.answer_s if ds else 0.0,
             draft_num_answers=ds.num_answers if ds else 0,
+            draft_tree_shrinks=ds.num_tree_shrinks if ds else 0,
+            draft_tree_grows=ds.num_tree_grows if ds else 0,
             num_plain_steps=self.policy.num_plain_steps,
             num_ssd_rounds=self.work_ahead_policy.num_work_ahead if self.cfg.spec.mode == "ssd" else 0,
             num_sd_rounds=self.work_ahead_policy.num_sync if self.cfg.spec.mode == "ssd" else 0,

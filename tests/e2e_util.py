@@ -19,9 +19,10 @@ from spec_runtime.config import ModelConfig, RuntimeConfig, SchedulerConfig, Spe
 
 def make_config(target: str, draft: str = "", mode: str = "sd", k: int = 3, max_batch_size: int = 4,
                 spec_policy: str = "always", **spec) -> RuntimeConfig:
-    """Speculation on every step and SSD work-ahead every round unless asked otherwise,
-    so the stats a test checks do not depend on timings of this machine."""
+    """Speculation on every step, SSD work-ahead every round and a fixed tree unless
+    asked otherwise, so the stats a test checks do not depend on timings of this machine."""
     spec.setdefault("work_ahead", "always")
+    spec.setdefault("tree_shape", "fixed")
     return RuntimeConfig(
         target=ModelConfig(path=target),
         draft=ModelConfig(path=draft),

@@ -45,6 +45,7 @@ class MemoryChannel:
         self.inbox: deque = deque()
         self.sent: list = []
         self.timeouts: list[float] = []
+        self.always_pending = False  # pretend the next request is waiting after each work-ahead
 
     def recv(self, timeout_s=None):
         self.timeouts.append(timeout_s)
@@ -52,6 +53,9 @@ class MemoryChannel:
 
     def send(self, msg) -> None:
         self.sent.append(msg)
+
+    def pending(self) -> bool:
+        return self.always_pending or bool(self.inbox)
 
     def send_error(self, code: str, message: str, request_id: str = "", seq_id: int = -1) -> None:
         self.sent.append(m.ErrorReply(code=code, message=message, request_id=request_id, seq_id=seq_id))
@@ -61,8 +65,8 @@ class Harness:
     """A DraftWorker as draft_proc builds it, a reference chain drafter, and the target's
     side of the bookkeeping (tokens, rounds, the speculation last returned)."""
 
-    def __init__(self, model_dir, mode="ssd", temperature=0.0):
-        self.cfg = make_config(model_dir, model_dir, mode=mode, k=K)
+    def __init__(self, model_dir, mode="ssd", temperature=0.0, **spec):
+        self.cfg = make_config(model_dir, model_dir, mode=mode, k=K, **spec)
         speculator, ssd, vocab, _ = make_speculators(self.cfg)
         self.chan = MemoryChannel()
         self.worker = DraftWorker(self.cfg, self.chan, speculator, vocab, num_slots=4, ssd=ssd)
@@ -283,3 +287,43 @@ def test_ssd_greedy_equals_ar_end_to_end(model_dir):
     # Draft == target: every later outcome is a forked bonus token; only the first
     # look-up can miss, and it hits when the prefetch ran before the first request.
     assert all(r.stats.num_cache_misses <= 1 for r in ssd), [r.stats for r in ssd]
+
+
+def test_tree_shrinks_when_the_next_request_is_already_waiting_and_stays_exact(model_dir):
+    h = Harness(model_dir, tree_shape="auto")
+    ssd = h.worker.ssd
+    h.add(1)
+    h.drain()
+    h.worker.run_once()  # prefetch
+    top = ssd.budget.branches(1)
+    assert top > 1
+    h.chan.always_pending = True  # every work-ahead ends with the request queued: an overrun
+    t = h.chain(1, PROMPTS[1])[0][0]
+    h.request([(1, 0, t)])
+    for _ in range(3):
+        h.drain()
+        resp = h.response()
+        h.check_exact(resp)
+        bonus = h.chain(1, h.tokens[1] + h.last[1])[0][0]  # target = draft: greedy accepts all
+        h.request([(1, K, bonus)])
+    h.drain()
+    h.check_exact(h.response())
+    assert ssd.budget.branches(1) < top and ssd.budget.num_shrinks >= 1
+    assert h.worker.stats().num_tree_shrinks == ssd.budget.num_shrinks
+
+
+def test_fixed_tree_keeps_its_shape_when_the_request_is_waiting(model_dir):
+    h = Harness(model_dir, tree_shape="fixed")
+    h.add(1)
+    h.drain()
+    h.worker.run_once()
+    top = h.worker.ssd.budget.branches(1)
+    h.chan.always_pending = True
+    h.request([(1, 0, h.chain(1, PROMPTS[1])[0][0])])
+    for _ in range(3):
+        h.drain()
+        h.check_exact(h.response())
+        h.request([(1, K, h.chain(1, h.tokens[1] + h.last[1])[0][0])])
+    h.drain()
+    h.check_exact(h.response())
+    assert h.worker.ssd.budget.branches(1) == top and h.worker.stats().num_tree_shrinks == 0
