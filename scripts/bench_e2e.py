@@ -167,7 +167,7 @@ def main() -> None:
     p.add_argument("--fan-out-miss", type=_tuple(int), default=())
     p.add_argument("--backup", default="jit")
     p.add_argument("--tree-budget", type=int, default=64, help="SSD: most branches per round over the batch")
-    p.add_argument("--tree-shape", default="auto", help="SSD: auto (branches fit to the verify) or fixed")
+    p.add_argument("--tree-shape", default="fixed", help="SSD: fixed, or auto (branches fit to the verify)")
     p.add_argument("--work-ahead", default="auto", help="SSD: auto (SSD or SD rounds by measurement) or always")
     p.add_argument("--spec-policy", default="adaptive", help="SSD's speculation policy (SD always speculates)")
     p.add_argument("--batch-sizes", type=_tuple(int), default=(1, 2, 4, 8, 16))
