@@ -140,6 +140,8 @@ class RequestStats(_Cold):
     num_sd_rounds: int = 0
     ttft_s: float = 0.0
     e2e_s: float = 0.0
+    # Arrival in target_proc to the request's KV slot (the rest of ttft_s is its prefill).
+    queue_s: float = 0.0
 
     @property
     def num_drafts(self) -> int:

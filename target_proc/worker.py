@@ -196,6 +196,7 @@ class TargetWorker:
         while self.waiting and self.free_slots:
             seq = self.waiting.popleft()
             seq.slot = self.free_slots.pop()
+            seq.stats.queue_s = time.monotonic() - seq.arrival_s
             new.append(seq)
         if not new:
             return

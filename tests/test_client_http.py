@@ -148,3 +148,18 @@ def test_health_503_and_requests_fail_when_target_dies(rt):
     r = httpx.post(url + "/v1/completions", json=dict(body, stream=False), timeout=30)
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
 
+
+
+def test_sse_error_event_gives_an_int_http_status_and_keeps_the_code():
+    from spec_runtime.server.http_client import _SSEParser
+
+    cases = [({"message": "boom", "type": "server_error", "code": "internal_error"}, 500, "internal_error"),
+             ({"message": "bad", "type": "invalid_request_error", "code": "unsupported_parameter"}, 400,
+              "unsupported_parameter"),
+             ({"message": "vLLM's shape", "type": "BadRequestError", "code": 400}, 400, 400),
+             ({"message": "no code"}, 500, None)]
+    for err, status, code in cases:
+        with pytest.raises(ServerError) as e:
+            _SSEParser().feed("data: " + json.dumps({"error": err}))
+        assert e.value.status == status and isinstance(e.value.status, int) and e.value.code == code
+        assert str(e.value) == f"HTTP {status}: {err['message']}"

@@ -318,7 +318,7 @@ def test_metrics_equal_sum_over_requests(server):
     for i in range(K):
         pos = (("position", str(i)),)
         acc = delta("spec_decode_num_accepted_tokens_per_pos_total", pos)
-        dra = delta("spec_decode_num_draft_tokens_per_pos_total", pos)
+        dra = delta("spec_decode_draft_tokens_per_pos_total", pos)
         assert acc == sum(s["accepted_per_position"][i] for s in specs) and acc <= dra
     assert 0 < total["num_accepted_tokens"] <= total["num_draft_tokens"] <= K * total["num_drafts"]
     mean_len = 1 + delta("spec_decode_num_accepted_tokens_total") / delta("spec_decode_num_drafts_total")

@@ -15,68 +15,55 @@ from __future__ import annotations
 from ray.util.metrics import Counter, Gauge, Histogram
 
 from protocol.messages import EngineStats, RequestStats
-from spec_runtime.server.metrics import _LATENCY_BUCKETS, COUNTERS, P as _SERVER_PREFIX
+from spec_runtime.server.metrics import (
+    _LATENCY_BUCKETS,
+    COUNTERS,
+    GAUGES,
+    HISTOGRAMS,
+    PREFIXES,
+    engine_gauges,
+    finished_observations,
+    length_buckets,
+)
 
-P = _SERVER_PREFIX.replace(":", "_")
+P = PREFIXES["spec_runtime"].replace(":", "_")
 
 
 class RayMetrics:
     """ray.util.metrics twins of ServerMetrics; fed by it (ServerMetrics(mirror=...))."""
 
-    def __init__(self, model_name: str, k: int):
+    def __init__(self, model_name: str, k: int, max_model_len: int = 2048):
         self._tags = {"model_name": model_name}
         lbl = ("model_name",)
-
-        def counter(name: str, doc: str, *extra: str) -> Counter:
-            return Counter(P + name, doc, tag_keys=lbl + extra)
-
-        def histogram(name: str, doc: str) -> Histogram:
-            return Histogram(P + name, doc, boundaries=list(_LATENCY_BUCKETS), tag_keys=lbl)
-
+        buckets = {"latency": list(_LATENCY_BUCKETS), "length": list(length_buckets(max_model_len))}
         for attr, name, doc, *extra in COUNTERS:
-            setattr(self, attr, counter(name, doc, *extra))
-        self.running = Gauge(P + "num_requests_running", "Requests being decoded.", tag_keys=lbl)
-        self.waiting = Gauge(P + "num_requests_waiting", "Requests waiting for a slot.", tag_keys=lbl)
-        self.draft_alive = Gauge(P + "draft_alive", "1 while the draft answers, 0 while the target decodes alone.",
-                                 tag_keys=lbl)
-        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.")
-        self.itl = histogram("inter_token_latency_seconds", "Gap between output chunks (one chunk per round).")
-        self.tpot = histogram("time_per_output_token_seconds", "(e2e - TTFT) / (tokens - 1) per request.")
-        self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency.")
+            setattr(self, attr, Counter(P + name, doc, tag_keys=lbl + tuple(extra)))
+        for attr, name, doc, kind in HISTOGRAMS:
+            setattr(self, attr, Histogram(P + name, doc, boundaries=buckets[kind], tag_keys=lbl))
+        for attr, name, doc in GAUGES:
+            setattr(self, attr, Gauge(P + name, doc, tag_keys=lbl))
+        self._extra_keys = {attr: tuple(extra) for attr, _, _, *extra in COUNTERS}
         self._k = k
 
-    def _inc(self, counter: Counter, value: float, **extra: str) -> None:
+    def _inc(self, attr: str, value: float, extra: tuple[str, ...] = ()) -> None:
         if value > 0:  # ray.util.metrics refuses 0
-            counter.inc(value, tags={**self._tags, **extra} if extra else self._tags)
+            tags = {**self._tags, **dict(zip(self._extra_keys[attr], extra))}
+            getattr(self, attr).inc(value, tags=tags)
 
     def observe_chunk_gap(self, gap_s: float) -> None:
         self.itl.observe(gap_s, tags=self._tags)
 
     def observe_finished(self, stats: RequestStats, finish_reason: str | None, ttft_s: float | None,
                          e2e_s: float, num_completion: int) -> None:
-        self._inc(self.num_drafts, stats.num_drafts)
-        self._inc(self.num_draft_tokens, stats.num_draft_tokens)
-        self._inc(self.num_accepted_tokens, stats.num_accepted_tokens)
-        for i, (a, d) in enumerate(zip(stats.accepted_per_position, stats.drafted_per_position)):
-            self._inc(self.accepted_per_pos, a, position=str(i))
-            self._inc(self.drafted_per_pos, d, position=str(i))
-        self._inc(self.cache_hits, stats.num_cache_hits)
-        self._inc(self.cache_misses, stats.num_cache_misses)
-        self._inc(self.ar_fallback, stats.num_ar_fallback_rounds)
-        self._inc(self.sd_rounds, stats.num_sd_rounds)
-        self._inc(self.prompt_tokens, stats.num_prompt_tokens)
-        self._inc(self.generation_tokens, num_completion)
-        self._inc(self.requests, 1, finished_reason=finish_reason or "unknown")
-        if ttft_s is not None:
-            self.ttft.observe(ttft_s, tags=self._tags)
-            if num_completion > 1:
-                self.tpot.observe((e2e_s - ttft_s) / (num_completion - 1), tags=self._tags)
-        self.e2e.observe(e2e_s, tags=self._tags)
+        incs, obs = finished_observations(stats, finish_reason, ttft_s, e2e_s, num_completion)
+        for attr, value, extra in incs:
+            self._inc(attr, value, extra)
+        for attr, value in obs:
+            getattr(self, attr).observe(value, tags=self._tags)
 
     def observe_engine(self, engine: EngineStats) -> None:
-        self.running.set(engine.num_running, tags=self._tags)
-        self.waiting.set(engine.num_waiting, tags=self._tags)
-        self.draft_alive.set(1.0 if engine.draft_alive else 0.0, tags=self._tags)
+        for attr, value in engine_gauges(engine):
+            getattr(self, attr).set(value, tags=self._tags)
 
     def observe_draft_restarts(self, num_new: int) -> None:
-        self._inc(self.draft_restarts, num_new)
+        self._inc("draft_restarts", num_new)

@@ -1,10 +1,11 @@
 """FastAPI app of `spec-runtime serve`: OpenAI-compatible endpoints over an AsyncClient.
 
     POST /v1/completions, /v1/chat/completions   (SSE when stream=true, ending `data: [DONE]`)
-    GET  /v1/models
+    GET  /v1/models, /v1/models/{model}
     GET  /v1/engine_stats                        (spec-runtime extension: EngineStats as JSON)
     GET  /health                                 (ok / degraded: 200; dead: 503)
     GET  /metrics                                (Prometheus text)
+    POST /tokenize, /detokenize; GET /version; GET|POST /ping   (vLLM's; server.info_routes)
 
 Requests are checked (request_checks: UTF-8, nesting), parsed strictly (openai_protocol),
 tokenized off the event loop and validated before anything is submitted, so a bad
@@ -35,7 +36,9 @@ from protocol.messages import EngineStats
 from spec_runtime.client import RequestFailed
 from spec_runtime.server.async_client import AsyncClient, AsyncRequest
 from spec_runtime.server.flight import EngineStream, InFlight, Tracker
+from spec_runtime.server.generation_config import apply_generation_defaults
 from spec_runtime.server.http_limits import GuardMiddleware, HTTPConfig
+from spec_runtime.server.info_routes import add_info_routes
 from spec_runtime.server.metrics import CONTENT_TYPE, ServerMetrics
 from spec_runtime.server.openai_protocol import (
     APIError,
@@ -56,7 +59,8 @@ class _Server:
     """Route bodies: checks, tokenization, submission, and response shaping over one AsyncClient."""
 
     def __init__(self, client: AsyncClient, served_model_name: str, api_key: str | None, http: HTTPConfig,
-                 metrics: ServerMetrics | None = None):
+                 metrics: ServerMetrics | None = None, metrics_prefix: str = "spec_runtime",
+                 generation_defaults: dict | None = None):
         self.client = client
         self.model = served_model_name
         self.api_key = api_key
@@ -70,7 +74,9 @@ class _Server:
         self.eos_token_ids = list(ready.eos_token_ids)
         cfg = client.config
         self.mode, self.k = cfg.spec.mode, (cfg.spec.k if cfg.spec.mode != "ar" else 0)
-        self.metrics = metrics or ServerMetrics(served_model_name, self.k)
+        self.metrics = metrics or ServerMetrics(served_model_name, self.k, prefix=metrics_prefix,
+                                                max_model_len=self.max_model_len)
+        self.generation_defaults = dict(generation_defaults or {})
         self._background: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------------ checks
@@ -130,6 +136,7 @@ class _Server:
             raise APIError(503, "the server is shutting down", type="server_error", code="server_shutting_down")
         body = await self.read_json(request)
         req = parse_request(ChatCompletionRequest if chat else CompletionRequest, body)
+        req = apply_generation_defaults(req, self.generation_defaults)
         self.check_model(req.model)
         prompts, echoes = await self._prompts(req, chat)
         sps = []
@@ -384,15 +391,18 @@ def model_name_of(cfg, served_model_name: str | None = None) -> str:
 
 def build_app(client: AsyncClient, *, served_model_name: str | None = None, api_key: str | None = None,
               max_body_bytes: int | None = None, http: HTTPConfig | None = None,
-              metrics: ServerMetrics | None = None) -> FastAPI:
+              metrics: ServerMetrics | None = None, metrics_prefix: str = "spec_runtime",
+              generation_defaults: dict | None = None) -> FastAPI:
     """The FastAPI app over a started AsyncClient (the caller owns and closes the client).
     `http` holds the limits; max_body_bytes, if given, overrides its max_body_bytes.
-    metrics: the ServerMetrics to record into (default: a fresh one, named after the model)."""
+    metrics: the ServerMetrics to record into (default: a fresh one, named after the model,
+    its names under `metrics_prefix`: "spec_runtime" or "vllm"). generation_defaults:
+    sampling defaults of every request (server.generation_config)."""
     http = http or HTTPConfig()
     if max_body_bytes is not None:
         http = dataclasses.replace(http, max_body_bytes=max_body_bytes)
     name = model_name_of(client.config, served_model_name)
-    srv = _Server(client, name, api_key, http, metrics)
+    srv = _Server(client, name, api_key, http, metrics, metrics_prefix, generation_defaults)
     app = FastAPI(title="spec-runtime", docs_url=None, redoc_url=None)
     app.state.server = srv
     app.add_middleware(GuardMiddleware, cfg=http)
@@ -424,6 +434,8 @@ def build_app(client: AsyncClient, *, served_model_name: str | None = None, api_
     async def models(request: Request):
         srv.check_auth(request)
         return srv.models()
+
+    add_info_routes(app, srv)
 
     @app.get("/v1/engine_stats")
     async def engine_stats(request: Request):

@@ -21,11 +21,24 @@ from spec_runtime.server.openai_responses import stats_from_usage
 
 
 class ServerError(RequestFailed):
-    """The server answered with an HTTP error (OpenAI's body)."""
+    """The server answered with an HTTP error (OpenAI's body): `status` is the HTTP status
+    (an int), `code` the body's error code (OpenAI's are strings, e.g. "internal_error")."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, code: str | int | None = None):
         super().__init__(f"HTTP {status}: {message}")
         self.status = status
+        self.code = code
+
+
+def _stream_error(err: dict) -> ServerError:
+    """The error event of a stream whose HTTP status was already 200: the status it stands
+    for is the body's code where that is an int (vLLM's), else the one its type implies."""
+    code = err.get("code")
+    if isinstance(code, int) and not isinstance(code, bool) and 400 <= code <= 599:
+        status = code
+    else:
+        status = 400 if err.get("type") == "invalid_request_error" else 500
+    return ServerError(status, err.get("message", ""), code)
 
 
 def _body(model: str, prompt, sp: SamplingParams, chat: bool, stream: bool) -> tuple[str, dict]:
@@ -77,10 +90,11 @@ def _result(body: dict) -> GenerationResult:
 
 def _error(status: int, raw: bytes) -> ServerError:
     try:
-        msg = json.loads(raw)["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        msg = raw.decode(errors="replace")[:500]
-    return ServerError(status, msg)
+        err = json.loads(raw)["error"]
+        msg, code = err["message"], err.get("code")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        msg, code = raw.decode(errors="replace")[:500], None
+    return ServerError(status, msg, code)
 
 
 class _SSEParser:
@@ -98,7 +112,7 @@ class _SSEParser:
             return [out] if out is not None else []
         obj = json.loads(data)
         if "error" in obj:
-            raise ServerError(obj["error"].get("code") or 500, obj["error"].get("message", ""))
+            raise _stream_error(obj["error"] if isinstance(obj["error"], dict) else {"message": str(obj["error"])})
         if not obj.get("choices"):  # the usage chunk
             if self.held is not None and obj.get("usage"):
                 self.held.stats = _stats(obj)

@@ -2,33 +2,56 @@
 
 Counters count, so each equals the sum over finished requests (aborted ones included)
 of the same field in that request's `usage.spec_decode`; prometheus_client exposes a
-counter `x` as `x_total`. Names follow vLLM's (`vllm:spec_decode_num_drafts` ...) with
-the `spec_runtime:` prefix. Running/waiting gauges are read from the engine at scrape
-time. Each app gets its own CollectorRegistry, so several servers can live in one
-process (tests).
+counter `x` as `x_total` (its `_created` series are turned off). Names
+are vLLM's (`spec_decode_num_drafts`, `time_to_first_token_seconds`, ...) under the
+prefix `spec_runtime:`, or `vllm:` with `serve --metrics-prefix vllm`, so that
+`vllm bench serve` and vLLM's Grafana dashboards read them unchanged. Names vLLM does
+not have (`spec_decode_cache_hits`, `draft_alive`, ...) are this runtime's extensions.
+Running/waiting gauges and KV usage are read from the engine at scrape time. Each app
+gets its own CollectorRegistry, so several servers can live in one process (tests).
 
-Latency definitions (server side, from request arrival):
+Every definition lives in the tables COUNTERS, HISTOGRAMS and GAUGES, and every value
+a finished request contributes is computed once (`finished_observations`); Ray's
+metrics (spec_runtime.ray.metrics) reuse both.
+
+Latency definitions (server side, from request arrival, unless said otherwise):
   TTFT  first output chunk;
   ITL   gap between consecutive output chunks; with speculation one chunk carries every
         token a round accepted, so this is a per-round latency, not per token;
   TPOT  (e2e - TTFT) / (completion tokens - 1), one sample per request;
-  e2e   final chunk.
+  e2e   final chunk;
+  queue, prefill, decode, inference: measured in target_proc (arrival there -> KV slot
+        -> first token -> last token; inference = prefill + decode).
 """
 
 from __future__ import annotations
 
 import threading
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import disable_created_metrics
 
 from protocol.messages import EngineStats, RequestStats
 
-P = "spec_runtime:"
+disable_created_metrics()
+
+PREFIXES = {"spec_runtime": "spec_runtime:", "vllm": "vllm:"}
+P = PREFIXES["spec_runtime"]
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
                     80.0, 160.0)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+def length_buckets(max_model_len: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to the context length (vLLM's buckets for token counts)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_model_len:
+                return tuple(out)
+            out.append(float(m * scale))
+        scale *= 10
 
 
 # The counters both the server's registry and Ray's metrics (spec_runtime.ray.metrics)
@@ -39,7 +62,9 @@ COUNTERS = (
     ("num_accepted_tokens", "spec_decode_num_accepted_tokens", "Draft tokens accepted."),
     ("accepted_per_pos", "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each position (0-based).",
      "position"),
-    ("drafted_per_pos", "spec_decode_num_draft_tokens_per_pos", "Draft tokens proposed at each position (0-based).",
+    # Not named spec_decode_num_draft_tokens_per_pos: `vllm bench serve` adds every vllm:spec_decode_* counter
+    # whose name contains "num_draft_tokens" into its draft-token count.
+    ("drafted_per_pos", "spec_decode_draft_tokens_per_pos", "Draft tokens proposed at each position (0-based).",
      "position"),
     ("cache_hits", "spec_decode_cache_hits", "SSD tree-cache look-ups that hit."),
     ("cache_misses", "spec_decode_cache_misses", "SSD tree-cache look-ups that missed."),
@@ -49,47 +74,125 @@ COUNTERS = (
     ("prompt_tokens", "prompt_tokens", "Prompt tokens of finished requests."),
     ("generation_tokens", "generation_tokens", "Generated tokens of finished requests."),
     ("requests", "request_success", "Finished requests by finish reason.", "finished_reason"),
+    ("preemptions", "num_preemptions",
+     "Requests preempted (their KV cache freed to make room). Always 0: each running request owns a KV slot "
+     "that holds its whole context, so none is ever preempted."),
     ("draft_restarts", "draft_restarts", "Draft processes started again after one died."),
 )
+
+# (attribute, name, help, buckets: "latency" or "length").
+HISTOGRAMS = (
+    ("ttft", "time_to_first_token_seconds", "Time to first token.", "latency"),
+    ("itl", "inter_token_latency_seconds", "Gap between output chunks (one chunk per round).", "latency"),
+    ("tpot", "time_per_output_token_seconds", "(e2e - TTFT) / (tokens - 1) per request.", "latency"),
+    ("e2e", "e2e_request_latency_seconds", "End-to-end request latency.", "latency"),
+    ("queue_time", "request_queue_time_seconds", "Time a request waited in target_proc for a KV slot.", "latency"),
+    ("prefill_time", "request_prefill_time_seconds", "From a request's KV slot to its first token (the prefill).",
+     "latency"),
+    ("decode_time", "request_decode_time_seconds", "From a request's first token to its last.", "latency"),
+    ("inference_time", "request_inference_time_seconds", "Prefill plus decode time of a request.", "latency"),
+    ("prompt_len", "request_prompt_tokens", "Prompt tokens per finished request.", "length"),
+    ("generation_len", "request_generation_tokens", "Generated tokens per finished request.", "length"),
+    ("max_generation_len", "request_max_num_generation_tokens",
+     "Most tokens generated by one sequence of a request; each engine request is one sequence (n > 1 sends n), "
+     "so this equals request_generation_tokens.", "length"),
+)
+
+# (attribute, name, help).
+GAUGES = (
+    ("running", "num_requests_running", "Requests being decoded."),
+    ("waiting", "num_requests_waiting", "Requests waiting for a slot."),
+    ("kv_cache_usage", "kv_cache_usage_perc",
+     "Fraction of the target's KV cache in use (1 = 100%): KV slots held by running requests over all slots; "
+     "each slot holds a whole context."),
+    ("draft_alive", "draft_alive", "1 while the draft answers, 0 while the target decodes alone."),
+)
+
+
+def finished_observations(stats: RequestStats, finish_reason: str | None, ttft_s: float | None, e2e_s: float,
+                          num_completion: int) -> tuple[list[tuple[str, float, tuple[str, ...]]],
+                                                        list[tuple[str, float]]]:
+    """What one finished request adds: (counter increments as (attribute, value, extra label
+    values)), (histogram observations as (attribute, value)). A request that ended without a
+    final output (aborted, failed) has empty stats: it counts once in request_success and
+    observes no engine-side time or length."""
+    incs: list[tuple[str, float, tuple[str, ...]]] = [
+        ("num_drafts", stats.num_drafts, ()),
+        ("num_draft_tokens", stats.num_draft_tokens, ()),
+        ("num_accepted_tokens", stats.num_accepted_tokens, ()),
+        ("cache_hits", stats.num_cache_hits, ()),
+        ("cache_misses", stats.num_cache_misses, ()),
+        ("ar_fallback", stats.num_ar_fallback_rounds, ()),
+        ("sd_rounds", stats.num_sd_rounds, ()),
+        ("prompt_tokens", stats.num_prompt_tokens, ()),
+        ("generation_tokens", num_completion, ()),
+        ("requests", 1, (finish_reason or "unknown",)),
+    ]
+    for i, (a, d) in enumerate(zip(stats.accepted_per_position, stats.drafted_per_position)):
+        incs.append(("accepted_per_pos", a, (str(i),)))
+        incs.append(("drafted_per_pos", d, (str(i),)))
+    obs: list[tuple[str, float]] = []
+    if ttft_s is not None:
+        obs.append(("ttft", ttft_s))
+        if num_completion > 1:
+            obs.append(("tpot", (e2e_s - ttft_s) / (num_completion - 1)))
+    obs.append(("e2e", e2e_s))
+    if stats.ttft_s > 0 and stats.e2e_s > 0:  # the engine's timings of a request that got a KV slot and a token
+        obs += [("queue_time", stats.queue_s), ("prefill_time", max(0.0, stats.ttft_s - stats.queue_s)),
+                ("decode_time", max(0.0, stats.e2e_s - stats.ttft_s)),
+                ("inference_time", max(0.0, stats.e2e_s - stats.queue_s))]
+    if stats.num_prompt_tokens > 0:
+        obs += [("prompt_len", stats.num_prompt_tokens), ("generation_len", num_completion),
+                ("max_generation_len", num_completion)]
+    return incs, obs
+
+
+def engine_gauges(engine: EngineStats) -> list[tuple[str, float]]:
+    """(attribute, value) of each gauge read from the engine."""
+    slots = engine.num_running + engine.num_free_slots
+    return [("running", engine.num_running), ("waiting", engine.num_waiting),
+            ("kv_cache_usage", engine.num_running / slots if slots else 0.0),
+            ("draft_alive", 1.0 if engine.draft_alive else 0.0)]
 
 
 class ServerMetrics:
     """The server's metrics in their own registry; updated per chunk and per finished request."""
 
-    def __init__(self, model_name: str, k: int, mirror=None, replica_id: str | None = None):
+    def __init__(self, model_name: str, k: int, mirror=None, replica_id: str | None = None,
+                 prefix: str = "spec_runtime", max_model_len: int = 2048):
         """mirror: an object with the same observe_* methods (spec_runtime.ray.metrics.RayMetrics)
         fed every observation too. replica_id: this app is one replica of several (Ray Serve);
-        /metrics then says so and exports `replica_info{replica_id}`."""
+        /metrics then says so and exports `replica_info{replica_id}`. prefix: "spec_runtime"
+        or "vllm" (names `vllm:...`). max_model_len: the top of the token-count buckets."""
+        if prefix not in PREFIXES:
+            raise ValueError(f"metrics prefix must be one of {sorted(PREFIXES)}, got {prefix!r}")
         self.registry = r = CollectorRegistry()
+        self.prefix = p = PREFIXES[prefix]
         self._model = model_name
         self._mirror = mirror
         self._replica_id = replica_id
         lbl = ["model_name"]
-
-        def counter(name: str, doc: str, *extra: str) -> Counter:
-            return Counter(P + name, doc, lbl + list(extra), registry=r)
-
-        def histogram(name: str, doc: str) -> Histogram:
-            return Histogram(P + name, doc, lbl, buckets=_LATENCY_BUCKETS, registry=r)
-
+        buckets = {"latency": _LATENCY_BUCKETS, "length": length_buckets(max_model_len)}
         for attr, name, doc, *extra in COUNTERS:
-            setattr(self, attr, counter(name, doc, *extra))
-        self.running = Gauge(P + "num_requests_running", "Requests being decoded.", lbl, registry=r)
-        self.waiting = Gauge(P + "num_requests_waiting", "Requests waiting for a slot.", lbl, registry=r)
-        self.draft_alive = Gauge(P + "draft_alive", "1 while the draft answers, 0 while the target decodes alone.",
-                                 lbl, registry=r)
+            setattr(self, attr, Counter(p + name, doc, lbl + list(extra), registry=r))
+        for attr, name, doc, kind in HISTOGRAMS:
+            setattr(self, attr, Histogram(p + name, doc, lbl, buckets=buckets[kind], registry=r))
+        for attr, name, doc in GAUGES:
+            setattr(self, attr, Gauge(p + name, doc, lbl, registry=r))
         self._restarts_seen = 0
         self._lock = threading.Lock()  # observe_engine runs on the event loop and on a gauge thread
-        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.")
-        self.itl = histogram("inter_token_latency_seconds", "Gap between output chunks (one chunk per round).")
-        self.tpot = histogram("time_per_output_token_seconds", "(e2e - TTFT) / (tokens - 1) per request.")
-        self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency.")
-        self.draft_restarts.labels(model_name)  # exported as 0 until a restart
+        # Series that exist from the start (0 until they count), so dashboards find them.
+        for attr in ("draft_restarts", "preemptions", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
+                     "prompt_tokens", "generation_tokens"):
+            getattr(self, attr).labels(model_name)
+        for attr, *_ in HISTOGRAMS:
+            getattr(self, attr).labels(model_name)
+        for attr, *_ in GAUGES:
+            getattr(self, attr).labels(model_name)
         if replica_id is not None:
-            Gauge(P + "replica_info", "1: these metrics are of this replica only (Ray Serve); the cluster-wide "
+            Gauge(p + "replica_info", "1: these metrics are of this replica only (Ray Serve); the cluster-wide "
                   "sums are Ray's ray_spec_runtime_* metrics.", lbl + ["replica_id"], registry=r
                   ).labels(model_name, replica_id).set(1)
-        # Make every per-position series exist from the start (0 until it counts).
         for i in range(k):
             self.accepted_per_pos.labels(model_name, str(i))
             self.drafted_per_pos.labels(model_name, str(i))
@@ -101,26 +204,11 @@ class ServerMetrics:
 
     def observe_finished(self, stats: RequestStats, finish_reason: str | None, ttft_s: float | None,
                          e2e_s: float, num_completion: int) -> None:
-        m = self._model
-        num_drafts = stats.num_drafts
-        self.num_drafts.labels(m).inc(num_drafts)
-        self.num_draft_tokens.labels(m).inc(stats.num_draft_tokens)
-        self.num_accepted_tokens.labels(m).inc(stats.num_accepted_tokens)
-        for i, (a, d) in enumerate(zip(stats.accepted_per_position, stats.drafted_per_position)):
-            self.accepted_per_pos.labels(m, str(i)).inc(a)
-            self.drafted_per_pos.labels(m, str(i)).inc(d)
-        self.cache_hits.labels(m).inc(stats.num_cache_hits)
-        self.cache_misses.labels(m).inc(stats.num_cache_misses)
-        self.ar_fallback.labels(m).inc(stats.num_ar_fallback_rounds)
-        self.sd_rounds.labels(m).inc(stats.num_sd_rounds)
-        self.prompt_tokens.labels(m).inc(stats.num_prompt_tokens)
-        self.generation_tokens.labels(m).inc(num_completion)
-        self.requests.labels(m, finish_reason or "unknown").inc()
-        if ttft_s is not None:
-            self.ttft.labels(m).observe(ttft_s)
-            if num_completion > 1:
-                self.tpot.labels(m).observe((e2e_s - ttft_s) / (num_completion - 1))
-        self.e2e.labels(m).observe(e2e_s)
+        incs, obs = finished_observations(stats, finish_reason, ttft_s, e2e_s, num_completion)
+        for attr, value, extra in incs:
+            getattr(self, attr).labels(self._model, *extra).inc(value)
+        for attr, value in obs:
+            getattr(self, attr).labels(self._model).observe(value)
         if self._mirror is not None:
             self._mirror.observe_finished(stats, finish_reason, ttft_s, e2e_s, num_completion)
 
@@ -131,9 +219,8 @@ class ServerMetrics:
 
     def _observe_engine(self, engine: EngineStats | None, draft_restarts: int) -> None:
         if engine is not None:
-            self.running.labels(self._model).set(engine.num_running)
-            self.waiting.labels(self._model).set(engine.num_waiting)
-            self.draft_alive.labels(self._model).set(1.0 if engine.draft_alive else 0.0)
+            for attr, value in engine_gauges(engine):
+                getattr(self, attr).labels(self._model).set(value)
             if self._mirror is not None:
                 self._mirror.observe_engine(engine)
         if draft_restarts > self._restarts_seen:

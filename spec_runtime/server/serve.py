@@ -91,7 +91,8 @@ def _exit_when_target_dies(client, server, died: threading.Event) -> None:
 def run_server(cfg: RuntimeConfig, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                served_model_name: str | None = None, max_body_bytes: int | None = None,
                log_level: str = "warning", out=None, on_target_death: str = "exit",
-               http: HTTPConfig | None = None) -> int:
+               http: HTTPConfig | None = None, metrics_prefix: str = "spec_runtime",
+               generation_defaults: dict | None = None) -> int:
     """Serve until interrupted (SIGINT/SIGTERM); shuts the runtime down on the way out.
 
     on_target_death: "exit" stops serving and returns 1 once the target process has died
@@ -116,7 +117,8 @@ def run_server(cfg: RuntimeConfig, *, host: str = "127.0.0.1", port: int = 8000,
     try:
         client = AsyncClient(cfg)
         app = build_app(client, served_model_name=served_model_name, api_key=api_key,
-                        max_body_bytes=max_body_bytes, http=http)
+                        max_body_bytes=max_body_bytes, http=http, metrics_prefix=metrics_prefix,
+                        generation_defaults=generation_defaults)
         name = app.state.server.model
         bound_host, bound_port = sock.getsockname()[:2]
         shown = f"[{bound_host}]" if ":" in bound_host else bound_host
