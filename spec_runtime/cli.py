@@ -11,8 +11,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 
+from spec_runtime.cli_config import apply_speculative_config, expand_config_file, resolve_model_ids
 from spec_runtime.cli_flags import (
     ConfigErrors,
     add_config_flags,
@@ -21,7 +23,6 @@ from spec_runtime.cli_flags import (
     preflight,
     sampling_from_args,
 )
-from spec_runtime.config import SpeculativeConfig
 
 __all__ = ["add_config_flags", "build_parser", "config_from_args", "main"]
 
@@ -44,6 +45,11 @@ def _checked_config(args: argparse.Namespace, sampling: bool = False, local: boo
         roles = ["target"]
         if cfg is not None and cfg.spec.uses_draft_process or cfg is None and given.get("spec.mode") != "ar":
             roles.append("draft")
+        args.hf_ids, hf_errors = resolve_model_ids(args, roles)  # org/name -> its cached snapshot
+        errors += hf_errors
+        if args.hf_ids and cfg is not None:
+            cfg = config_from_args(args)
+        roles = [r for r in roles if not any(line.startswith(f"--{r} ") for line in hf_errors)]
         try:
             preflight({r: given.get(f"{r}.path", "") for r in roles},
                       {r: given.get(f"{r}.device", "cpu") for r in roles})
@@ -127,31 +133,11 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _apply_speculative_config(args: argparse.Namespace, text: str) -> None:
-    """Merge --speculative-config JSON into the spec.* flags; unknown keys and conflicts are errors."""
-    try:
-        given = json.loads(text)
-    except ValueError as e:
-        raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
-    if not isinstance(given, dict):
-        raise ValueError("--speculative-config must be a JSON object")
-    known = {f.name: f for f in dataclasses.fields(SpeculativeConfig)}
-    unknown = sorted(set(given) - set(known))
-    if unknown:
-        raise ValueError(f"--speculative-config: unknown keys {unknown}; known: {sorted(known)}")
-    for key, value in given.items():
-        dest = f"spec.{key}"
-        if isinstance(value, list):
-            value = tuple(value)
-        if dest in vars(args) and getattr(args, dest) != value:
-            raise ValueError(f"--speculative-config sets {key}={value!r} but a flag sets it to {getattr(args, dest)!r}")
-        setattr(args, dest, value)
-
-
 # Flags of `serve` that only the local server has, and why Ray Serve does without them.
 _LOCAL_ONLY_FLAGS = {
     "on_target_death": "Ray Serve's health check replaces a replica whose target died",
     "uvicorn_log_level": "Ray Serve's proxy runs its own HTTP server (its logs are in the Ray logs)",
+    "metrics_prefix": "Ray's metrics carry Ray's own ray_spec_runtime_ prefix",
 }
 _RAY_FLAGS = ("ray_address", "ray_placement", "ray_gpus_per_actor", "ray_cpus_per_actor", "num_replicas",
               "max_replicas", "ray_placement_timeout_s")
@@ -200,7 +186,9 @@ def _serve(args: argparse.Namespace) -> int:
             raise ValueError("give the target either as TARGET or as --target, not both")
         setattr(args, "target.path", args.target_model)
     if args.speculative_config:
-        _apply_speculative_config(args, args.speculative_config)
+        apply_speculative_config(args, args.speculative_config)
+    if args.api_key is None and os.environ.get("SPEC_RUNTIME_API_KEY"):
+        args.api_key = os.environ["SPEC_RUNTIME_API_KEY"]
     errors = []
     if not 0 <= args.port <= 65535:
         errors.append(f"--port must be in [0, 65535], got {args.port}")
@@ -214,6 +202,10 @@ def _serve(args: argparse.Namespace) -> int:
         cfg, _ = _checked_config(args, local=not args.ray)
     except ConfigErrors as e:
         errors = e.errors + errors
+    defaults = {}
+    if not errors:
+        defaults, why = _generation_defaults(args, cfg)
+        errors += why
     if errors:
         raise ConfigErrors(errors)
     from spec_runtime.launcher import StartupError
@@ -221,17 +213,41 @@ def _serve(args: argparse.Namespace) -> int:
 
     if args.ray:
         return _serve_ray(args, cfg)
+    if args.served_model_name is None and "target" in getattr(args, "hf_ids", {}):
+        args.served_model_name = args.hf_ids["target"]  # as vLLM names it: the id given, not the cache path
     try:
         return run_server(cfg, host=args.host, port=args.port, api_key=args.api_key,
                           served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
                           log_level=args.uvicorn_log_level or "warning",
-                          on_target_death=args.on_target_death or "exit", http=_http_config(args))
+                          on_target_death=args.on_target_death or "exit", http=_http_config(args),
+                          metrics_prefix=args.metrics_prefix or "spec_runtime", generation_defaults=defaults)
     except StartupError as e:
         print(f"spec-runtime: start-up failed: {e}", file=sys.stderr)
         return 1
     except OSError as e:
         print(f"spec-runtime: cannot serve on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 1
+
+
+def _generation_defaults(args: argparse.Namespace, cfg) -> tuple[dict, list[str]]:
+    """(the sampling defaults --generation-config gives, [error lines]); says on stderr
+    which defaults apply, so none is applied silently."""
+    from spec_runtime.server.generation_config import load_generation_defaults
+
+    mode = args.generation_config or "auto"
+    try:
+        defaults = load_generation_defaults(mode, cfg.target.path)
+    except ValueError as e:
+        return {}, [str(e)]
+    if defaults and args.ray:
+        return {}, [f"--generation-config auto: the model's generation_config.json sets {defaults}, and Ray Serve "
+                    f"replicas do not apply them; pass --generation-config none (or vllm) to serve with the API's "
+                    f"own defaults"]
+    if defaults:
+        print(f"spec-runtime: request defaults from the model's generation_config.json: "
+              f"{', '.join(f'{k}={v}' for k, v in defaults.items())} (a request's own value wins; "
+              f"--generation-config none turns them off)", file=sys.stderr)
+    return defaults, []
 
 
 def _http_config(args: argparse.Namespace):
@@ -285,10 +301,21 @@ def _add_serve(sub) -> None:
     ray.add_argument("--ray-placement-timeout-s", type=float, default=None,
                      help="give up when the replicas' bundles cannot be reserved in this many seconds (default: 60)")
     srv.add_argument("--port", type=int, default=8000, help="port to bind; 0 picks a free one (default: 8000)")
-    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    srv.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPEC_RUNTIME_API_KEY, else none)")
     srv.add_argument("--served-model-name", default=None, help="model name clients send (default: the target path)")
     srv.add_argument("--speculative-config", default=None, metavar="JSON",
-                     help="SpeculativeConfig fields as JSON, e.g. '{\"mode\": \"ssd\", \"k\": 4}'; unknown keys are errors")
+                     help="SpeculativeConfig fields as JSON, e.g. '{\"mode\": \"ssd\", \"k\": 4}', or vLLM's keys "
+                          "(method: draft_model or ngram, model, num_speculative_tokens, prompt_lookup_max, "
+                          "prompt_lookup_min); unknown keys are errors")
+    srv.add_argument("--generation-config", choices=["auto", "vllm", "none"], default=None,
+                     help="auto: the model's generation_config.json sampling values (temperature, top_p, top_k, "
+                          "repetition_penalty, min_p) are request defaults that a request's own fields override; "
+                          "vllm or none: the API's own defaults (default: auto)")
+    srv.add_argument("--metrics-prefix", choices=["spec_runtime", "vllm"], default=None,
+                     help="prefix of the /metrics names: vllm makes them vllm:..., so vLLM's dashboards and "
+                          "`vllm bench serve` read them unchanged (default: spec_runtime; not with --ray)")
+    _add_config_file_flag(srv)
     srv.add_argument("--max-body-bytes", type=int, default=None, help="larger request bodies get HTTP 413 (default: 1 MiB)")
     srv.add_argument("--uvicorn-log-level", default=None, help="uvicorn's log level (default: warning; not with --ray)")
     _add_http_flags(srv)
@@ -304,6 +331,12 @@ def _add_bench(sub) -> None:
     b.set_defaults(func=bench_serving.run_from_args)
 
 
+def _add_config_file_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=None, metavar="FILE.yaml",
+                        help="flags from a YAML file, keys named as the flags (max-num-seqs: 8; model: PATH); "
+                             "flags given on the command line win; unknown keys are errors (default: none)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spec-runtime", description="Exact speculative decoding (AR / SD / SSD).")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -314,6 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="print one JSON object: text, token_ids, finish_reason, startup (seconds per start-up "
                           "phase) and stats (docs/metrics.md)")
     add_sampling_flags(gen)
+    _add_config_file_flag(gen)
     add_config_flags(gen, defaults={"sched.max_batch_size": 1})  # one prompt: one KV slot
     gen.set_defaults(func=_generate)
     _add_serve(sub)
@@ -326,6 +360,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    try:
+        argv = expand_config_file({c: sub.choices[c] for c in ("generate", "serve")}, argv)
+    except ValueError as e:
+        print(f"spec-runtime {argv[0]}: error: {e}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     try:
         return args.func(args)

