@@ -5,9 +5,11 @@ inf = all at once) and/or capped at --max-concurrency in flight, with random pro
 (token ids drawn uniformly from the vocabulary the server reports, EOS excluded; with
 the chat endpoint, random words) or prompts from a file (JSONL with a "prompt" field,
 or one prompt per line). It reports throughput; TTFT, TPOT, ITL and end-to-end latency
-(mean, median, p99); and a Speculative Decoding section summed from each response's
-`usage.spec_decode`. --save-result writes everything as JSON. A progress bar counts
-finished requests on stderr; Ctrl-C stops the run and reports (and saves) what finished.
+(mean, median and --metric-percentiles, for the --percentile-metrics chosen); and a
+Speculative Decoding section summed from each response's `usage.spec_decode`.
+--save-result writes everything as JSON, with vLLM's result keys (spec_runtime.bench_report);
+--plot draws the latency distributions as a PNG. A progress bar counts finished requests on
+stderr; Ctrl-C stops the run and reports (and saves) what finished.
 
 ITL is the gap between streamed chunks: with speculation one chunk carries every token
 a round accepted, so ITL is per round, and TPOT (per token) is the fairer comparison.
@@ -24,7 +26,18 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from protocol.messages import mean_acceptance_length
+from spec_runtime.bench_report import (
+    check_plot_available,
+    format_report,
+    parse_metric_percentiles,
+    parse_percentile_metrics,
+    plot,
+    report,
+    spec_summary,
+)
+
+__all__ = ["add_bench_args", "benchmark", "format_report", "report", "run_benchmark_sync", "run_from_args",
+           "spec_summary"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +75,13 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-result", default=None, metavar="PATH",
                    help="write the results as JSON to PATH (partial ones too, on Ctrl-C)")
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    p.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el",
+                   help="comma-separated metrics to report percentiles of: ttft, tpot, itl, e2el "
+                        "(default: %(default)s)")
+    p.add_argument("--metric-percentiles", default="99",
+                   help="comma-separated percentiles to report, e.g. 25,50,75,99 (default: %(default)s)")
+    p.add_argument("--plot", default=None, metavar="PATH.png",
+                   help="draw the TTFT, TPOT, ITL and end-to-end latency distributions as a PNG (needs matplotlib)")
 
 
 @dataclass
@@ -133,41 +153,6 @@ async def _one(http, args, model: str, prompt) -> RequestResult:
     return res
 
 
-def _summary(values: list[float]) -> dict:
-    if not values:
-        return {"mean_ms": 0.0, "median_ms": 0.0, "p99_ms": 0.0}
-    v = sorted(values)
-
-    def pct(q: float) -> float:  # linear interpolation, as numpy.percentile
-        x = q / 100 * (len(v) - 1)
-        lo = int(x)
-        hi = min(lo + 1, len(v) - 1)
-        return v[lo] + (v[hi] - v[lo]) * (x - lo)
-
-    return {"mean_ms": 1e3 * sum(v) / len(v), "median_ms": 1e3 * pct(50), "p99_ms": 1e3 * pct(99)}
-
-
-def spec_summary(specs: list[dict]) -> dict:
-    """Acceptance over all requests: sums of counts, then ratios (not a mean of ratios)."""
-    tot = {k: sum(s.get(k, 0) for s in specs) for k in
-           ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_cache_hits", "num_cache_misses")}
-    k = max((len(s.get("drafted_per_position", [])) for s in specs), default=0)
-    acc = [sum(s["accepted_per_position"][i] for s in specs if i < len(s.get("accepted_per_position", [])))
-           for i in range(k)]
-    dra = [sum(s["drafted_per_position"][i] for s in specs if i < len(s.get("drafted_per_position", [])))
-           for i in range(k)]
-    looks = tot["num_cache_hits"] + tot["num_cache_misses"]
-    return {
-        "mode": specs[0].get("mode") if specs else None,
-        "k": specs[0].get("k") if specs else None,
-        **tot,
-        "acceptance_rate": tot["num_accepted_tokens"] / tot["num_draft_tokens"] if tot["num_draft_tokens"] else 0.0,
-        "mean_acceptance_length": mean_acceptance_length(tot["num_accepted_tokens"], tot["num_drafts"]),
-        "acceptance_per_position": [a / d if d else 0.0 for a, d in zip(acc, dra)],
-        "cache_hit_rate": tot["num_cache_hits"] / looks if looks else None,
-    }
-
-
 async def benchmark(args, run: _Run | None = None) -> dict:
     import httpx
     from tqdm.auto import tqdm
@@ -216,66 +201,6 @@ async def benchmark(args, run: _Run | None = None) -> dict:
     return report(args, model, run.results, duration)
 
 
-def report(args, model: str, results: list[RequestResult], duration: float, interrupted: bool = False) -> dict:
-    ok = [r for r in results if r.ok]
-    duration = max(duration, 1e-9)
-    out_tok = sum(r.output_tokens for r in ok)
-    in_tok = sum(r.prompt_tokens for r in ok)
-    tpots = [(r.e2e_s - r.ttft_s) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
-    return {
-        "model": model, "base_url": args.base_url, "endpoint": args.endpoint, "dataset": args.dataset,
-        "num_prompts": args.num_prompts, "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
-        "output_len": args.output_len, "temperature": args.temperature, "ignore_eos": args.ignore_eos,
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "interrupted": interrupted,
-        "duration_s": duration, "completed": len(ok), "failed": len(results) - len(ok),
-        "errors": sorted({r.error for r in results if not r.ok})[:10],
-        "total_input_tokens": in_tok, "total_output_tokens": out_tok,
-        "request_throughput": len(ok) / duration, "output_throughput": out_tok / duration,
-        "total_token_throughput": (in_tok + out_tok) / duration,
-        "ttft": _summary([r.ttft_s for r in ok]), "tpot": _summary(tpots),
-        "itl": _summary([x for r in ok for x in r.itl_s]), "e2el": _summary([r.e2e_s for r in ok]),
-        "output_tokens_per_request": [r.output_tokens for r in results],
-        "spec_decode": spec_summary([r.spec for r in ok if r.spec]),
-    }
-
-
-def format_report(res: dict) -> str:
-    title = " Serving Benchmark Result (interrupted: partial) " if res.get("interrupted") else " Serving Benchmark Result "
-    lines = [f"{title:=^60}"]
-
-    def row(name, value, fmt="{:.2f}"):
-        lines.append(f"{name:<44}{fmt.format(value) if value is not None else 'n/a':>16}")
-
-    row("Successful requests:", res["completed"], "{}")
-    row("Failed requests:", res["failed"], "{}")
-    row("Benchmark duration (s):", res["duration_s"])
-    row("Total input tokens:", res["total_input_tokens"], "{}")
-    row("Total generated tokens:", res["total_output_tokens"], "{}")
-    row("Request throughput (req/s):", res["request_throughput"])
-    row("Output token throughput (tok/s):", res["output_throughput"])
-    row("Total token throughput (tok/s):", res["total_token_throughput"])
-    for key, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
-                       ("itl", "Inter-token Latency (per streamed chunk)"), ("e2el", "End-to-end Latency")):
-        lines.append(f"{' ' + title + ' ':-^60}")
-        for stat in ("mean", "median", "p99"):
-            row(f"{stat.capitalize()} {key.upper()} (ms):", res[key][f"{stat}_ms"])
-    sd = res["spec_decode"]
-    lines.append(f"{' Speculative Decoding ':-^60}")
-    row("Mode / K:", f"{sd.get('mode')} / {sd.get('k')}", "{}")
-    row("Drafts (rounds with a proposal):", sd.get("num_drafts", 0), "{}")
-    row("Draft tokens:", sd.get("num_draft_tokens", 0), "{}")
-    row("Accepted tokens:", sd.get("num_accepted_tokens", 0), "{}")
-    row("Acceptance rate:", sd.get("acceptance_rate", 0.0))
-    row("Acceptance length (1 + accepted/drafts):", sd.get("mean_acceptance_length", 1.0))
-    row("Cache hit rate:", sd.get("cache_hit_rate"))
-    per = ", ".join(f"{x:.2f}" for x in sd.get("acceptance_per_position", []))
-    lines.append(f"{'Per-position acceptance:':<28}{'[' + per + ']':>32}")
-    if res["errors"]:
-        lines.append("Errors: " + "; ".join(res["errors"]))
-    lines.append("=" * 60)
-    return "\n".join(lines)
-
-
 def run_benchmark_sync(args: argparse.Namespace) -> dict:
     """Validate the flags, run the benchmark, return the result dict (what --save-result writes)."""
     _check_args(args)
@@ -283,6 +208,10 @@ def run_benchmark_sync(args: argparse.Namespace) -> dict:
 
 
 def _check_args(args: argparse.Namespace) -> None:
+    args.percentile_metrics_list = parse_percentile_metrics(args.percentile_metrics)
+    args.percentiles_list = parse_metric_percentiles(args.metric_percentiles)
+    if args.plot:
+        check_plot_available()
     if args.num_prompts < 1:
         raise ValueError("--num-prompts must be >= 1")
     if args.request_rate <= 0:
@@ -305,6 +234,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         saved = f"; saved them to {args.save_result}" if args.save_result else "; --save-result PATH keeps them"
         if args.save_result:
             _save(res, args.save_result)
+        if args.plot:
+            plot(res, args.plot)
         print(f"spec-runtime bench: interrupted after {len(run.results)} of {args.num_prompts} requests; "
               f"the results above cover those{saved}", file=sys.stderr)
         return 130
@@ -312,6 +243,9 @@ def run_from_args(args: argparse.Namespace) -> int:
     if args.save_result:
         _save(res, args.save_result)
         print(f"saved {args.save_result}", file=sys.stderr)
+    if args.plot:
+        plot(res, args.plot)
+        print(f"plotted {args.plot}", file=sys.stderr)
     return 0 if res["failed"] == 0 else 1
 
 

@@ -82,11 +82,11 @@ def test_bench_random_prompts_saves_json(served, tmp_path):
     res = json.loads(out.read_text())
     assert res["completed"] == 24 and res["failed"] == 0
     assert res["total_output_tokens"] == 24 * 12 and res["total_input_tokens"] == 24 * 8
-    assert res["output_tokens_per_request"] == [12] * 24
-    for key in ("ttft", "tpot", "itl", "e2el"):
-        s = res[key]
-        assert 0 < s["median_ms"] <= s["p99_ms"] and s["mean_ms"] > 0
-    assert res["e2el"]["median_ms"] >= res["ttft"]["median_ms"]
+    assert res["output_lens"] == [12] * 24 and res["input_lens"] == [8] * 24 and res["errors"] == [""] * 24
+    for key in ("ttft", "tpot", "itl", "e2el"):  # vLLM's flat keys
+        assert 0 < res[f"median_{key}_ms"] <= res[f"p99_{key}_ms"] and res[f"mean_{key}_ms"] > 0
+        assert res[f"std_{key}_ms"] >= 0
+    assert res["median_e2el_ms"] >= res["median_ttft_ms"]
     sd = res["spec_decode"]
     assert sd["mode"] == "sd" and sd["k"] == K
     # draft == target: every draft token is accepted.
@@ -94,7 +94,13 @@ def test_bench_random_prompts_saves_json(served, tmp_path):
     assert sd["mean_acceptance_length"] == pytest.approx(1 + sd["num_accepted_tokens"] / sd["num_drafts"])
     assert 1.0 <= sd["mean_acceptance_length"] <= K + 1
     assert sd["acceptance_per_position"] == [1.0] * K
-    assert res["request_throughput"] == pytest.approx(24 / res["duration_s"])
+    assert res["spec_decode_acceptance_rate"] == 100.0
+    assert res["spec_decode_acceptance_length"] == sd["mean_acceptance_length"]
+    assert res["spec_decode_num_drafts"] == sd["num_drafts"]
+    assert res["spec_decode_draft_tokens"] == res["spec_decode_accepted_tokens"] == sd["num_draft_tokens"]
+    rates = res["spec_decode_per_position_acceptance_rates"]  # vLLM's: accepted at i over all drafts
+    assert len(rates) == K and rates[0] == 1.0 and all(0 < r <= 1 for r in rates)
+    assert res["request_throughput"] == pytest.approx(24 / res["duration"])
 
 
 def test_bench_file_prompts_chat_at_a_rate(served, tmp_path):
