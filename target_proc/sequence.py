@@ -18,31 +18,69 @@ from protocol.messages import RequestStats, SamplingParams
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas.
 
-    Decodes a short window before the new tokens so that tokens which only make sense
-    with their left context (byte-level BPE, sentencepiece spaces) come out right, and
-    holds back text that ends in an incomplete UTF-8 sequence ("\\ufffd").
+    A fast tokenizer goes through `tokenizers`' DecodeStream, seeded with the prompt's last
+    tokens so that tokens which only make sense with their left context (byte-level BPE,
+    sentencepiece spaces) come out right, and which holds back an incomplete UTF-8 sequence
+    until the token that completes it. A slow tokenizer, one whose decode cleans up spaces
+    afterwards (which DecodeStream does not), or a prompt whose last tokens end inside a
+    character, decodes a short window before the new tokens instead and holds back text
+    that ends in "\\ufffd". Both give the same deltas; for text, they join to the text of
+    decoding the generated tokens at once.
     """
+
+    _CONTEXT = 6  # prompt tokens decoded before the first generated one
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.ids: list[int] = list(prompt_token_ids[-6:])
+        self.text = ""
+        context = list(prompt_token_ids[-self._CONTEXT:])
+        self._backend = _stream_backend(tokenizer)
+        if self._backend is not None and tokenizer.decode(context, skip_special_tokens=skip_special_tokens).endswith(
+                "\ufffd"):
+            # A context that ends inside a character (a token-id prompt): DecodeStream would put
+            # the context's own text into the first delta; the window decoder does not.
+            self._backend = None
+        if self._backend is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+            return
+        self.ids: list[int] = context
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
-        self.text = ""
 
     def add(self, token_id: int) -> str:
+        if self._backend is not None:
+            delta = self._stream.step(self._backend, token_id) or ""
+        else:
+            delta = self._add_window(token_id)
+        self.text += delta
+        return delta
+
+    def _add_window(self, token_id: int) -> str:
         self.ids.append(token_id)
         skip = self.skip_special_tokens
         prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=skip)
         full = self.tokenizer.decode(self.ids[self.prefix_offset :], skip_special_tokens=skip)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            delta = full[len(prefix) :]
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.ids)
-            self.text += delta
-            return delta
+            return full[len(prefix) :]
         return ""
+
+
+def _stream_backend(tokenizer):
+    """The `tokenizers.Tokenizer` behind a fast HF tokenizer whose decode adds nothing to
+    the backend's own (no clean-up of spaces); None otherwise."""
+    backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return None
+    try:
+        from tokenizers import decoders
+    except ImportError:
+        return None
+    return backend if hasattr(decoders, "DecodeStream") else None  # tokenizers >= 0.21
 
 
 @dataclass
