@@ -182,8 +182,11 @@ def plot(res: dict, path: str) -> None:
         ax.set_title(f"{PERCENTILE_METRICS[name]} ({len(ms)} samples)", fontsize=10)
         ax.set_xlabel("ms")
         if len(ms):
-            spread = float(np.ptp(ms)) > 1e-6 * max(1.0, float(np.abs(ms).max()))
-            ax.hist(ms, bins=40 if spread else 1, color="#4c72b0")
+            mid = float(np.mean(ms))
+            if float(np.ptp(ms)) > 1e-6 * max(1.0, abs(mid)):
+                ax.hist(ms, bins=40, color="#4c72b0")
+            else:  # all equal (to rounding): one bar around the value
+                ax.hist(ms, bins=1, range=(mid - 0.5, mid + 0.5), color="#4c72b0")
             ax.axvline(float(np.mean(ms)), color="black", linestyle="--", label=f"mean {np.mean(ms):.1f}")
             for p in res["metric_percentiles"]:
                 ax.axvline(float(np.percentile(ms, p)), color="#c44e52", linestyle=":",
