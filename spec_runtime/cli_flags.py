@@ -5,6 +5,8 @@ every check that can run before a process starts.
   SpeculativeConfig       -> --mode, --k, --fan-out, --backup, ...
   SchedulerConfig         -> --max-batch-size, --max-model-len, ...
   RuntimeConfig (scalars) -> --seed, --startup-timeout-s, --log-level
+  vLLM's names            -> --max-num-seqs (= --max-batch-size), --dtype (both models unless
+                             --target-dtype / --draft-dtype), --gpu-memory-utilization (the target's)
 
 Each flag's help is its field's help text and default. Validation collects one message
 per problem, naming the flag (`--k must be in [1, 32], got 0`); the CLI prints them one

@@ -96,6 +96,7 @@ def test_tokenize_and_detokenize(server):
     ("/tokenize", {"prompt": "x", "nope": 1}, "nope"),
     ("/tokenize", {"prompt": "x", "model": "gpt-4"}, "model"),
     ("/tokenize", {"messages": []}, "messages"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "add_special_tokens": True}, "add_special_tokens"),
     ("/tokenize", {"prompt": "\ud800"}, None),
     ("/detokenize", {"tokens": [1, 10**9]}, "tokens"),
     ("/detokenize", {"tokens": ["a"]}, "tokens.0"),

@@ -100,8 +100,16 @@ def add_info_routes(app: FastAPI, srv) -> None:
             if chat:
                 if not req.messages:
                     raise APIError(400, "messages must be non-empty", param="messages")
+                if req.add_special_tokens:
+                    raise APIError(400, "add_special_tokens: true is not supported with messages: the chat template "
+                                   "places the special tokens, as for a chat request", param="add_special_tokens",
+                                   code="unsupported_parameter")
                 messages = [m.template_dict(f"messages.{i}") for i, m in enumerate(req.messages)]
                 kw = dict(req.chat_template_kwargs or {})
+                clash = {"messages", "add_generation_prompt", "continue_final_message", "tokenize"} & set(kw)
+                if clash:
+                    raise APIError(400, f"chat_template_kwargs may not set {sorted(clash)}",
+                                   param="chat_template_kwargs")
                 kw.update(add_generation_prompt=req.add_generation_prompt,
                           continue_final_message=req.continue_final_message)
                 ids = await srv.client.encode_chat(messages, **kw)
