@@ -3,7 +3,7 @@
 Each mode starts its own runtime (target and draft processes) and decodes the same
 random prompts at every batch size and temperature. With random-weight models
 (`random:target-32b` ...) pass --synthetic-acceptance so acceptance comes from the
-benchmark oracle of ../shared/BENCH.md; every result row names it.
+benchmark-only synthetic oracle (docs/benchmarks.md, "Method"); every result row names it.
 
     python scripts/bench_e2e.py --target random:target-32b --draft random:draft-0.6b \\
         --target-device cuda:0 --draft-device cuda:1 --k 8 --synthetic-acceptance 0.8 \\

@@ -1,7 +1,7 @@
 """The projections of one decoder layer at one token: triton_linear.small_linear (norms,
 residual adds and SiLU-and-mul fused in), with each of its candidate block sizes,
-against cuBLAS with the separate small ops cuda_ops runs around it, for the model
-shapes of ../shared/BENCH.md.
+against cuBLAS with the separate small ops run around it, for the four model shapes
+of docs/benchmarks.md.
 
 Each variant is captured in a CUDA graph of REPS calls back to back (as the runtime
 replays a forward) and timed with CUDA events; the figure is us per call. The calls

@@ -1,6 +1,6 @@
 """Step latencies of the CUDA path against the bandwidth floor.
 
-Builds the real-size random-weight models of ../shared/BENCH.md on the GPU, measures
+Builds the real-size random-weight models of docs/benchmarks.md on the GPU, measures
 device-to-device copy bandwidth in the same run, and times, with CUDA events, the
 median of --iters steps after --warmup:
   - decode (q_len 1) at batch 1..16 for every model (a draft's step is its decode),

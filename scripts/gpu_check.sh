@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# The one script a GPU run executes (issue 3): install the carried wheels, build
-# flashinfer's kernels, run tests/test_gpu.py, scripts/bench_linear.py, then scripts/bench_step.py.
-# Everything it writes goes under $OUT (the device tool brings that folder back).
+# Check a CUDA machine and time single steps: build flashinfer's prefill kernels, run
+# tests/test_gpu.py, then scripts/bench_linear.py and scripts/bench_step.py (with a plot
+# and a summary table). Needs one GPU.
 #
-#   run(command="bash scripts/gpu_check.sh", carry=[".whl"], kind="nvidia-h100-x1")
+#   OUT=/tmp/gpu_check bash scripts/gpu_check.sh
+#   BENCH_MODELS=target-8b,draft-1b SKIP_LINEAR=1 bash scripts/gpu_check.sh
 #
-# Env: BENCH_MODELS (default: all four), SKIP_TESTS=1, SKIP_LINEAR=1, SKIP_BENCH=1, TEST_TIMEOUT, BENCH_TIMEOUT.
+# Wheels found in .whl/ are installed into .site/ first (for a machine without network
+# access). Logs and JSON go under $OUT (default /tmp/gpu_check_out).
+# Env: BENCH_MODELS (default: all four shapes), SKIP_TESTS=1, SKIP_LINEAR=1, SKIP_BENCH=1,
+# TEST_TIMEOUT, BENCH_TIMEOUT (seconds).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check_out}

@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
-# One GPU run of scripts/bench_e2e.py: AR, SD and SSD on one model pair, side by side.
+# AR, SD and SSD side by side on one random-weight model pair (scripts/bench_e2e.py):
+# 128-token prompts, synthetic oracle alpha 0.8 (ranks 0.5,0.2,0.1). The target runs on
+# cuda:0 and the draft on cuda:1, or on cuda:0 too when the machine has one GPU.
 #
-#   run(command="PAIR=32b bash scripts/gpu_e2e.sh", carry=[".whl"], kind="nvidia-h200-x2")
+#   PAIR=32b bash scripts/gpu_e2e.sh
+#   PAIR=8b K=2 FAN_OUT=3,3,3 BATCHES=1,4 TEMPS=0 bash scripts/gpu_e2e.sh
 #
-# PAIR=32b: target-32b on cuda:0, draft-0.6b on cuda:1.  PAIR=8b: target-8b + draft-1b.
-# Env: K, FAN_OUT, BATCHES, TEMPS, MAX_TOKENS, MODES, SSD_EXTRA (extra bench_e2e flags).
+# PAIR=32b: target-32b + draft-0.6b.  PAIR=8b: target-8b + draft-1b.
+# Env: K, FAN_OUT, BATCHES, TEMPS, MAX_TOKENS, MODES, REPEATS, SSD_EXTRA (extra bench_e2e
+# flags), TAG (file name), RUN_TIMEOUT. Wheels found in .whl/ are installed into .site/
+# first; the JSON and log go under $OUT (default /tmp/gpu_e2e_out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_e2e_out}

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# The end-to-end GPU runs, in two calls of at most 10 minutes each (device time is scarce):
-#   run(command="PART=a bash scripts/gpu_e2e_all.sh", carry=[".whl"], kind="nvidia-h200-x2")
-#   run(command="PART=b bash scripts/gpu_e2e_all.sh", carry=[".whl"], kind="nvidia-h200-x2")
-#   run(command="PART=steps bash scripts/gpu_e2e_all.sh", carry=[".whl"], kind="nvidia-h200-x2")
+# The two-GPU measurements of docs/benchmarks.md, in three parts of under 10 minutes each
+# (two GPUs of one host; each part writes under $OUT, default /tmp/gpu_e2e_out):
+#
+#   PART=a bash scripts/gpu_e2e_all.sh
+#   PART=b bash scripts/gpu_e2e_all.sh
+#   PART=steps bash scripts/gpu_e2e_all.sh
+#
 # a. target-32b + draft-0.6b, K=8, fan-out 3 at every depth: AR, SD, SSD at batch 1..16,
 #    T 0 and 0.7; then SSD with fan-out 2 at batch 1 (which fan-out wins).
 # b. target-8b + draft-1b, K=4 (AR, SD, SSD) and K=2 (SD, SSD) at batch 1, 4, 16, T 0.

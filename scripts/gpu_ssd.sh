@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# GPU runs for SSD under load, on nvidia-h200-x2 (target on cuda:0, draft on cuda:1).
+# SSD at long contexts and under load. Target on cuda:0 and draft on cuda:1 (both on
+# cuda:0 when the machine has one GPU).
 #
-#   run(command="PART=check bash scripts/gpu_ssd.sh", carry=[".whl"], kind="nvidia-h200-x2")
+#   PART=check bash scripts/gpu_ssd.sh
+#   PART=e2e PAIR=8b K=4 PROMPTS=512,2048 BATCHES=1,4,16 bash scripts/gpu_ssd.sh
 #
 # PART=check: tests/test_gpu.py (tree graphs, attention, the forward) and
 #   scripts/profile_draft.py at 512 to 8192 tokens of context (draft-0.6b, K=8, fan-out 3).
 # PART=e2e:   scripts/bench_e2e.py on one pair (PAIR=32b: target-32b + draft-0.6b, K=8;
 #   PAIR=8b: target-8b + draft-1b, K=${K:-2}); PROMPTS, BATCHES, TEMPS, MAX_TOKENS, ALPHA, MODES.
-# Everything lands in $OUT.
+# Wheels found in .whl/ are installed into .site/ first; logs and JSON go under $OUT
+# (default /tmp/gpu_ssd_out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_ssd_out}

@@ -1,7 +1,7 @@
 """Plot tokens/s against batch size for AR, SD and SSD from bench_e2e.py JSON files.
 
-    python scripts/plot_e2e.py bench/results/e2e_32b_k8_*_run3.json bench/results/e2e_8b_k2_*_run3.json \\
-        --out bench/results/e2e_nvidia-h200-x2_2026-11-22.png
+    python scripts/plot_e2e.py bench/results/e2e_32b_k8_nvidia-h200-x2_2026-11-22.json \\
+        bench/results/e2e_8b_k2_nvidia-h200-x2_2026-11-22.json --out e2e.png
 """
 
 from __future__ import annotations

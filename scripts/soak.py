@@ -15,7 +15,7 @@ the end, and nothing is counted as "error" or "unknown". Prints one JSON report 
 1 if any request was lost, any greedy output differs or the metrics do not add up.
 
 Without --target, tiny random llama models (a target and a perturbed copy as the draft)
-are built in a temporary directory with the test suite's helpers.
+are built in a temporary directory (scripts/tiny_models.py).
 """
 
 from __future__ import annotations
@@ -33,21 +33,14 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+sys.path.insert(0, ROOT)
 
 from protocol.messages import SamplingParams  # noqa: E402
 from spec_runtime.client import Client  # noqa: E402
 from spec_runtime.config import ModelConfig, RuntimeConfig, SchedulerConfig, SpeculativeConfig  # noqa: E402
+from tiny_models import save_tiny_pair  # noqa: E402  (this script's folder is on sys.path)
 
 logger = logging.getLogger("soak")
-
-
-def build_tiny_models(directory: str) -> tuple[str, str]:
-    from conftest import save_tiny_model
-    from e2e_util import perturbed_copy
-
-    target = save_tiny_model(os.path.join(directory, "target"), "llama")
-    return target, perturbed_copy(target, os.path.join(directory, "draft"), noise=0.2)
 
 
 def make_pool(rng: random.Random, vocab: int, n: int, max_len: int) -> list[tuple[list[int], int]]:
@@ -194,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = tempfile.TemporaryDirectory(prefix="soak-")
     target, draft = args.target, args.draft
     if not target:
-        target, draft = build_tiny_models(tmp.name)
+        target, draft = save_tiny_pair(tmp.name)
     draft = draft or target
     sched = SchedulerConfig(max_batch_size=args.max_batch_size, max_model_len=args.max_model_len)
 

@@ -1,91 +1,29 @@
-"""Shared test fixtures: tiny random HF models saved to disk, and the SmolLM2 GGUF path.
+"""Shared test fixtures: tiny random models on disk, the AR reference, the SmolLM2 GGUF.
 
-Tiny models go through the real loading path (config.json + safetensors +
-tokenizer files, written with `save_pretrained`). Their tokenizer is a small
-byte-level BPE trained here in memory, with ChatML special tokens, so text
-round-trips without any hub download.
+Tiny models go through the real loading path (config.json + safetensors + tokenizer
+files written with `save_pretrained`); scripts/tiny_models.py builds them, and this
+module re-exports its helpers (`from conftest import save_tiny_model`).
 
-Use the fixtures (`tiny_llama_dir`, `tiny_qwen2_dir`, `tiny_qwen3_dir`,
-`smollm2_gguf_path`) or call `save_tiny_model(path, model_type, **overrides)`
-directly (`from conftest import save_tiny_model`).
+Fixtures:
+  - `tiny_llama_dir`, `tiny_qwen2_dir`, `tiny_qwen3_dir`: one model per test.
+  - `tiny_pair`: a tiny llama target and its draft (the same weights plus noise 0.2),
+    built once per test run and shared; tests must not write into it.
+  - `ar_reference(target, prompts, max_tokens)`: each prompt's greedy target-only
+    output, computed once per distinct call and shared.
+  - `smollm2_gguf_path`: the real SmolLM2-135M-Instruct GGUF.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
+import sys
 
 import pytest
 
-TINY_VOCAB_SIZE = 384
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = (
-    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
-    " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-_CORPUS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "Speculative decoding drafts tokens with a small model and verifies them with a large one.",
-    "Hello, world! What is the capital of France? Paris is the capital of France.",
-    "def add(a, b):\n    return a + b\n",
-    "One two three four five six seven eight nine ten.",
-] * 4
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 
-
-@functools.lru_cache(maxsize=1)
-def tiny_tokenizer():
-    """A byte-level BPE tokenizer of exactly TINY_VOCAB_SIZE tokens; ids 0,1,2 are the specials."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=TINY_VOCAB_SIZE, special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
-    )
-    tok.train_from_iterator(_CORPUS, trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|im_start|>",
-        pad_token="<|endoftext|>", unk_token="<|endoftext|>",
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
-
-
-_BASE = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
-    # Large init so logits are O(1) and a 1e-4 comparison means something.
-    initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-)
-
-
-def save_tiny_model(path, model_type: str = "llama", seed: int = 0, **overrides) -> str:
-    """Save a random tiny `model_type` (llama, qwen2, qwen3) with its tokenizer under `path`."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
-
-    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[model_type]
-    kwargs = dict(_BASE, vocab_size=len(tiny_tokenizer()))
-    if model_type == "qwen3":
-        kwargs["head_dim"] = 32  # != hidden / heads, as in real Qwen3
-    kwargs.update(overrides)
-    config = config_cls(**kwargs)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        # HF zero-inits biases and sets norms to 1; randomise them so they are tested.
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
-    path = str(path)
-    os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
-    return path
+from tiny_models import TinyPair, perturbed_copy, save_tiny_model, save_tiny_pair, tiny_tokenizer  # noqa: E402,F401
 
 
 @pytest.fixture
@@ -101,6 +39,47 @@ def tiny_qwen2_dir(tmp_path) -> str:
 @pytest.fixture
 def tiny_qwen3_dir(tmp_path) -> str:
     return save_tiny_model(tmp_path / "tiny-qwen3", "qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory) -> TinyPair:
+    """A tiny random llama target and its perturbed copy as the draft (noise 0.2: it
+    accepts often and rejects sometimes, so both paths of the verifier run). Shared by
+    every test that asks for it: read it, never write into it."""
+    return save_tiny_pair(tmp_path_factory.mktemp("tiny-pair"))
+
+
+@pytest.fixture(scope="session")
+def ar_reference():
+    """ar_reference(target, prompts, max_tokens, *, max_batch_size=4, max_model_len=256)
+    -> the greedy token ids of each prompt from a target-only (AR) runtime.
+
+    max_tokens is one int or one per prompt; EOS does not stop a request. The prompts
+    run together (continuous batching). Each distinct call starts one runtime and its
+    answer is kept for the rest of the run, so the tests that compare a speculative mode
+    with AR share one reference."""
+    from e2e_util import make_config
+    from protocol.messages import SamplingParams
+    from spec_runtime.client import Client
+    from spec_runtime.config import SchedulerConfig
+
+    cache: dict[tuple, list[list[int]]] = {}
+
+    def run(target: str, prompts: list[list[int]], max_tokens, *, max_batch_size: int = 4,
+            max_model_len: int = 256) -> list[list[int]]:
+        lens = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
+        if len(lens) != len(prompts):
+            raise ValueError(f"{len(lens)} max_tokens for {len(prompts)} prompts")
+        key = (target, tuple(map(tuple, prompts)), tuple(lens), max_batch_size, max_model_len)
+        if key not in cache:
+            sched = SchedulerConfig(max_batch_size=max_batch_size, max_model_len=max_model_len)
+            with Client(make_config(target, mode="ar").replace(sched=sched)) as client:
+                rids = [client.submit(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+                        for p, n in zip(prompts, lens)]
+                cache[key] = [list(client._collect(rid).token_ids) for rid in rids]
+        return [list(ids) for ids in cache[key]]
+
+    return run
 
 
 @pytest.fixture(scope="session")

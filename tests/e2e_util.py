@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import shutil
 import socket
 import threading
 import time
@@ -15,6 +13,7 @@ from scipy import stats
 
 from protocol.messages import SamplingParams
 from spec_runtime.config import ModelConfig, RuntimeConfig, SchedulerConfig, SpeculativeConfig
+from tiny_models import perturbed_copy  # noqa: F401  (scripts/tiny_models.py, on sys.path through conftest)
 
 
 def make_config(target: str, draft: str = "", mode: str = "sd", k: int = 3, max_batch_size: int = 4,
@@ -30,21 +29,6 @@ def make_config(target: str, draft: str = "", mode: str = "sd", k: int = 3, max_
         sched=SchedulerConfig(max_batch_size=max_batch_size, max_model_len=256, spec_policy=spec_policy),
         startup_timeout_s=240.0,
     )
-
-
-def perturbed_copy(src: str, dst: str, noise: float, seed: int = 1) -> str:
-    """A draft that agrees with the target often but not always: its weights plus noise."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    g = torch.Generator().manual_seed(seed)
-    path = os.path.join(dst, "model.safetensors")
-    weights = load_file(path)
-    for name, w in weights.items():
-        weights[name] = w + noise * torch.randn(w.shape, generator=g) * w.std()
-    save_file(weights, path, metadata={"format": "pt"})
-    return dst
 
 
 def random_prompts(vocab: int, lengths=(5, 9, 17, 30), seed: int = 0) -> list[list[int]]:

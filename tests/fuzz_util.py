@@ -12,8 +12,6 @@ import pickle
 
 import msgspec
 import numpy as np
-from conftest import save_tiny_model
-from e2e_util import perturbed_copy
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -144,12 +142,3 @@ def expect_error(chan: Channel, what: str) -> m.ErrorReply:
     assert isinstance(reply, m.ErrorReply), f"{what}: expected an ErrorReply, got {reply!r}"
     assert reply.code in ("bad_message", "too_large", "version"), reply
     return reply
-
-
-
-def abuse_models(tmp_path_factory) -> tuple[str, str]:
-    """A tiny target and a perturbed copy of it as the draft."""
-    root = tmp_path_factory.mktemp("abuse")
-    target = save_tiny_model(root / "t", "llama")
-    draft = perturbed_copy(target, str(root / "d"), noise=0.2)
-    return target, draft

@@ -22,7 +22,6 @@ from fuzz_util import (
     OTHER_LINK_SAMPLES,
     PWNED,
     K,
-    abuse_models,
     expect_error,
     frames,
     fuzz_socket,
@@ -37,8 +36,8 @@ from spec_runtime.config import SchedulerConfig
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return abuse_models(tmp_path_factory)
+def models(tiny_pair):
+    return tiny_pair
 
 
 @pytest.fixture(scope="module")

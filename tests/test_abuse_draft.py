@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import zmq
 from e2e_util import make_config, random_prompts
-from fuzz_util import PWNED, K, abuse_models, expect_error, frames, fuzz_socket, garbage
+from fuzz_util import PWNED, K, expect_error, frames, fuzz_socket, garbage
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -28,8 +28,8 @@ from spec_runtime.config import SchedulerConfig
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return abuse_models(tmp_path_factory)
+def models(tiny_pair):
+    return tiny_pair
 
 
 # ---------------------------------------------------------------- draft's spec PAIR

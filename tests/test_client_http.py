@@ -15,8 +15,7 @@ import signal
 import httpx
 import pytest
 
-from conftest import save_tiny_model
-from e2e_util import make_config, perturbed_copy, serve_in_thread, wait_until
+from e2e_util import make_config, serve_in_thread, wait_until
 from protocol.messages import SamplingParams
 from spec_runtime import AsyncClient, Client
 from spec_runtime.server.app import build_app
@@ -27,10 +26,8 @@ GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def rt(tmp_path_factory):
-    root = tmp_path_factory.mktemp("clients")
-    target = save_tiny_model(root / "t", "llama")
-    draft = perturbed_copy(target, str(root / "d"), noise=0.3)
+def rt(tiny_pair):
+    target, draft = tiny_pair
     aclient = AsyncClient(make_config(target, draft, mode="ssd", k=K))
     assert aclient.client.engine_stats().draft_alive  # the spec link is up when start-up returns
     with serve_in_thread(build_app(aclient, served_model_name="m")) as url:

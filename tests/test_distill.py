@@ -98,14 +98,13 @@ def test_draft_loads_with_draft_flag_and_sd_greedy_equals_ar(distilled, capsys):
     assert sd["stats"]["num_accepted_tokens"] > 0  # the distilled draft is right some of the time
 
 
-def test_ssd_greedy_equals_ar(distilled):
+def test_ssd_greedy_equals_ar(distilled, ar_reference):
     from e2e_util import make_config
     from spec_runtime.client import Client
 
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     prompts = [[5, 9, 14, 20], [30, 31, 32, 33, 34, 35, 36]]
-    with Client(make_config(distilled["target"], mode="ar")) as client:
-        ar = [r.token_ids for r in client.generate_batch(prompts, greedy)]
+    ar = ar_reference(distilled["target"], prompts, greedy.max_tokens)
     with Client(make_config(distilled["target"], distilled["draft"], mode="ssd")) as client:
         ssd = [r.token_ids for r in client.generate_batch(prompts, greedy)]
     assert ssd == ar

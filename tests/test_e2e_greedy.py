@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from e2e_util import hf_greedy, make_config, perturbed_copy, random_prompts
-from conftest import save_tiny_model
+from conftest import save_tiny_pair
+from e2e_util import hf_greedy, make_config, random_prompts
 from protocol.messages import SamplingParams
 from spec_runtime.client import Client
 
@@ -19,15 +19,12 @@ GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
-def models(request, tmp_path_factory):
-    root = tmp_path_factory.mktemp(request.param)
-    target = save_tiny_model(root / "target", request.param)
+def models(request, tmp_path_factory, ar_reference):
     # Same weights plus noise: accepts often, rejects sometimes, so both paths run.
-    draft = perturbed_copy(target, str(root / "draft"), noise=0.3)
+    target, draft = save_tiny_pair(tmp_path_factory.mktemp(request.param), request.param, noise=0.3)
     prompts = random_prompts(vocab=384)
     reference = hf_greedy(target, prompts, NEW_TOKENS)
-    with Client(make_config(target, mode="ar")) as client:
-        ar_batch = [r.token_ids for r in client.generate_batch(prompts, GREEDY)]
+    ar_batch = ar_reference(target, prompts, NEW_TOKENS)
     return {"target": target, "draft": draft, "prompts": prompts, "hf": reference, "ar": ar_batch}
 
 

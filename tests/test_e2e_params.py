@@ -16,8 +16,7 @@ import httpx
 import pytest
 import torch
 
-from conftest import save_tiny_model
-from e2e_util import first_tokens, homogeneity_pvalue, make_config, perturbed_copy, random_prompts, serve_in_thread
+from e2e_util import first_tokens, homogeneity_pvalue, make_config, random_prompts, serve_in_thread
 from protocol.messages import SamplingParams
 from spec_runtime.client import Client
 from spec_runtime.server.app import build_app
@@ -29,10 +28,8 @@ EOS = 2
 
 
 @pytest.fixture(scope="module")
-def rt(tmp_path_factory):
-    root = tmp_path_factory.mktemp("e2e_params")
-    target = save_tiny_model(root / "target", "llama")
-    draft = perturbed_copy(target, str(root / "draft"), noise=0.2)
+def rt(tiny_pair):
+    target, draft = tiny_pair
     aclient = AsyncClient(make_config(target, draft, mode="sd", k=3, max_batch_size=16))
     with Client(make_config(target, mode="ar", max_batch_size=16)) as ar:
         with serve_in_thread(build_app(aclient, served_model_name=MODEL)) as url:

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import save_tiny_model
-from e2e_util import first_tokens, homogeneity_pvalue, make_config, perturbed_copy, random_prompts
+from e2e_util import first_tokens, homogeneity_pvalue, make_config, random_prompts
 from protocol.messages import SamplingParams
 from spec_runtime.client import Client
 
@@ -14,14 +13,10 @@ GREEDY = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ssd-e2e")
-    target = save_tiny_model(root / "target", "llama")
-    draft = perturbed_copy(target, str(root / "draft"), noise=0.2)
+def models(tiny_pair, ar_reference):
+    target, draft = tiny_pair
     prompts = random_prompts(384)
-    with Client(make_config(target, mode="ar")) as client:
-        ar = [r.token_ids for r in client.generate_batch(prompts, GREEDY)]
-    return target, draft, prompts, ar
+    return target, draft, prompts, ar_reference(target, prompts, GREEDY.max_tokens)
 
 
 # jit at K=3 is the quick check; the other backups and K=8 take minutes on a small CPU.

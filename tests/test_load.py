@@ -21,8 +21,7 @@ import httpx
 import numpy as np
 import pytest
 
-from conftest import save_tiny_model
-from e2e_util import make_config, perturbed_copy, serve_in_thread
+from e2e_util import make_config, serve_in_thread
 from protocol.messages import SamplingParams
 from spec_runtime.client import Client
 from spec_runtime.config import SchedulerConfig
@@ -35,10 +34,8 @@ MAX_LEN = 128
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("load")
-    target = save_tiny_model(root / "t", "llama")
-    return target, perturbed_copy(target, str(root / "d"), noise=0.2)
+def models(tiny_pair):
+    return tiny_pair
 
 
 @pytest.fixture(scope="module")
@@ -129,14 +126,14 @@ def test_200_concurrent_then_10_percent_aborted(server):
 
 
 @pytest.mark.parametrize("mode,k", [("sd", 1), ("ssd", 3), pytest.param("ssd", 8, marks=pytest.mark.slow)])
-def test_prompts_at_the_context_limit(models, mode, k):
+def test_prompts_at_the_context_limit(models, ar_reference, mode, k):
     target, draft = models
     limit = 64
     max_tokens = [1, 2, 3, 4, 8, 9, 13]  # covers K and K + 1 for every K here
     rng = np.random.default_rng(5)
     prompts = [rng.integers(3, 384, size=limit - n).tolist() for n in max_tokens]
     sched = SchedulerConfig(max_batch_size=len(prompts), max_model_len=limit)
-    ref = _ar_reference(target, prompts, max_tokens, sched)
+    ref = ar_reference(target, prompts, max_tokens, max_batch_size=len(prompts), max_model_len=limit)
     with Client(make_config(target, draft, mode=mode, k=k).replace(sched=sched)) as client:
         pids = client.launcher.pids()
         ids = [client.submit(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(prompts, max_tokens)]
@@ -146,15 +143,3 @@ def test_prompts_at_the_context_limit(models, mode, k):
         st = client.engine_stats()
         assert st.draft_alive and client.launcher.pids() == pids and client.launcher.num_draft_restarts == 0
         assert st.totals.num_draft_tokens > 0
-
-
-_AR_CACHE: dict = {}
-
-
-def _ar_reference(target, prompts, max_tokens, sched) -> list[list[int]]:
-    key = (tuple(map(tuple, prompts)), tuple(max_tokens))
-    if key not in _AR_CACHE:
-        with Client(make_config(target, mode="ar").replace(sched=sched)) as client:
-            ids = [client.submit(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(prompts, max_tokens)]
-            _AR_CACHE[key] = [client._collect(rid).token_ids for rid in ids]
-    return _AR_CACHE[key]

@@ -17,8 +17,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import save_tiny_model
-from e2e_util import make_config, perturbed_copy, serve_in_thread, wait_until
+from e2e_util import make_config, serve_in_thread, wait_until
 from protocol.messages import SamplingParams
 from spec_runtime.config import SchedulerConfig
 from spec_runtime.server.app import build_app
@@ -34,10 +33,8 @@ EXACT = {"ignore_eos": True, "return_token_ids": True}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("server")
-    target = save_tiny_model(root / "target", "llama")
-    draft = perturbed_copy(target, str(root / "draft"), noise=0.2)
+def server(tiny_pair):
+    target, draft = tiny_pair
     cfg = make_config(target, draft, mode="ssd", k=K).replace(
         sched=SchedulerConfig(max_batch_size=MAX_BATCH, max_model_len=MAX_LEN, spec_policy="always"))
     aclient = AsyncClient(cfg)

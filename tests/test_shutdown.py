@@ -16,8 +16,8 @@ import httpx
 import psutil
 import pytest
 
-from conftest import save_tiny_model
-from e2e_util import make_config, perturbed_copy, wait_until
+from conftest import save_tiny_pair
+from e2e_util import make_config, wait_until
 from http_util import sse_events
 from spec_runtime.launcher import Launcher
 
@@ -26,10 +26,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("shutdown")
     # A long context, so a stream can outlast the drain deadline.
-    target = save_tiny_model(root / "t", "llama", max_position_embeddings=8192)
-    return target, perturbed_copy(target, str(root / "d"), noise=0.2)
+    return save_tiny_pair(tmp_path_factory.mktemp("shutdown"), max_position_embeddings=8192)
 
 
 def _serve(*args: str) -> tuple[subprocess.Popen, str]:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import save_tiny_model
-from e2e_util import make_config, perturbed_copy, random_prompts
+from e2e_util import make_config, random_prompts
 from protocol.messages import SamplingParams
 from spec_runtime.client import Client
 from spec_runtime.config import SchedulerConfig
@@ -87,15 +86,13 @@ def test_bad_policy():
 
 
 @pytest.mark.parametrize("mode", ["sd", "ssd"])
-def test_plain_steps_keep_the_draft_in_sync(tmp_path, mode):
+def test_plain_steps_keep_the_draft_in_sync(tiny_pair, ar_reference, mode):
     """Probing every 2 steps flips between plain and speculative steps all the time;
     output must stay exactly AR's, and speculation must keep working after plain steps."""
-    target = save_tiny_model(tmp_path / "t", "llama")
-    draft = perturbed_copy(target, str(tmp_path / "d"), noise=0.2)
+    target, draft = tiny_pair
     prompts = random_prompts(384)
     sp = SamplingParams(max_tokens=48, ignore_eos=True)
-    with Client(make_config(target, mode="ar")) as client:
-        ar = [r.token_ids for r in client.generate_batch(prompts, sp)]
+    ar = ar_reference(target, prompts, sp.max_tokens)
     cfg = make_config(target, draft, mode=mode, k=3)
     cfg = cfg.replace(sched=SchedulerConfig(max_batch_size=4, max_model_len=256, spec_policy="adaptive",
                                             spec_policy_probe_every=2))

@@ -276,11 +276,10 @@ def test_real_draft_loop_prefetches_over_zmq(model_dir):
         worker.channel.close()
 
 
-def test_ssd_greedy_equals_ar_end_to_end(model_dir):
+def test_ssd_greedy_equals_ar_end_to_end(model_dir, ar_reference):
     prompts = random_prompts(384, lengths=(6, 13, 21))
     greedy = m.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    with Client(make_config(model_dir, mode="ar")) as client:
-        ar = [r.token_ids for r in client.generate_batch(prompts, greedy)]
+    ar = ar_reference(model_dir, prompts, greedy.max_tokens)
     with Client(make_config(model_dir, model_dir, mode="ssd", k=K)) as client:
         ssd = client.generate_batch(prompts, greedy)
     assert [r.token_ids for r in ssd] == ar

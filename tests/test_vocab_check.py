@@ -57,13 +57,12 @@ def test_draft_with_another_tokenizer_is_a_startup_error(tmp_path):
     assert _children() <= before
 
 
-def test_padded_draft_vocabulary_serves_exactly(tmp_path, capfd):
+def test_padded_draft_vocabulary_serves_exactly(tmp_path, capfd, ar_reference):
     target = save_tiny_model(tmp_path / "t", "llama")
     # Same tokenizer, 512 embedding rows: a random draft proposes ids >= 384 often.
     draft = save_tiny_model(tmp_path / "d", "llama", seed=3, vocab_size=512)
     prompts = random_prompts(384, seed=11)
-    with Client(make_config(target, mode="ar")) as ar:
-        ref = [r.token_ids for r in ar.generate_batch(prompts, SP)]
+    ref = ar_reference(target, prompts, SP.max_tokens)
     with Client(make_config(target, draft, mode="sd", k=4)) as c:
         assert c.ready.vocab_size == 384 and c.launcher.ready["draft"].vocab_size == 512
         before = c.engine_stats()

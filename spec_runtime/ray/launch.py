@@ -70,7 +70,7 @@ def _wait_running(timeout_s: float, stop: threading.Event) -> bool:
             if status == "DEPLOY_FAILED":
                 logger.debug("Ray Serve's message: %s", last)
                 raise StartupError(f"Ray Serve could not deploy the application: {_summary(last)} (the whole "
-                                   "traceback is in the Serve controller's log, under the Ray session's logs/serve/)")
+                                   "traceback is in the Serve controller's log, in Ray's logs/serve/ directory)")
         stop.wait(0.5)
     if stop.is_set():
         return False
