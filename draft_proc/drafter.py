@@ -15,7 +15,7 @@ import torch
 
 from draft_proc.speculator import Proposal, Speculator
 from draft_proc.state import DraftSeq
-from spec_runtime.model.forward_batch import ForwardItem, build_forward_batch
+from spec_runtime.engine.forward_batch import ForwardItem, build_forward_batch
 from spec_runtime.sampling import SamplingTensors, draft_sample, saguaro_rescale
 
 
@@ -96,7 +96,7 @@ class ModelDrafter(Speculator):
         device = self.runner.device
         st = self.sampling_tensors(rows)
         tokens, q_ids, q_probs, done = [], [], [], []
-        plan_bound = getattr(self.runner.backend, "attention", None) == "flashinfer"
+        plan_bound = self.runner.backend.host_planned_graphs
         chain = getattr(self.logits_transform, "chain", None)
         steps_tf = [None] * num_steps
         prev = None

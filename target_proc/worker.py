@@ -33,7 +33,7 @@ from protocol.messages import (
     TokenOutputs,
 )
 from spec_runtime.config import RuntimeConfig
-from spec_runtime.model.forward_batch import ForwardItem
+from spec_runtime.engine.forward_batch import ForwardItem
 from spec_runtime.logits_process import LogitsProcess, token_logprobs
 from spec_runtime.sampling import SamplingTensors, rejection_sample
 from target_proc.draft_link import DraftLink, Outcome, Speculation

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from conftest import save_tiny_model, tiny_tokenizer
-from spec_runtime.model import gguf_cache
-from spec_runtime.model.loader import load_model, load_tokenizer
+from spec_runtime.models import gguf_cache
+from spec_runtime.models.loader import load_model, load_tokenizer
 
 
 @pytest.fixture

@@ -19,8 +19,9 @@ import torch
 from conftest import save_tiny_model
 from transformers import AutoModelForCausalLM
 
-from spec_runtime.config import ModelConfig
-from spec_runtime.model import ForwardItem, ModelRunner
+from spec_runtime.config import KernelConfig, ModelConfig
+from spec_runtime.engine.forward_batch import ForwardItem
+from spec_runtime.engine.runner import ModelRunner
 
 pytestmark = [
     pytest.mark.gpu,
@@ -47,10 +48,10 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def _runner(path: str, device: str, graphs: bool = True) -> ModelRunner:
+def _runner(path: str, device: str, graphs: bool = True, kernels: KernelConfig | None = None) -> ModelRunner:
     cfg = ModelConfig(path=path, device=device, cuda_graphs=graphs, gpu_memory_utilization=0.5)
-    return ModelRunner(cfg, num_slots=4, max_model_len=MAX_LEN, num_scratch_rows=SCRATCH,
-                       max_batch_size=4, graph_q_lens=(1, VERIFY_Q))
+    return ModelRunner.build(cfg, kernels=kernels, num_slots=4, max_model_len=MAX_LEN, num_scratch_rows=SCRATCH,
+                             max_batch_size=4, graph_q_lens=(1, VERIFY_Q))
 
 
 def scenario(runner: ModelRunner, vocab: int) -> tuple[list[torch.Tensor], dict[str, list[int]]]:
@@ -110,16 +111,12 @@ def model_dir(request, tmp_path_factory) -> str:
 
 
 @pytest.mark.parametrize("attention", ["triton", "flashinfer"])
-def test_gpu_matches_cpu_graphs_and_transformers(model_dir: str, attention: str, monkeypatch) -> None:
-    monkeypatch.setenv("SPEC_RUNTIME_ATTENTION", attention)
-    # One-token steps: Triton projections (triton_linear) with the Triton attention,
-    # cuBLAS with flashinfer's, so each kind runs here whatever pick_small_linear picks.
-    # (Imported here: importing Triton kernels at collection would compile them for the
-    # GPU before tests/triton_interp.py can select the interpreter on a CPU host.)
-    from spec_runtime.model import cuda_ops
-
-    monkeypatch.setattr(cuda_ops.OPS, "small_linear", attention == "triton")
-    gpu = _runner(model_dir, "cuda", graphs=True)
+def test_gpu_matches_cpu_graphs_and_transformers(model_dir: str, attention: str) -> None:
+    # One-token steps: the one-token Triton projections with the Triton attention,
+    # cuBLAS with flashinfer's, so each kind runs here whatever the timing would pick.
+    kernels = KernelConfig(attention_backend=attention, small_linear="on" if attention == "triton" else "off")
+    gpu = _runner(model_dir, "cuda", graphs=True, kernels=kernels)
+    assert gpu.model.kernels.fused and gpu.model.kernels.small_linear == (attention == "triton")
     assert gpu.graphs is not None and len(gpu.graphs.graphs) == 3 * 2  # batch sizes 1, 2, 4 x q_len 1, 5
     vocab = gpu.vocab_size
     gpu_out, seqs = scenario(gpu, vocab)
@@ -171,10 +168,10 @@ def test_gpu_matches_cpu_graphs_and_transformers(model_dir: str, attention: str,
 
 def test_flashinfer_causal_is_bottom_right() -> None:
     """flashinfer prefill with q_len < kv_len against SDPA with the bottom-right mask, per request."""
-    from spec_runtime.model.attention import SDPABackend
-    from spec_runtime.model.flashinfer_backend import FlashInferBackend
-    from spec_runtime.model.forward_batch import build_forward_batch
-    from spec_runtime.model.kv_cache import KVCache
+    from spec_runtime.attention.sdpa import SDPABackend
+    from spec_runtime.attention.cuda import CudaAttentionBackend
+    from spec_runtime.engine.forward_batch import build_forward_batch
+    from spec_runtime.engine.kv_cache import KVCache
 
     hq, hkv, d, rows = 8, 2, 128, 256
     torch.manual_seed(0)
@@ -190,7 +187,7 @@ def test_flashinfer_causal_is_bottom_right() -> None:
     q = torch.randn(t, hq, d, device="cuda", dtype=torch.bfloat16)
     k_new = torch.randn(t, hkv, d, device="cuda", dtype=torch.bfloat16)
     v_new = torch.randn(t, hkv, d, device="cuda", dtype=torch.bfloat16)
-    fi = FlashInferBackend(hq, hkv, d, torch.bfloat16, "cuda")
+    fi = CudaAttentionBackend(hq, hkv, d, torch.bfloat16, "cuda")
     fi.begin(batch)
     out = fi.forward(0, q, k_new, v_new, kv, batch)
     ref_kv = KVCache(1, rows, hkv, d, torch.float32, "cuda")
@@ -209,10 +206,10 @@ def test_flashinfer_causal_is_bottom_right() -> None:
 ])
 def test_triton_attention_matches_sdpa(hq: int, hkv: int, q_len: int, kv_lens: list[int]) -> None:
     """The Triton kernel with bf16 tensor-core dots against SDPA, head_dim 128."""
-    from spec_runtime.model.attention import SDPABackend
-    from spec_runtime.model.forward_batch import build_forward_batch
-    from spec_runtime.model.kv_cache import KVCache
-    from spec_runtime.model.triton_kernels import num_splits_for, paged_attention
+    from spec_runtime.attention.sdpa import SDPABackend
+    from spec_runtime.engine.forward_batch import build_forward_batch
+    from spec_runtime.engine.kv_cache import KVCache
+    from spec_runtime.kernels.paged import num_splits_for, paged_attention
 
     d, rows = 128, 4096
     torch.manual_seed(0)
@@ -237,36 +234,36 @@ def test_triton_attention_matches_sdpa(hq: int, hkv: int, q_len: int, kv_lens: l
         assert rel_err(out, ref) < TOL, f"{splits} splits: {rel_err(out, ref):.2e}"
 
 
-def test_pick_small_linear_tunes_times_both_and_keeps_the_faster(model_dir: str, monkeypatch) -> None:
-    from spec_runtime.model import cuda_ops
+def test_pick_small_linear_tunes_times_both_and_keeps_the_faster(model_dir: str) -> None:
+    # (Imported here: importing Triton kernels at collection would compile them for the
+    # GPU before tests/triton_interp.py can select the interpreter on a CPU host.)
+    from spec_runtime.kernels import small_linear as triton_linear
+    from spec_runtime.kernels.tuning import pick_small_linear
 
-    monkeypatch.setattr(cuda_ops.OPS, "small_linear", None)  # not forced by the environment
-    gpu = _runner(model_dir, "cuda", graphs=False)
-    picked = cuda_ops.pick_small_linear(gpu.model)
-    assert picked is not None
-    us_triton, us_cublas = picked
+    gpu = _runner(model_dir, "cuda", graphs=False)  # KernelConfig's default: small_linear auto
+    assert gpu.kernel_report["reason"] == "timed" and set(gpu.kernel_report["tuned"]) == {"qkv", "o", "gate_up", "down"}
+    us_triton, us_cublas = pick_small_linear(gpu.model)
     assert us_triton > 0 and us_cublas > 0
-    assert gpu.model.small_linear == (us_triton < us_cublas)
-    # It tuned the block sizes of the model's four projection shapes first, each to one
-    # of the candidates (test_gpu_matches_cpu_graphs_and_transformers runs them).
-    from spec_runtime.model import triton_linear
-
-    for layer_args in cuda_ops._projections(gpu.model.layers[0]):
-        rows, k = layer_args["weight"].shape
-        shape = dict(norm=layer_args.get("norm_weight") is not None, silu_mul=layer_args.get("silu_mul", False))
-        assert triton_linear.is_tuned(rows, k, **shape)
-        assert triton_linear.block_sizes(rows, k, **shape) in triton_linear.candidates(k, **shape)
+    assert gpu.model.kernels.small_linear == (us_triton < us_cublas)
+    # The tuning step chose the block sizes of the model's four projection shapes, each
+    # one of the candidates (test_gpu_matches_cpu_graphs_and_transformers runs them).
+    table = gpu.model.kernels.blocks
+    for linear, kw in gpu.model.layers[0].one_token_projections():
+        rows, k = linear.weight.shape
+        shape = dict(norm=kw.get("norm") is not None, silu_mul=kw.get("silu_mul", False))
+        assert table.is_tuned(rows, k, **shape)
+        assert triton_linear.block_sizes(rows, k, **shape, table=table) in triton_linear.candidates(k, **shape)
 
 
 def test_tree_graph_matches_cpu_per_branch(model_dir: str) -> None:
     """An SSD tree step replayed from a tree CUDA graph (shared-prefix mask, padded
     branches and sequences, later steps derived on the device) gives every branch the
     logits the float32 CPU runner gives it with the per-branch layout."""
-    from spec_runtime.model.forward_batch import TreeBranch, build_tree_batch, tree_step_batch
+    from spec_runtime.engine.forward_batch import TreeBranch, build_tree_batch, tree_step_batch
 
     cfg = ModelConfig(path=model_dir, device="cuda", cuda_graphs=True, gpu_memory_utilization=0.5)
-    gpu = ModelRunner(cfg, num_slots=4, max_model_len=MAX_LEN, num_scratch_rows=32,
-                      max_batch_size=4, graph_q_lens=(1,), tree_shapes=[(2, 4), (4, 4)], tree_local_rows=8)
+    gpu = ModelRunner.build(cfg, num_slots=4, max_model_len=MAX_LEN, num_scratch_rows=32,
+                            max_batch_size=4, graph_q_lens=(1,), tree_shapes=[(2, 4), (4, 4)], tree_local_rows=8)
     cpu = ModelRunner(ModelConfig(path=model_dir), num_slots=4, max_model_len=MAX_LEN, num_scratch_rows=32)
     assert (2, 4, True) in gpu.graphs.graphs
     lens, drafts = (40, 75, 9), 2

@@ -18,16 +18,11 @@ from conftest import save_tiny_model, tiny_tokenizer
 from transformers import AutoModelForCausalLM
 
 from spec_runtime.config import ModelConfig
-from spec_runtime.model import (
-    ForwardItem,
-    KVCache,
-    ModelRunner,
-    arch_from_config,
-    build_forward_batch,
-    default_model_path,
-    kv_bytes_per_token,
-    load_model,
-)
+from spec_runtime.engine.forward_batch import ForwardItem, build_forward_batch
+from spec_runtime.engine.kv_cache import KVCache, kv_bytes_per_token
+from spec_runtime.engine.runner import ModelRunner
+from spec_runtime.models.hf_config import arch_from_config
+from spec_runtime.models.loader import default_model_path, load_model
 
 ATOL = 1e-4
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -190,8 +185,10 @@ def test_config_parsing_and_rejections() -> None:
     assert arch_from_config({**base, "model_type": "qwen2"}).attention_bias
     assert not arch_from_config({**base, "model_type": "qwen2"}).o_proj_bias
     assert arch_from_config({**base, "model_type": "qwen3"}).qk_norm
-    with pytest.raises(ValueError, match="mistral.*llama, qwen2, qwen3"):
-        arch_from_config({**base, "model_type": "mistral"})
+    with pytest.raises(ValueError, match="gemma.*llama, qwen2, qwen3, mistral"):
+        arch_from_config({**base, "model_type": "gemma"})
+    assert arch_from_config({**base, "model_type": "mistral", "sliding_window": 8}).sliding_window == 8
+    assert arch_from_config({**base, "model_type": "qwen2", "sliding_window": 8}).sliding_window is None
     with pytest.raises(ValueError, match="yarn"):
         arch_from_config({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     with pytest.raises(ValueError, match="sliding"):

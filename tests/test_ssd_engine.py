@@ -18,7 +18,7 @@ from draft_proc.drafter import ModelDrafter
 from draft_proc.ssd import SSDEngine, scratch_rows_needed
 from draft_proc.state import DraftSeq
 from spec_runtime.config import ModelConfig, SpeculativeConfig
-from spec_runtime.model.runner import ModelRunner
+from spec_runtime.engine.runner import ModelRunner
 
 K = 3
 

@@ -27,7 +27,7 @@ from protocol import messages as m
 from protocol.codec import encode_config
 from protocol.transport import Channel, ipc_address, private_ipc_dir
 from spec_runtime.client import Client
-from spec_runtime.model.runner import ModelRunner
+from spec_runtime.engine.runner import ModelRunner
 
 K = 3
 PROMPTS = {1: [5, 9, 14, 3, 77, 120, 8], 2: [40, 41, 200, 13, 6, 90, 91, 92, 17, 300, 4]}

@@ -14,8 +14,8 @@ import torch
 
 from conftest import save_tiny_model
 from spec_runtime.config import ModelConfig
-from spec_runtime.model.forward_batch import ForwardItem, TreeBranch, build_tree_batch, tree_step_batch
-from spec_runtime.model.runner import ModelRunner
+from spec_runtime.engine.forward_batch import ForwardItem, TreeBranch, build_tree_batch, tree_step_batch
+from spec_runtime.engine.runner import ModelRunner
 
 MAX_LEN = 64
 SCRATCH = 4  # rows per branch

@@ -2,8 +2,8 @@
 
 paged_attention is checked against the SDPA backend (the CPU reference) over ragged
 kv lengths, GQA groups, q_len 1 to 9 and several split counts, with the same page
-table a ForwardBatch carries; rope_store_kv against cuda_ops' eager ops plus a plain
-KV write. On the GPU the same kernels run with bf16 tensor-core dots
+table a ForwardBatch carries; rope_store_kv against the layers' eager ops (RMSNorm,
+RoPE) plus a plain KV write. On the GPU the same kernels run with bf16 tensor-core dots
 (tests/test_gpu.py compares the whole forward there).
 """
 
@@ -14,17 +14,28 @@ import pytest
 import torch
 import triton_interp  # noqa: F401  (sets TRITON_INTERPRET before triton is imported)
 
-from spec_runtime.model.attention import SDPABackend, write_kv  # noqa: E402
-from spec_runtime.model.cuda_ops import _qk_rope, _rope_cos_sin  # noqa: E402
-from spec_runtime.model.forward_batch import ForwardItem, build_forward_batch  # noqa: E402
-from spec_runtime.model.kv_cache import KVCache  # noqa: E402
-from spec_runtime.model.triton_kernels import (  # noqa: E402
+from spec_runtime.attention.sdpa import SDPABackend, write_kv  # noqa: E402
+from spec_runtime.engine.forward_batch import ForwardItem, build_forward_batch  # noqa: E402
+from spec_runtime.engine.kv_cache import KVCache  # noqa: E402
+from spec_runtime.kernels.paged import (  # noqa: E402
     num_splits_for,
     paged_attention,
     rope_store_kv,
 )
+from spec_runtime.layers.norm import rms_norm  # noqa: E402
+from spec_runtime.layers.rotary import apply_rope, rope_cos_sin  # noqa: E402
 
 ROWS = 512
+
+
+def _qk_rope(qkv, cos, sin, hq, hkv, d, q_norm_w, k_norm_w, eps):
+    """The eager path of models/llama.py's Attention.attend up to the KV write."""
+    t = qkv.shape[0]
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q, k, v = q.reshape(t, hq, d), k.reshape(t, hkv, d), v.reshape(t, hkv, d)
+    if q_norm_w is not None:
+        q, k = rms_norm(q, q_norm_w, eps), rms_norm(k, k_norm_w, eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.contiguous()
 
 
 def _pool(hkv: int, d: int, seed: int = 0) -> KVCache:
@@ -98,7 +109,7 @@ def test_rope_store_kv_matches_eager_ops(qk_norm, dtype, tol):
     qkv = torch.randn(t, (hq + 2 * hkv) * d).to(dtype)
     positions = torch.tensor([0, 3, 17, 100, 4000])
     inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
-    cos, sin = _rope_cos_sin(positions, inv_freq, dtype)
+    cos, sin = rope_cos_sin(positions, inv_freq, dtype)
     qn = (torch.rand(d) + 0.5).to(dtype) if qk_norm else None
     kn = (torch.rand(d) + 0.5).to(dtype) if qk_norm else None
     rows = torch.tensor([7, 1, 30, 12, 2])
@@ -123,7 +134,7 @@ def test_rope_store_kv_matches_eager_ops(qk_norm, dtype, tol):
 
 def _tree_batch(seed: int, q_len: int, prefix_lens: list[int], branches_per_req: list[int]):
     """A tree step over random pool rows: each request a prefix, each branch 1..6 own rows."""
-    from spec_runtime.model.forward_batch import TreeBranch, build_tree_batch
+    from spec_runtime.engine.forward_batch import TreeBranch, build_tree_batch
 
     rng = np.random.default_rng(seed)
     rows = rng.permutation(ROWS - 1)  # the last row is the dummy row
@@ -148,7 +159,7 @@ def _tree_batch(seed: int, q_len: int, prefix_lens: list[int], branches_per_req:
     (2, [1, 40, 64], [2, 1, 2], 1),
 ])
 def test_paged_attention_tree_mask_matches_sdpa(hq, hkv, d, q_len, prefix_lens, branches, splits):
-    from spec_runtime.model.forward_batch import tree_step_batch
+    from spec_runtime.engine.forward_batch import tree_step_batch
 
     kv = _pool(hkv, d, seed=3)
     first = _tree_batch(q_len * 5 + hq, q_len, prefix_lens, branches)

@@ -1,5 +1,5 @@
-"""triton_linear.small_linear on the CPU under Triton's interpreter, against the eager
-ops it replaces (cuda_ops' RMSNorm and SiLU-and-mul, F.linear, a bf16 residual add),
+"""The one-token kernel (kernels/small_linear.py) on the CPU under Triton's interpreter,
+against the eager ops it replaces (the layers' RMSNorm and SiLU-and-mul, F.linear, a bf16 residual add),
 for sizes that are not multiples of the blocks and every fusion. tests/test_gpu.py checks the whole
 forward with it on a GPU."""
 
@@ -10,9 +10,11 @@ import torch
 import torch.nn.functional as F
 import triton_interp  # noqa: F401  (sets TRITON_INTERPRET before triton is imported)
 
-from spec_runtime.model.cuda_ops import _rmsnorm, _silu_mul  # noqa: E402
-from spec_runtime.model import triton_linear  # noqa: E402
-from spec_runtime.model.triton_linear import MAX_ROWS, small_linear  # noqa: E402
+from spec_runtime.kernels import small_linear as triton_linear  # noqa: E402
+from spec_runtime.kernels.plan import BlockTable  # noqa: E402
+from spec_runtime.kernels.small_linear import MAX_ROWS, small_linear  # noqa: E402
+from spec_runtime.layers.activation import silu_mul as _silu_mul  # noqa: E402
+from spec_runtime.layers.norm import rms_norm as _rmsnorm  # noqa: E402
 
 
 def _data(m: int, n: int, k: int, seed: int = 0):
@@ -75,7 +77,7 @@ def test_wrong_shapes_are_refused() -> None:
 
 @pytest.mark.parametrize("kind", ["plain_add", "norm", "norm_silu_mul"])
 def test_every_candidate_block_gives_the_same_result(kind: str) -> None:
-    """cuda_ops.tune_small_linear may pick any of triton_linear.candidates on a GPU: each
+    """kernels.tuning.tune_small_linear may pick any of the candidates on a GPU: each
     must compute the same thing, here with K past one block for the smaller BLOCK_Ks
     and N not a multiple of BLOCK_N."""
     n, k = 44, 1100
@@ -95,33 +97,33 @@ def test_every_candidate_block_gives_the_same_result(kind: str) -> None:
         _close(got, want, tol=1e-2 if kind == "plain_add" else 2e-2)
 
 
-def test_set_block_sizes_is_per_shape_and_resettable() -> None:
+def test_block_table_is_per_shape_per_table_and_resettable() -> None:
     shape = dict(norm=True, silu_mul=False)
-    default = triton_linear.block_sizes(96, 4096, **shape)
-    assert default == triton_linear.candidates(4096, **shape)[0]
+    table, other_table = BlockTable(), BlockTable()
+    default = triton_linear.block_sizes(96, 4096, **shape, table=table)
+    assert default == triton_linear.candidates(4096, **shape)[0] == triton_linear.block_sizes(96, 4096, **shape)
     other = triton_linear.candidates(4096, **shape)[1]
-    try:
-        triton_linear.set_block_sizes(96, 4096, **shape, block=other)
-        assert triton_linear.is_tuned(96, 4096, **shape)
-        assert triton_linear.block_sizes(96, 4096, **shape) == other
-        assert triton_linear.block_sizes(96, 4096, norm=False, silu_mul=False) != other  # another kind
-        assert triton_linear.block_sizes(128, 4096, **shape) == default  # another shape
-    finally:
-        triton_linear.set_block_sizes(96, 4096, **shape, block=None)
-    assert not triton_linear.is_tuned(96, 4096, **shape)
-    assert triton_linear.block_sizes(96, 4096, **shape) == default
+    table.set(96, 4096, **shape, block=other)
+    assert table.is_tuned(96, 4096, **shape)
+    assert triton_linear.block_sizes(96, 4096, **shape, table=table) == other
+    assert triton_linear.block_sizes(96, 4096, norm=False, silu_mul=False, table=table) != other  # another kind
+    assert triton_linear.block_sizes(128, 4096, **shape, table=table) == default  # another shape
+    assert triton_linear.block_sizes(96, 4096, **shape, table=other_table) == default  # another model's table
+    table.set(96, 4096, **shape, block=None)
+    assert not table.is_tuned(96, 4096, **shape)
+    assert triton_linear.block_sizes(96, 4096, **shape, table=table) == default
 
 
 @pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir"])
 def test_layer_with_small_linear_matches_the_cublas_layer(model: str, request) -> None:
-    """cuda_ops runs a one-token layer as _layer_small (four small_linear calls) and
-    larger ones as _layer (projections, then the separate norms and SiLU-and-mul);
-    pick_small_linear times both. On the same weights and the same attention they must
-    agree: _layer_small's residual stream after the layer is _layer's output plus its
-    residual. qwen2 has a qkv bias."""
+    """A decoder layer runs one token as forward_one_token (four one-token kernel calls)
+    and larger batches as forward (projections, then the separate norms and SiLU-and-mul);
+    kernels.tuning.pick_small_linear times both. On the same weights and the same
+    attention they must agree: the one-token residual stream after the layer is
+    forward's output plus its residual. qwen2 has a qkv bias. The plan stays eager
+    (not fused) here: forward_one_token calls the kernel whatever the plan says."""
     from spec_runtime.config import ModelConfig
-    from spec_runtime.model import ModelRunner
-    from spec_runtime.model.cuda_ops import _layer, _layer_small, set_fused_ops
+    from spec_runtime.engine.runner import ModelRunner
 
     runner = ModelRunner(ModelConfig(path=request.getfixturevalue(model), dtype="bfloat16"),
                          num_slots=1, max_model_len=32)
@@ -134,14 +136,10 @@ def test_layer_with_small_linear_matches_the_cublas_layer(model: str, request) -
 
     g = torch.Generator().manual_seed(5)
     x = torch.randn(1, arch.hidden_size, generator=g).to(torch.bfloat16)
-    set_fused_ops(False)  # eager norms and SiLU-and-mul on a CPU
-    try:
-        with torch.inference_mode():
-            residual, want = x.clone(), None
-            for layer in m.layers:
-                _layer_small(layer, residual, attend)
-                out, r = _layer(layer, x if want is None else want[0], None if want is None else want[1], attend)
-                want = (out, r)
-    finally:
-        set_fused_ops(True)
+    assert not m.kernels.fused  # eager norms and SiLU-and-mul on a CPU
+    with torch.inference_mode():
+        residual, want = x.clone(), None
+        for layer in m.layers:
+            layer.forward_one_token(residual, attend)
+            want = layer(x if want is None else want[0], None if want is None else want[1], attend)
     _close(residual, want[0].float() + want[1].float())

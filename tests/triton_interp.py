@@ -1,6 +1,6 @@
 """Run this repository's Triton kernels on the CPU with Triton's interpreter.
 
-Import this module before `spec_runtime.model.triton_kernels` (it sets
+Import this module before `spec_runtime.kernels.paged` (it sets
 TRITON_INTERPRET=1, which Triton reads at import). It also works around an
 interpreter bug under NumPy 2: a loaded scalar is a 1-element array, and
 `range(lo, hi)` over such scalars calls int() on it, which NumPy 2 refuses.

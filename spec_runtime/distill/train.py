@@ -55,8 +55,8 @@ def load_target(path: str, device: torch.device):
     """(transformers model, tokenizer, eos ids) of a HF directory or .gguf file ("" = embedded SmolLM2)."""
     from transformers import AutoModelForCausalLM
 
-    from spec_runtime.model.hf_config import arch_from_config
-    from spec_runtime.model.loader import eos_token_ids, load_tokenizer, resolve_model_path
+    from spec_runtime.models.hf_config import arch_from_config
+    from spec_runtime.models.loader import eos_token_ids, load_tokenizer, resolve_model_path
 
     directory, gguf = resolve_model_path(path)
     kw = {"gguf_file": gguf} if gguf else {}

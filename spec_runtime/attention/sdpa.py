@@ -1,51 +1,24 @@
-"""The attention seam: write the new tokens' K/V into the pool, then attend.
+"""The CPU attention backend: padded, masked torch SDPA over gathered pool rows.
 
-A backend sees each forward twice: `begin(batch)` once (planning that every layer
-shares: index tensors, masks, flashinfer plans), then `forward(layer_idx, ...)` per
-layer. The rule is forward_batch.py's causal bottom-right alignment: query i of a
-request with q new tokens and n kv rows sees its rows [0, n - q + i].
-
-`SDPABackend` is the CPU implementation: the R ragged requests are padded into one
-[R, max_q] x [R, max_kv] torch SDPA call with a boolean mask, so a layer costs one
-gather and one attention call however many requests the batch holds.
+The R ragged requests of a batch are padded into one [R, max_q] x [R, max_kv] torch
+SDPA call with a boolean mask, so a layer costs one gather and one attention call
+however many requests the batch holds. The mask is base.py's rule (causal,
+bottom-right), a tree step's shared prefix plus per-token window, or, for a model
+with a sliding window (Mistral), causal within the window: a token at position p
+sees positions (p - sliding_window, p].
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from spec_runtime.model.forward_batch import ForwardBatch
-from spec_runtime.model.kv_cache import KVCache
-
-
-class AttentionBackend(ABC):
-    """Attention over the KV pool for one ForwardBatch."""
-
-    @abstractmethod
-    def begin(self, batch: ForwardBatch) -> None:
-        """Plan the forward of `batch`; called once before the first layer."""
-
-    @abstractmethod
-    def forward(
-        self,
-        layer_idx: int,
-        q: torch.Tensor,  # [T, Hq, D]
-        k: torch.Tensor,  # [T, Hkv, D]
-        v: torch.Tensor,  # [T, Hkv, D]
-        kv: KVCache,
-        batch: ForwardBatch,
-    ) -> torch.Tensor:  # [T, Hq, D]
-        """Write k/v into rows batch.kv_write_rows of layer `layer_idx`, then attend
-        (under batch.tree's shared-prefix mask when it is set)."""
-
-    def supports_tree(self, q_len: int) -> bool:
-        """Whether a tree step (ForwardBatch.tree) of q_len branches per request can run."""
-        return True
+from spec_runtime.attention.base import AttentionBackend
+from spec_runtime.engine.forward_batch import ForwardBatch
+from spec_runtime.engine.kv_cache import KVCache
 
 
 @dataclass
@@ -65,9 +38,12 @@ def write_kv(kv: KVCache, layer_idx: int, k: torch.Tensor, v: torch.Tensor, rows
 class SDPABackend(AttentionBackend):
     """Padded, masked torch SDPA over gathered pool rows (CPU reference backend)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None) -> None:
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        self.sliding_window = sliding_window
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -93,8 +69,15 @@ class SDPABackend(AttentionBackend):
         # (i >= q) see every real key, so no mask row is empty (an empty row gives NaN).
         if batch.tree is None:
             last_visible = (kv_lens - q_lens)[:, None, None] + i[None, :, None]  # [R, max_q, 1]
-            mask = kv_valid[:, None, :] & (j[None, None, :] <= last_visible)  # [R, max_q, max_kv]
+            seen = j[None, None, :] <= last_visible
+            if self.sliding_window is not None:
+                # A request's kv rows are its positions 0..n-1 in order, so j is a position.
+                # Padded queries' rows keep their last real key visible (no empty row).
+                seen &= j[None, None, :] > np.minimum(last_visible, kv_lens[:, None, None] - 1) - self.sliding_window
+            mask = kv_valid[:, None, :] & seen  # [R, max_q, max_kv]
         else:
+            if self.sliding_window is not None:
+                raise ValueError("tree steps are not supported for a model with a sliding window")
             # Tree step: the request's prefix, then the token's own window [lo, hi).
             tr = batch.tree
             lo = np.where(q_valid, tr.lo_cpu[q_index], 0)[:, :, None]  # [R, max_q, 1]
@@ -113,19 +96,19 @@ class SDPABackend(AttentionBackend):
         )
         self._plan_batch = batch
 
-    def forward(
-        self,
-        layer_idx: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv: KVCache,
-        batch: ForwardBatch,
-    ) -> torch.Tensor:
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVCache,
+                batch: ForwardBatch) -> torch.Tensor:
+        self._check(batch)
+        write_kv(kv, layer_idx, k, v, batch.kv_write_rows)
+        return self.attend(layer_idx, q, kv, batch)
+
+    def _check(self, batch: ForwardBatch) -> None:
         if self._plan is None or self._plan_batch is not batch:
             raise ValueError("SDPABackend.begin(batch) must be called before forward for that batch")
+
+    def attend(self, layer_idx: int, q: torch.Tensor, kv: KVCache, batch: ForwardBatch) -> torch.Tensor:
+        self._check(batch)
         plan = self._plan
-        write_kv(kv, layer_idx, k, v, batch.kv_write_rows)
         qp = q[plan.q_index].transpose(1, 2)  # [R, Hq, max_q, D]
         kp = kv.k_cache[layer_idx][plan.kv_rows].transpose(1, 2)  # [R, Hkv, max_kv, D]
         vp = kv.v_cache[layer_idx][plan.kv_rows].transpose(1, 2)  # [R, Hkv, max_kv, D]

@@ -1,17 +1,22 @@
-"""Real-size Llama-family models with random bf16 weights, built directly on the GPU.
+"""Real-size models with random bf16 weights, built directly on the GPU (benchmarks only).
 
-The GPU machine has no checkpoints (../shared/BENCH.md), so benchmarks time the real
-architectures with random weights. `BENCH_ARCHS` holds the four shapes of BENCH.md
-as ModelArch values; `random_model` allocates on the device (no host copy) and fills
-the weights in place.
+Benchmarks time the real architectures without their checkpoints. `BENCH_ARCHS`
+holds the four shapes of docs/benchmarks.md (Llama 3.1 8B, Qwen3 32B, Llama 3.2 1B,
+Qwen3 0.6B) as ModelArch values; `random_model` allocates on the device (no host
+copy) and fills the weights in place. The model loader reaches this module only for
+a `random:<shape>` model name (`load_random_model`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from spec_runtime.model.hf_config import Llama3RopeScaling, ModelArch
-from spec_runtime.model.llama import LlamaForCausalLM
+import logging
+
+from spec_runtime.models.hf_config import Llama3RopeScaling, ModelArch
+from spec_runtime.models.loader import build_model
+
+logger = logging.getLogger(__name__)
 
 _LLAMA3_ROPE = Llama3RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                  original_max_position_embeddings=8192)
@@ -27,7 +32,7 @@ def _arch(model_type: str, hidden: int, layers: int, inter: int, heads: int, kv_
     )
 
 
-# Shapes of the HF configs named in ../shared/BENCH.md (tie_word_embeddings as in those configs).
+# Shapes of the HF configs of those models (tie_word_embeddings as in those configs).
 BENCH_ARCHS: dict[str, ModelArch] = {
     "target-8b": _arch("llama", 4096, 32, 14336, 32, 8, 128, 128256, 500000.0, False, 1e-5, None),
     "target-32b": _arch("qwen3", 5120, 64, 25600, 64, 8, 128, 151936, 1000000.0, False, 1e-6, None),
@@ -38,11 +43,9 @@ BENCH_ARCHS: dict[str, ModelArch] = {
 
 @torch.no_grad()
 def random_model(arch: ModelArch, device: torch.device | str, dtype: torch.dtype = torch.bfloat16,
-                 seed: int = 0, std: float = 0.02) -> LlamaForCausalLM:
-    """A LlamaForCausalLM of `arch` with N(0, std) matrices and norms near 1, on `device`."""
-    with torch.device("meta"):
-        model = LlamaForCausalLM(arch, dtype)
-    model.to_empty(device=device)
+                 seed: int = 0, std: float = 0.02) -> torch.nn.Module:
+    """The registry's model of `arch` with N(0, std) matrices and norms near 1, on `device`."""
+    model = build_model(arch, torch.device(device), dtype)
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     for name, p in model.named_parameters():
@@ -50,16 +53,23 @@ def random_model(arch: ModelArch, device: torch.device | str, dtype: torch.dtype
             p.normal_(1.0, 0.05, generator=gen)
         else:
             p.normal_(0.0, std, generator=gen)
-    model.init_rope()
-    model.eval()
     return model
+
+
+def load_random_model(name: str, device: torch.device, dtype: torch.dtype):
+    """(model, arch, tokenizer None) for the loader's `random:<name>`."""
+    if name not in BENCH_ARCHS:
+        raise ValueError(f"unknown random model shape {name!r}; choose from {', '.join(BENCH_ARCHS)}")
+    arch = BENCH_ARCHS[name]
+    logger.info("building %s with random weights on %s (benchmarks only: it has no tokenizer)", name, device)
+    return random_model(arch, device, dtype), arch, None
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def decode_read_bytes(model: LlamaForCausalLM) -> int:
+def decode_read_bytes(model: torch.nn.Module) -> int:
     """Bytes a decode step must read: every weight but an untied embedding table (one row is read)."""
     total = weight_bytes(model)
     if model.lm_head is not None:

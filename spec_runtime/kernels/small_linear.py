@@ -1,11 +1,8 @@
-"""A Triton linear layer for one token (a decode or draft step of one sequence) with
-the small ops around it fused in.
+"""The one-token projection: a Triton linear layer for one row (a decode or draft step
+of one sequence) with the small ops around it folded in.
 
-At batch 1 a layer of a draft model is four GEMVs and, around them, an RMSNorm with
-the residual add, a second one, and SiLU-and-mul: three kernels of 1-2 us each plus a
-launch gap each, and cuBLAS adds a split-K reduce to the down projection. On draft-1b
-that is ~25% of a step (scripts/bench_step.py's profile). Here a layer's projections
-are four kernels and nothing else:
+A decoder layer's four projections at one token, with the norms, residual adds and
+SiLU-and-mul inside them:
 
     qkv      = W_qkv · rmsnorm(h)         norm folded in (NORM)
     h       += W_o · attn                 residual add in the epilogue (ADD)
@@ -16,17 +13,15 @@ The norm needs the whole row, and each program walks the whole K anyway, so it s
 x^2 as it goes and scales its outputs by rsqrt(mean + eps) at the end:
 W · (x * g * r) = r * (W · (x * g)) for a per-row r. The residual stream `h` is
 updated in place: each output element belongs to one program. Numerics: float32
-accumulation, the residual rounded to its dtype once per add (cuda_ops rounds the
-projection output first, then adds), and x * g rounded to the weight dtype before
+accumulation, the residual rounded to its dtype once per add (the cuBLAS path rounds
+the projection output first, then adds), and x * g rounded to the weight dtype before
 the product.
 
-One row only (MAX_ROWS): a decode or draft step of one sequence, the latency case
-speculative decoding lives on. One program per BLOCK_N output columns walks K in
-BLOCK_K steps, multiplying and adding elementwise, and sums over K once at the end.
-Programs cover a few output columns each, so many of them load at once. Which few
-pays depends on the shape and the GPU: cuda_ops.tune_small_linear times the
-`candidates` on a model's own weights at start-up and records its choice
-(`set_block_sizes`), which `block_sizes` then returns.
+One program per BLOCK_N output columns walks K in BLOCK_K steps, multiplying and adding
+elementwise, and sums over K once at the end. Which block sizes pay depends on the
+shape and the GPU: kernels/tuning.py times the `candidates` on a model's own weights
+at start-up and records the fastest in the model's BlockTable (kernels/plan.py).
+docs/kernels.md says when this kernel is chosen and what it is measured against.
 """
 
 from __future__ import annotations
@@ -37,25 +32,15 @@ import torch
 import triton
 import triton.language as tl
 
+from spec_runtime.kernels.plan import ONE_TOKEN_ROWS, Block, BlockTable
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-# Token counts this kernel serves; more go to cuBLAS. scripts/bench_linear.py on an
-# H100 (bench/results/bench_linear_nvidia-h100-x1_2026-11-22_rows16.json, run with
-# the 2-16-row paths this file had before): with one row the fused layer beat cuBLAS
-# plus the separate ops for every BENCH.md shape (7-40% less time per layer); with 2
-# rows it won in that run and lost in the next after a config change; with 4 to 16
-# rows, as a [rows, 1, BK] product or a 16-row tensor-core dot, it lost by 1.1-2x.
-# Those paths were dropped.
-MAX_ROWS = 1
+# Token counts this kernel serves; more go to cuBLAS (docs/kernels.md says why one).
+MAX_ROWS = ONE_TOKEN_ROWS
 
-
-Block = tuple[int, int, int]  # (BLOCK_N, BLOCK_K, num_warps)
-
-# Block sizes to choose from per kind of projection, the default first. The defaults
-# are the picks Triton's autotuner made most often in four scripts/bench_linear.py runs
-# on an H100; its picks varied from run to run, up to 3x apart in a kernel's time, so
-# the choice is made on a model's own weights instead (cuda_ops.tune_small_linear):
-# 8B's o_proj took 11.5 us with (8, 1024, 8) and 7.1 us with (16, 512, 8).
+# Block sizes to choose from per kind of projection, the default first; tuning picks
+# among them on the model's own weights.
 _CANDIDATES: dict[str, tuple[Block, ...]] = {
     # gate and up: two [BLOCK_N, BLOCK_K] float32 products live per step
     "silu_mul": ((2, 2048, 4), (8, 512, 4), (4, 1024, 4), (2, 1024, 4), (4, 512, 4), (8, 1024, 8),
@@ -66,8 +51,6 @@ _CANDIDATES: dict[str, tuple[Block, ...]] = {
     "plain": ((8, 1024, 8), (16, 512, 8), (4, 1024, 4), (8, 512, 4), (4, 2048, 8), (16, 256, 4),
               (8, 2048, 8), (32, 256, 8), (4, 4096, 8)),
 }
-# (weight rows, K, norm, silu_mul) -> the block chosen for that projection in this process.
-_TUNED: dict[tuple[int, int, bool, bool], Block] = {}
 
 
 def _kind(norm: bool, silu_mul: bool) -> str:
@@ -99,23 +82,11 @@ def candidates(k: int, *, norm: bool, silu_mul: bool) -> list[Block]:
     return out
 
 
-def block_sizes(weight_rows: int, k: int, *, norm: bool, silu_mul: bool) -> Block:
-    """(BLOCK_N, BLOCK_K, num_warps) for a [weight_rows, k] weight: the tuned block where
-    set_block_sizes chose one, else the default for its kind."""
-    return _TUNED.get((weight_rows, k, norm, silu_mul)) or _default(k, norm, silu_mul)
-
-
-def set_block_sizes(weight_rows: int, k: int, *, norm: bool, silu_mul: bool, block: Block | None) -> None:
-    """Use `block` for this projection shape from now on (None: back to the default)."""
-    key = (weight_rows, k, norm, silu_mul)
-    if block is None:
-        _TUNED.pop(key, None)
-    else:
-        _TUNED[key] = block
-
-
-def is_tuned(weight_rows: int, k: int, *, norm: bool, silu_mul: bool) -> bool:
-    return (weight_rows, k, norm, silu_mul) in _TUNED
+def block_sizes(weight_rows: int, k: int, *, norm: bool, silu_mul: bool, table: BlockTable | None = None) -> Block:
+    """(BLOCK_N, BLOCK_K, num_warps) for a [weight_rows, k] weight: the block `table`
+    holds for it, else the default for its kind."""
+    tuned = table.get(weight_rows, k, norm=norm, silu_mul=silu_mul) if table is not None else None
+    return tuned or _default(k, norm, silu_mul)
 
 
 @triton.jit
@@ -144,8 +115,7 @@ def _small_linear_kernel(
             x = (x * g).to(w_ptr.dtype.element_ty).to(tl.float32)
         wmask = mask_n[:, None] & mask_k[None, :]
         # Each weight is read once per forward: evict_first keeps it from pushing x, the
-        # norm weight and the residual out of L2. In a one-off sweep on an H200 it was at
-        # most 1.1% slower for a BENCH.md projection and up to 3% faster (the o projections).
+        # norm weight and the residual out of L2.
         w = tl.load(w_rows + offs_k[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")  # [BN, BK]
         part += w.to(tl.float32) * x[None, :]
         if SILU_MUL:
@@ -170,14 +140,15 @@ def _small_linear_kernel(
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor | None = None,
                  norm_weight: torch.Tensor | None = None, eps: float = 1e-6, silu_mul: bool = False,
-                 add_to: torch.Tensor | None = None, block: Block | None = None) -> torch.Tensor:
+                 add_to: torch.Tensor | None = None, block: Block | None = None,
+                 table: BlockTable | None = None) -> torch.Tensor:
     """x [1, K] times weight [N, K]^T, with optional fusions:
 
     norm_weight: x is RMSNorm'ed (weight norm_weight, eps) first;
     bias: added to the product;
     silu_mul: weight is [2I, K] = [gate; up] and the result is silu(gate) * up, [1, I];
     add_to: [1, N] tensor the product is added to in place (and returned);
-    block: (BLOCK_N, BLOCK_K, num_warps) for this call, else `block_sizes`'.
+    block: (BLOCK_N, BLOCK_K, num_warps) for this call, else `block_sizes`' for `table`.
     Returns [1, N] (or [1, I]) in x's dtype.
     """
     m, k = x.shape
@@ -204,7 +175,8 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor | 
     elif _INTERPRET:  # small blocks, so the tests' sizes take several of them
         bn, bk, warps = 16, 64, 4
     else:
-        bn, bk, warps = block_sizes(weight.shape[0], k, norm=norm_weight is not None, silu_mul=silu_mul)
+        bn, bk, warps = block_sizes(weight.shape[0], k, norm=norm_weight is not None, silu_mul=silu_mul,
+                                    table=table)
     _small_linear_kernel[(triton.cdiv(n, bn),)](*args, **flags, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
                                                 num_stages=2)
     return out

@@ -6,7 +6,7 @@ The pool's per-layer [num_rows, H, D] tensors are viewed as NHD pages of one tok
 page is full (kv_last_page_len = 1).
 
 - Uniform q_len <= MAX_TRITON_Q_LEN (decode, verify of K+1, SSD glue and tree steps,
-  and so every CUDA graph): triton_kernels.paged_attention, which reads kv_indptr and
+  and so every CUDA graph): kernels.paged.paged_attention, which reads kv_indptr and
   kv_indices on the device and needs no host planning. That makes a step's host work
   a few copies and one graph launch, and lets the host queue steps ahead of the GPU.
 - Anything else (prefill, ragged batches): flashinfer's BatchPrefillWithPagedKVCacheWrapper
@@ -14,34 +14,28 @@ page is full (kv_last_page_len = 1).
   mask bottom-right when q_len < kv_len (query i of a request sees kv
   [0, kv_len - q_len + i]), which is forward_batch.py's rule.
 
-`attention = "flashinfer"` (or SPEC_RUNTIME_ATTENTION=flashinfer) sends the short
+`graph_attention="flashinfer"` (KernelConfig.attention_backend) sends the short
 forwards and the graphs to flashinfer too (its use_cuda_graph wrappers, planned on the
-host before every replay); the step benchmark measures both, and tests/test_gpu.py
-checks every path against SDPA.
+host before every replay); docs/kernels.md says how the two compare.
 
 flashinfer's `plan()` is host work (it reads the host indptr arrays and fills its int
 workspace with an async copy from one pinned buffer per wrapper), so a wrapper must
 not be planned again while its previous plan's copy is still queued; callers that
-use flashinfer for graphs stay at most one step ahead of the GPU.
+use flashinfer for graphs stay at most one step ahead of the GPU (host_planned_graphs).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from spec_runtime.model.attention import AttentionBackend
-from spec_runtime.model.forward_batch import ForwardBatch
-from spec_runtime.model.kv_cache import KVCache
-from spec_runtime.model.triton_kernels import (
-    MAX_TILE_M,
-    num_splits_for,
-    paged_attention,
-)
+from spec_runtime.attention.base import AttentionBackend, GraphAttention
+from spec_runtime.engine.forward_batch import ForwardBatch
+from spec_runtime.engine.kv_cache import KVCache
+from spec_runtime.kernels.paged import MAX_TILE_M, num_splits_for, paged_attention
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +55,7 @@ def _flashinfer():
         import flashinfer  # noqa: PLC0415 (optional GPU dependency)
     except ImportError as e:  # pragma: no cover - only on a CUDA host without the wheel
         raise ImportError(
-            "the CUDA backend needs flashinfer-python==0.5.2 (see ../shared/BENCH.md for the wheels)"
+            "the CUDA backend needs flashinfer-python==0.5.2 (pip install \"spec-runtime[gpu]\")"
         ) from e
     return flashinfer
 
@@ -74,30 +68,41 @@ def _host_i32(a: np.ndarray) -> torch.Tensor:
 
 
 @dataclass
-class GraphAttention:
-    """The attention of one captured (batch_size, q_len) shape.
+class CudaGraphAttention(GraphAttention):
+    """A captured shape's attention on this backend.
 
     Triton (wrapper None): the captured kernels read the static batch's kv_indptr and
     kv_indices, which the graph runner refills; `num_splits` is fixed at capture.
     flashinfer: a wrapper in CUDA-graph mode whose preallocated index buffers the
-    captured kernels read; `plan` refills them (and flashinfer's int workspace)
+    captured kernels read; `begin_graph` plans it (and flashinfer's int workspace)
     before each replay.
     """
 
-    batch_size: int
-    q_len: int
-    max_kv_rows: int  # total kv rows over the batch the index buffer holds
-    wrapper: object | None
+    wrapper: object | None = None
     num_splits: int = 1
     last_page_len_cpu: torch.Tensor | None = None  # [batch_size] int32 ones (page_size 1)
     qo_indptr_cpu: torch.Tensor | None = None  # [batch_size + 1] int32, fixed: q_len per request
 
 
-class FlashInferBackend(AttentionBackend):
-    """Paged flashinfer attention; page_size 1 over KVCache rows (NHD)."""
+@dataclass
+class _Active:
+    """The plan of the batch being run: Triton (wrapper None, with its kv splits) or a
+    planned flashinfer wrapper."""
+
+    batch: ForwardBatch
+    wrapper: object | None = None
+    num_splits: int = 1
+
+
+class CudaAttentionBackend(AttentionBackend):
+    """Triton paged attention and flashinfer; page_size 1 over KVCache rows (NHD).
+
+    graph_attention: who serves short uniform forwards and CUDA graphs, "triton" (no
+    host plan) or "flashinfer".
+    """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+                 dtype: torch.dtype, device: torch.device | str, graph_attention: str = "triton") -> None:
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         if dtype not in (torch.bfloat16, torch.float16):
@@ -108,28 +113,19 @@ class FlashInferBackend(AttentionBackend):
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        # flashinfer graphs only (attention = "flashinfer"): graph-mode plans split the kv
-        # of every request unless disable_split_kv is set; q_len-1 graphs run the fa2
-        # prefill kernel on tensor cores (verify's JIT module) unless decode_tensor_cores
-        # is off (flashinfer's CUDA-core decode kernel, a second module).
-        self.disable_split_kv = False
-        self.decode_tensor_cores = True
-        # Who serves short uniform forwards and CUDA graphs: "triton" (no host plan) or
-        # "flashinfer"; set before graphs are captured.
-        self.attention = os.environ.get("SPEC_RUNTIME_ATTENTION", "triton")
-        if self.attention not in ("triton", "flashinfer"):
-            raise ValueError(f"SPEC_RUNTIME_ATTENTION must be triton or flashinfer, got {self.attention!r}")
+        if graph_attention not in ("triton", "flashinfer"):
+            raise ValueError(f"graph_attention must be triton or flashinfer, got {graph_attention!r}")
+        self.graph_attention = graph_attention
+        self.host_planned_graphs = graph_attention == "flashinfer"
         index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         self.num_sms = torch.cuda.get_device_properties(index).multi_processor_count
         self.scale = head_dim**-0.5
-        self._splits = 1
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self._decode = self.fi.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=True, backend=FI_BACKEND)
         self._prefill = self.fi.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, "NHD", backend=FI_BACKEND)
-        self._active: object | None = None
-        self._active_batch: ForwardBatch | None = None
+        self._active: _Active | None = None
 
     # ---- planning -------------------------------------------------------------
 
@@ -139,7 +135,7 @@ class FlashInferBackend(AttentionBackend):
             kv_indptr, kv_indices, last_page_len,
             self.num_heads, self.num_kv_heads, self.head_dim, 1,
             pos_encoding_mode="NONE", q_data_type=self.dtype, kv_data_type=self.dtype,
-            non_blocking=True, disable_split_kv=self.disable_split_kv,
+            non_blocking=True, disable_split_kv=False,
         )
 
     def _plan_prefill(self, wrapper, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
@@ -148,18 +144,18 @@ class FlashInferBackend(AttentionBackend):
             qo_indptr, kv_indptr, kv_indices, last_page_len,
             self.num_heads, self.num_kv_heads, self.head_dim, 1,
             causal=True, pos_encoding_mode="NONE", q_data_type=self.dtype, kv_data_type=self.dtype,
-            non_blocking=True, disable_split_kv=self.disable_split_kv,
+            non_blocking=True, disable_split_kv=False,
         )
 
     def fits_triton(self, num_tokens: int, num_requests: int, q_len: int, tree: bool = False) -> bool:
         """Whether the Triton kernel serves a batch of this shape (uniform, short q_len;
         a tree step's q_len is its branches per request, bounded by the tile only)."""
-        return (self.attention == "triton" and num_tokens == num_requests * q_len
+        return (self.graph_attention == "triton" and num_tokens == num_requests * q_len
                 and (tree or q_len <= MAX_TRITON_Q_LEN) and q_len * (self.num_heads // self.num_kv_heads) <= MAX_TILE_M)
 
     def supports_tree(self, q_len: int) -> bool:
         """Tree steps run on the Triton kernel only (flashinfer 0.5.2 has no per-token window)."""
-        return self.attention == "triton" and q_len * (self.num_heads // self.num_kv_heads) <= MAX_TILE_M
+        return self.graph_attention == "triton" and q_len * (self.num_heads // self.num_kv_heads) <= MAX_TILE_M
 
     def begin(self, batch: ForwardBatch) -> None:
         """Plan `batch` (host work; no device sync). Triton batches need no plan."""
@@ -169,36 +165,34 @@ class FlashInferBackend(AttentionBackend):
             raise ValueError(f"a tree step of {batch.max_q_len} branches per request does not fit the Triton kernel")
         if self.fits_triton(int(batch.input_ids.shape[0]), r, batch.max_q_len, tree=tree):
             max_kv = int(np.diff(batch.kv_indptr_cpu).max())
-            self._splits = num_splits_for(r, self.num_kv_heads, self.num_sms, max_kv)
-            self._active = "triton"
-            self._active_batch = batch
+            self._active = _Active(batch, num_splits=num_splits_for(r, self.num_kv_heads, self.num_sms, max_kv))
             return
         kv_indptr = _host_i32(batch.kv_indptr_cpu)  # [R+1]
         last_page_len = torch.ones(r, dtype=torch.int32)  # [R]
         if batch.is_decode:
             self._plan_decode(self._decode, kv_indptr, batch.kv_indices, last_page_len)
-            self._active = self._decode
+            self._active = _Active(batch, wrapper=self._decode)
         else:
             qo_indptr = _host_i32(batch.qo_indptr_cpu)  # [R+1]
             self._plan_prefill(self._prefill, qo_indptr, kv_indptr, batch.kv_indices, last_page_len)
-            self._active = self._prefill
-        self._active_batch = batch
+            self._active = _Active(batch, wrapper=self._prefill)
 
-    def make_graph_attention(self, batch_size: int, q_len: int, max_kv_rows: int, tree: bool = False) -> GraphAttention:
+    def make_graph_attention(self, batch_size: int, q_len: int, max_kv_rows: int,
+                             tree: bool = False) -> CudaGraphAttention:
         """The attention of a graph for `batch_size` requests of `q_len` tokens each
         (tree: a tree step's, which only the Triton kernel serves)."""
         if tree and not self.fits_triton(batch_size * q_len, batch_size, q_len, tree=True):
             raise ValueError(f"a tree step of {q_len} branches per request does not fit the Triton kernel")
         if self.fits_triton(batch_size * q_len, batch_size, q_len, tree=tree):
-            return GraphAttention(batch_size, q_len, max_kv_rows, wrapper=None,
-                                  num_splits=num_splits_for(batch_size, self.num_kv_heads, self.num_sms))
+            return CudaGraphAttention(batch_size, q_len, max_kv_rows, wrapper=None,
+                                      num_splits=num_splits_for(batch_size, self.num_kv_heads, self.num_sms))
         dev = self.device
         indptr_buf = torch.zeros(batch_size + 1, dtype=torch.int32, device=dev)
         indices_buf = torch.zeros(max_kv_rows, dtype=torch.int32, device=dev)
         last_buf = torch.ones(batch_size, dtype=torch.int32, device=dev)
         if q_len == 1:
             wrapper = self.fi.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.decode_tensor_cores,
+                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
                 paged_kv_indptr_buffer=indptr_buf, paged_kv_indices_buffer=indices_buf,
                 paged_kv_last_page_len_buffer=last_buf, backend=FI_BACKEND)
         else:
@@ -207,13 +201,13 @@ class FlashInferBackend(AttentionBackend):
                 self.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=qo_buf,
                 paged_kv_indptr_buf=indptr_buf, paged_kv_indices_buf=indices_buf,
                 paged_kv_last_page_len_buf=last_buf, backend=FI_BACKEND)
-        return GraphAttention(
-            batch_size=batch_size, q_len=q_len, max_kv_rows=max_kv_rows, wrapper=wrapper,
+        return CudaGraphAttention(
+            batch_size=batch_size, q_len=q_len, max_kv_rows=max_kv_rows, host_plan=True, wrapper=wrapper,
             last_page_len_cpu=torch.ones(batch_size, dtype=torch.int32),
             qo_indptr_cpu=torch.arange(0, (batch_size + 1) * q_len, q_len, dtype=torch.int32),
         )
 
-    def begin_graph(self, ga: GraphAttention, kv_indptr_cpu: np.ndarray | None, kv_indices: torch.Tensor | None,
+    def begin_graph(self, ga: CudaGraphAttention, kv_indptr_cpu: np.ndarray | None, kv_indices: torch.Tensor | None,
                     batch: ForwardBatch, num_kv_rows: int) -> None:
         """Get a graph's attention ready for `num_kv_rows` kv rows over its (padded)
         requests. For Triton the caller has copied kv_indptr and kv_indices into `batch`
@@ -224,45 +218,29 @@ class FlashInferBackend(AttentionBackend):
         if num_kv_rows > ga.max_kv_rows:
             raise ValueError(f"{num_kv_rows} kv rows exceed the graph's {ga.max_kv_rows}")
         if ga.wrapper is None:
-            self._splits = ga.num_splits
-            self._active = "triton"
-            self._active_batch = batch
+            self._active = _Active(batch, num_splits=ga.num_splits)
             return
         kv_indptr = _host_i32(kv_indptr_cpu)
         if ga.q_len == 1:
             self._plan_decode(ga.wrapper, kv_indptr, kv_indices, ga.last_page_len_cpu)
         else:
             self._plan_prefill(ga.wrapper, ga.qo_indptr_cpu, kv_indptr, kv_indices, ga.last_page_len_cpu)
-        self._active = ga.wrapper
-        self._active_batch = batch
+        self._active = _Active(batch, wrapper=ga.wrapper)
 
     # ---- per layer ------------------------------------------------------------
 
-    def forward(
-        self,
-        layer_idx: int,
-        q: torch.Tensor,  # [T, Hq, D]
-        k: torch.Tensor,  # [T, Hkv, D]
-        v: torch.Tensor,  # [T, Hkv, D]
-        kv: KVCache,
-        batch: ForwardBatch,
-    ) -> torch.Tensor:  # [T, Hq, D]
-        # index_copy_ with a device index: no host sync, one kernel per tensor.
-        kv.k_cache[layer_idx].index_copy_(0, batch.kv_write_rows, k)
-        kv.v_cache[layer_idx].index_copy_(0, batch.kv_write_rows, v)
-        return self.attend(layer_idx, q, kv, batch)
-
     def attend(self, layer_idx: int, q: torch.Tensor, kv: KVCache, batch: ForwardBatch) -> torch.Tensor:
         """Attention of q [T, Hq, D] over the pool, whose rows for the new tokens are
-        already written (cuda_ops writes them in the fused RoPE kernel)."""
-        if self._active is None or self._active_batch is not batch:
-            raise ValueError("FlashInferBackend.begin(batch) must be called before forward for that batch")
+        already written (by `forward`, or by the fused RoPE kernel)."""
+        active = self._active
+        if active is None or active.batch is not batch:
+            raise ValueError("CudaAttentionBackend.begin(batch) must be called before forward for that batch")
         k_cache = kv.k_cache[layer_idx]  # [rows, Hkv, D]
         v_cache = kv.v_cache[layer_idx]
-        if self._active == "triton":
+        if active.wrapper is None:
             tr = batch.tree
             return paged_attention(q, k_cache, v_cache, batch.kv_indptr, batch.kv_indices,
-                                   q_len=batch.max_q_len, num_splits=self._splits, scale=self.scale,
+                                   q_len=batch.max_q_len, num_splits=active.num_splits, scale=self.scale,
                                    tree=None if tr is None else (tr.prefix_len, tr.lo, tr.hi))
         paged = (k_cache.unsqueeze(1), v_cache.unsqueeze(1))  # NHD pages of one row: [rows, 1, Hkv, D]
-        return self._active.run(q.contiguous(), paged)
+        return active.wrapper.run(q.contiguous(), paged)

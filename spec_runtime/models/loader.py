@@ -3,8 +3,12 @@
 HF directories are read straight from safetensors (single file or sharded with an
 index); the transformers model is never built for them. A GGUF file goes through
 transformers, which dequantizes it into a float state dict that we copy and free; the
-result is kept as a HF directory in the user's cache (spec_runtime.model.gguf_cache),
-which every later load of the same file reads instead.
+result is kept as a HF directory in the user's cache (spec_runtime.models.gguf_cache),
+which every later load of the same file reads instead. The family's class comes from
+the registry (models/registry.py) by the config's model_type.
+
+Benchmark-only `random:<shape>` names (random weights, no tokenizer) are resolved by
+spec_runtime.bench.random_models, imported only when such a name is asked for.
 """
 
 from __future__ import annotations
@@ -20,8 +24,8 @@ from collections.abc import Iterator
 import torch
 from tqdm.auto import tqdm
 
-from spec_runtime.model.hf_config import ModelArch, arch_from_config, load_arch
-from spec_runtime.model.llama import LlamaForCausalLM
+from spec_runtime.models.hf_config import ModelArch, arch_from_config, load_arch
+from spec_runtime.models.registry import model_class
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +72,7 @@ def _resolve_path(path: str, use_cache: bool = True) -> tuple[str, str | None]:
         if not path.endswith(".gguf"):
             raise ValueError(f"model path {path!r} is a file but not a .gguf file")
         if use_cache:
-            from spec_runtime.model import gguf_cache
+            from spec_runtime.models import gguf_cache
 
             cached = gguf_cache.lookup(path)
             if cached is not None:
@@ -87,7 +91,7 @@ RANDOM_PREFIX = "random:"
 
 
 def is_random(path: str) -> bool:
-    """`random:<shape>` (a name of random_init.BENCH_ARCHS): benchmark-only random weights."""
+    """`random:<shape>` (a shape of bench.random_models): benchmark-only random weights."""
     return path.startswith(RANDOM_PREFIX)
 
 
@@ -146,10 +150,11 @@ def _count_safetensors(files: list[str]) -> int:
     return total
 
 
-def _build(arch: ModelArch, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+def build_model(arch: ModelArch, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """The registry's model for `arch` on `device`, its weights uninitialised."""
     # Meta first, so no memory is spent initialising weights that loading overwrites.
     with torch.device("meta"):
-        model = LlamaForCausalLM(arch, dtype)
+        model = model_class(arch.model_type)(arch, dtype)
     model.to_empty(device=device)
     model.init_rope()
     return model.eval().requires_grad_(False)
@@ -165,21 +170,16 @@ def load_model(path: str, device: torch.device | str = "cpu", dtype: str | torch
     use_cache: read a GGUF file's converted copy, writing it on the first load."""
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
-    if is_random(path):
-        from spec_runtime.model.random_init import BENCH_ARCHS, random_model
+    if is_random(path):  # the one hook for benchmark-only models
+        from spec_runtime.bench.random_models import load_random_model
 
-        name = path[len(RANDOM_PREFIX):]
-        if name not in BENCH_ARCHS:
-            raise ValueError(f"unknown random model shape {name!r}; choose from {', '.join(BENCH_ARCHS)}")
-        arch = BENCH_ARCHS[name]
-        logger.info("building %s with random weights on %s (benchmarks only: it has no tokenizer)", name, device)
-        return random_model(arch, device, dtype), arch, None
+        return load_random_model(path[len(RANDOM_PREFIX):], device, dtype)
     directory, gguf = _resolve_path(path, use_cache)
     logger.info("loading %s on %s", model_name(path), device)
     tokenizer = None
     if gguf is None:
         arch = load_arch(directory)
-        model = _build(arch, device, dtype)
+        model = build_model(arch, device, dtype)
         files = _safetensors_files(directory)
         with _progress(_count_safetensors(files), f"Loading {os.path.basename(directory)}") as bar:
             model.load_weights(_iter_safetensors(files, bar))
@@ -194,12 +194,12 @@ def load_model(path: str, device: torch.device | str = "cpu", dtype: str | torch
         arch = arch_from_config(hf_model.config)
         state = hf_model.state_dict()
         if use_cache:
-            from spec_runtime.model import gguf_cache
+            from spec_runtime.models import gguf_cache
 
             tokenizer = load_tokenizer(path, use_cache=False)
             gguf_cache.store(os.path.join(directory, gguf), hf_model.config, state, tokenizer)
         del hf_model
-        model = _build(arch, device, dtype)
+        model = build_model(arch, device, dtype)
         with _progress(len(state), f"Loading {gguf}") as bar:
             def weights() -> Iterator[tuple[str, torch.Tensor]]:
                 for name in list(state):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from spec_runtime.model.hf_config import ModelArch
+from spec_runtime.models.hf_config import ModelArch
 
 
 class KVCache:

@@ -3,16 +3,16 @@
 One graph per (batch size, q_len): batch sizes 1, 2, 4, 8, 16, ... up to the maximum,
 each q_len of `q_lens`. Graphs are captured largest first into one memory pool, so
 the smaller ones reuse the largest one's activation memory. A graph replays the whole
-model forward (embedding to final norm, cuda_ops.cuda_forward) and, given `logits_fn`,
+model forward (embedding to final norm) and, given `logits_fn`,
 the LM head over every token of the shape: one launch per step instead of a graph
 plus an eager GEMM, a cast and a gather (~0.1 ms of host time at batch 1). Callers
 pick the rows they asked for afterwards.
 
 Static inputs: input_ids, positions, kv_write_rows, kv_indptr and kv_indices live in
 buffers sized for the largest graph (every graph reads a prefix of them). With the
-Triton attention (the default) that is all a replay needs; with flashinfer the
-metadata is also planned into the graph's wrapper (flashinfer_backend.GraphAttention)
-before replay. A batch of b requests runs on the smallest captured size B >= b;
+Triton attention (the default) that is all a replay needs; a backend that plans on
+the host (GraphAttention.host_plan: flashinfer) also gets the padded kv_indptr before
+replay. A batch of b requests runs on the smallest captured size B >= b;
 the B - b padding requests write their K/V to `dummy_row`, a pool row no sequence
 owns, and attend to it only. Shapes without a graph (ragged q_len, prefill, more
 requests or kv rows than captured) return None and the caller runs eagerly.
@@ -36,8 +36,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from spec_runtime.model.flashinfer_backend import FlashInferBackend, GraphAttention
-from spec_runtime.model.forward_batch import ForwardBatch, TreeMask
+from spec_runtime.attention.base import AttentionBackend, GraphAttention
+from spec_runtime.engine.forward_batch import ForwardBatch, TreeMask
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class _Graph:
 class CudaGraphRunner:
     """Captures and replays fixed-shape forwards; `run` returns None for shapes it lacks."""
 
-    def __init__(self, forward_fn: ForwardFn, backend: FlashInferBackend, *, max_batch_size: int,
+    def __init__(self, forward_fn: ForwardFn, backend: AttentionBackend, *, max_batch_size: int,
                  q_lens: Sequence[int], max_kv_len: int, dummy_row: int, device: torch.device,
                  logits_fn: LogitsFn | None = None, tree_shapes: Sequence[tuple[int, int]] = (),
                  tree_local_rows: int = 0) -> None:
@@ -236,7 +236,7 @@ class CudaGraphRunner:
                 self.tree_prefix_len[r:b].fill_(q)
                 self.tree_lo[n:n_pad].zero_()
                 self.tree_hi[n:n_pad].zero_()
-        if g.attn.wrapper is None:  # Triton: nothing to plan
+        if not g.attn.host_plan:  # Triton: nothing to plan
             self.backend.begin_graph(g.attn, None, None, g.batch, nnz_pad)
         else:  # flashinfer plans on the host from the padded indptr
             kv_indptr = np.empty(b + 1, dtype=np.int64)

@@ -1,11 +1,11 @@
-"""The architecture of a Llama-family checkpoint, parsed once from its HF config.
+"""The architecture of a checkpoint of a supported family, parsed once from its HF config.
 
 `ModelArch` is the only description of a model the rest of the package reads: it
 accepts a transformers `PretrainedConfig` or a plain config.json dict, in either the
 transformers 5 form (`rope_parameters`) or the older one (`rope_theta` + `rope_scaling`).
-Anything the model code cannot run faithfully (another model type, sliding windows,
-an unsupported RoPE scaling) is refused here with a ValueError, not silently
-approximated later.
+Anything the model code cannot run faithfully (a model type the registry lacks,
+per-layer window patterns, an unsupported RoPE scaling) is refused here with a
+ValueError, not silently approximated later.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+from spec_runtime.models.registry import SUPPORTED_MODEL_TYPES
+
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
@@ -53,6 +54,9 @@ class ModelArch:
     max_position_embeddings: int
     # eos_token_id of the config, as a tuple (configs give an int, a list or nothing).
     eos_token_ids: tuple[int, ...] = ()
+    # Sliding-window attention (Mistral): a token sees itself and the sliding_window - 1
+    # tokens before it. None: full causal attention.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -65,6 +69,8 @@ class ModelArch:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
 
     @property
     def q_size(self) -> int:
@@ -134,6 +140,7 @@ def arch_from_config(config: Any) -> ModelArch:
     if cfg.get("mlp_bias", False):
         raise ValueError("mlp_bias=True is not supported")
     if cfg.get("use_sliding_window", False):
+        # Qwen2/Qwen3: a window on the layers past max_window_layers only.
         raise ValueError("sliding-window attention (use_sliding_window=True) is not supported")
     layer_types = cfg.get("layer_types") or []
     if any(t != "full_attention" for t in layer_types):
@@ -166,7 +173,17 @@ def arch_from_config(config: Any) -> ModelArch:
         qk_norm=model_type == "qwen3",
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         eos_token_ids=eos_ids,
+        sliding_window=_sliding_window(cfg),
     )
+
+
+def _sliding_window(cfg: dict[str, Any]) -> int | None:
+    """The window of a family whose every layer slides (Mistral); None elsewhere. Qwen2
+    and Qwen3 configs carry a sliding_window that applies only with use_sliding_window
+    (default off, refused above)."""
+    if cfg.get("model_type") in ("qwen2", "qwen3") or cfg.get("sliding_window") is None:
+        return None
+    return int(cfg["sliding_window"])
 
 
 def load_arch(model_dir: str) -> ModelArch:

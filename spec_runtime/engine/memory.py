@@ -13,10 +13,9 @@ import logging
 import numpy as np
 import torch
 
-from spec_runtime.model.attention import AttentionBackend
-from spec_runtime.model.cuda_ops import cuda_forward
-from spec_runtime.model.forward_batch import ForwardItem, build_forward_batch
-from spec_runtime.model.kv_cache import KVCache, kv_bytes_per_token
+from spec_runtime.attention.base import AttentionBackend
+from spec_runtime.engine.forward_batch import ForwardItem, build_forward_batch
+from spec_runtime.engine.kv_cache import KVCache, kv_bytes_per_token
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +41,7 @@ def fit_num_slots(model, backend: AttentionBackend, *, gpu_memory_utilization: f
                        kv_rows=np.arange(n, dtype=np.int64), logits="last")
     batch = build_forward_batch([item], device)
     backend.begin(batch)
-    hidden = cuda_forward(model, batch.input_ids, batch.positions, batch)
+    hidden = model(batch.input_ids, batch.positions, batch)
     model.compute_logits(hidden[batch.logits_indices])
     torch.cuda.synchronize(device)  # sync: start-up sizing
     peak = torch.cuda.max_memory_allocated(device)

@@ -1,16 +1,11 @@
 """Triton kernels for the CUDA hot path: paged attention with no host planning, and
 the fused RoPE + KV write.
 
-Why not flashinfer everywhere: flashinfer's `plan()` runs on the host before every
-forward (it reads the kv lengths to split the work) and reuses one pinned buffer per
-wrapper, which keeps the host at most one step ahead; in scripts/bench_step.py a
-flashinfer-planned graph step was 0.17-0.51 ms slower than one with these kernels
-(8B, 1B and 0.6B shapes at batch 1, H100 and H200). Every
-CUDA-graph shape of this runtime (decode, verify of K+1, SSD glue and tree steps) has
-the same q_len for every request and a short q_len, so a kernel that reads kv_indptr
-and kv_indices from the device and splits the kv range by a fixed number of splits
-needs no plan at all: replaying a graph is copying its inputs and launching it.
-Prefill (long, ragged queries) still goes to flashinfer.
+Every CUDA-graph shape of this runtime (decode, verify of K+1, SSD glue and tree
+steps) has the same short q_len for every request, so a kernel that reads kv_indptr and
+kv_indices from the device and splits the kv range by a fixed number of splits needs no
+host plan at all: replaying a graph is copying its inputs and launching it. Prefill
+(long, ragged queries) goes to flashinfer. docs/kernels.md compares the two.
 
 `paged_attention`: the requests of a batch each bring `q_len` queries (token order
 request-major, as ForwardBatch lays them out) and attend to kv rows
@@ -21,7 +16,7 @@ are one [BLOCK_M, D] tile, so a GQA group reads each K/V row once. Each split co
 an equal share of the request's rows (computed on the device from its length) and
 writes a partial output and log-sum-exp; a second kernel merges the splits.
 
-`rope_store_kv`: one kernel per layer for what was four: split the fused qkv output,
+`rope_store_kv`: one kernel per layer for four steps: split the fused qkv output,
 optional per-head q/k RMSNorm (Qwen3), rotate q and k, and write k and v to their
 pool rows. Rows of q come back as a new [T, Hq, D] tensor.
 
@@ -217,7 +212,7 @@ def _rope_store_kernel(
     x2 = tl.load(qkv_ptr + t * stride_qkv + col + half + offs).to(tl.float32)
     if HAS_NORM:
         # Per-head RMSNorm in float32, rounded to the model dtype before the weight, as
-        # cuda_ops._rmsnorm does.
+        # layers/norm.py's rms_norm does.
         inv = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HEAD_DIM + eps)
         if is_q:
             w1 = tl.load(q_norm_ptr + offs).to(tl.float32)

@@ -1,0 +1,1 @@
+"""Benchmark-only machinery, imported only when a benchmark asks for it."""

@@ -1,0 +1,172 @@
+"""ModelRunner: one model, its tokenizer, its KV pool and an attention backend.
+
+Both processes use it the same way: describe the requests of a step as
+ForwardItems (or a prebuilt ForwardBatch) and get float32 logits back. It knows
+nothing about speculation; prefill, decode, verify and tree steps differ only in
+the items they pass.
+
+`ModelRunner.build` is the way to make one: it constructs the runner (load, attention
+backend, KV sizing), then runs the two CUDA start-up steps in order, settling the
+kernels (`tune_kernels`) and capturing CUDA graphs (`capture_graphs`), which bake the
+kernel choices in. On CPU both steps do nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+
+from spec_runtime.attention import make_backend
+from spec_runtime.config import KernelConfig, ModelConfig
+from spec_runtime.engine.forward_batch import ForwardBatch, ForwardItem, SlotLayout, build_forward_batch
+from spec_runtime.engine.kv_cache import KVCache
+from spec_runtime.models.loader import eos_token_ids, load_model, model_name, resolve_dtype
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    """Runs forwards of one model over a slot-laid-out KV pool.
+
+    The pool has `num_slots` sequences of `max_model_len` rows each (capped by the
+    model's max_position_embeddings), then `num_scratch_rows` rows for SSD branches.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, num_slots: int, max_model_len: int, num_scratch_rows: int = 0,
+                 max_batch_size: int | None = None, graph_q_lens: Sequence[int] = (1,),
+                 tree_shapes: Sequence[tuple[int, int]] = (), tree_local_rows: int = 0,
+                 kernels: KernelConfig | None = None) -> None:
+        """On CUDA, `num_slots` is a cap (the pool gets what fits in gpu_memory_utilization;
+        read `layout.num_slots`), and CUDA graphs are captured for up to `max_batch_size`
+        requests (default num_slots) of each q_len in `graph_q_lens` (1 = decode, K+1 = verify),
+        and for each SSD tree step shape (sequences, branches) in `tree_shapes`, whose
+        branches see at most `tree_local_rows` rows beyond their sequence's prefix.
+        kernels: the CUDA kernel choices (default KernelConfig()). Use `build`, which
+        also tunes the kernels and captures the graphs."""
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        if max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+        if num_scratch_rows < 0:
+            raise ValueError(f"num_scratch_rows must be >= 0, got {num_scratch_rows}")
+        self.cfg = cfg
+        self.kernel_cfg = kernels or KernelConfig()
+        self.device = torch.device(cfg.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())  # "cuda" = the current one
+        if self.device.type == "cuda":
+            # flashinfer and CUDA graphs launch on the current device: make it this one.
+            torch.cuda.set_device(self.device)
+        self.dtype = resolve_dtype(cfg.dtype, self.device)
+        # Seconds per start-up phase (load, kv_alloc, graph_capture with kernel tuning), sent in Ready.
+        self.startup_phases: dict[str, float] = {}
+        t0 = time.perf_counter()
+        self.model, self.arch, self.tokenizer = load_model(cfg.path, self.device, self.dtype, cfg.gguf_cache)
+        self.model_name = model_name(cfg.path)
+        self.vocab_size = self.arch.vocab_size
+        self.eos_token_ids = eos_token_ids(cfg.path, self.arch, self.tokenizer, cfg.gguf_cache)
+        # The layers run the fused CUDA kernels where the config allows; eager ops on CPU.
+        self.model.kernels.fused = self.device.type == "cuda" and self.kernel_cfg.fused_ops
+        self.startup_phases["load_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        if max_model_len > self.arch.max_position_embeddings:
+            logger.warning("max_model_len %d capped to the model's max_position_embeddings %d",
+                           max_model_len, self.arch.max_position_embeddings)
+            max_model_len = self.arch.max_position_embeddings
+        self.backend = make_backend(self.arch.num_heads, self.arch.num_kv_heads, self.arch.head_dim, self.dtype,
+                                    self.device, sliding_window=self.arch.sliding_window,
+                                    graph_attention=self.kernel_cfg.attention_backend)
+        if self.device.type == "cuda":
+            num_slots = self._fit_num_slots(num_slots, max_model_len, num_scratch_rows,
+                                            max_batch_size or num_slots, graph_q_lens, tree_shapes)
+        self.layout = SlotLayout(num_slots, max_model_len, num_scratch_rows)
+        # One row past the layout that no sequence owns, for padded requests and branches.
+        self.dummy_row = self.layout.num_rows
+        self.kv_cache = KVCache(self.arch.num_layers, self.layout.num_rows + 1, self.arch.num_kv_heads,
+                                self.arch.head_dim, self.dtype, self.device)
+        self.model.bind(self.backend, self.kv_cache)
+        self.startup_phases["kv_alloc_s"] = time.perf_counter() - t0
+        self.startup_phases["graph_capture_s"] = 0.0  # build: kernel tuning and graph capture
+        self.graphs = None
+        self.kernel_report: dict = {}  # what tune_kernels decided and measured
+        self._graph_args = dict(max_batch_size=max_batch_size or num_slots, q_lens=graph_q_lens,
+                                tree_shapes=tree_shapes, tree_local_rows=tree_local_rows)
+
+    def _fit_num_slots(self, num_slots: int, max_model_len: int, num_scratch_rows: int, max_batch_size: int,
+                       graph_q_lens: Sequence[int], tree_shapes: Sequence[tuple[int, int]]) -> int:
+        """CUDA: the slots that fit in gpu_memory_utilization beside the weights, a warm-up
+        forward and the graphs' logits buffers (engine/memory.py), at most num_slots."""
+        from spec_runtime.engine.cuda_graphs import graph_logits_bytes
+        from spec_runtime.engine.memory import fit_num_slots
+
+        cfg = self.cfg
+        logits_bytes = (graph_logits_bytes(max_batch_size, graph_q_lens, self.vocab_size, tree_shapes)
+                        if cfg.cuda_graphs else 0)
+        return fit_num_slots(self.model, self.backend, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                             num_slots=num_slots, max_model_len=max_model_len, num_scratch_rows=num_scratch_rows,
+                             warmup_tokens=max_model_len, reserve_bytes=logits_bytes)
+
+    @classmethod
+    def build(cls, cfg: ModelConfig, *, kernels: KernelConfig | None = None, **kw) -> "ModelRunner":
+        """A ready runner: constructed, its kernels settled, its CUDA graphs captured."""
+        runner = cls(cfg, kernels=kernels, **kw)
+        t0 = time.perf_counter()
+        runner.tune_kernels()
+        runner.capture_graphs()
+        runner.startup_phases["graph_capture_s"] = time.perf_counter() - t0
+        logger.info("%s: %s, layout %s; start-up %s", runner.model_name, runner.kv_cache, runner.layout,
+                    ", ".join(f"{k} {v:.2f}" for k, v in runner.startup_phases.items()))
+        return runner
+
+    def tune_kernels(self) -> dict:
+        """CUDA: settle the one-token projections (kernels/tuning.py) before graphs are
+        captured; the result is kept in `kernel_report` and logged. CPU: nothing."""
+        if self.device.type != "cuda":
+            return {}
+        from spec_runtime.kernels.tuning import plan_one_token
+
+        self.kernel_report = plan_one_token(self.model, self.kernel_cfg)
+        return self.kernel_report
+
+    def capture_graphs(self) -> None:
+        """CUDA with cuda_graphs on: capture the decode, verify and tree-step graphs."""
+        if self.device.type != "cuda" or not self.cfg.cuda_graphs or self.graphs is not None:
+            return
+        from spec_runtime.engine.cuda_graphs import CudaGraphRunner
+
+        args = self._graph_args
+        # No graph for a tree shape the attention cannot run: the SSD engine uses
+        # its per-branch layout there.
+        tree_shapes = [(b, q) for b, q in args["tree_shapes"] if self.backend.supports_tree(q)]
+        self.graphs = CudaGraphRunner(
+            self.model, self.backend, max_batch_size=args["max_batch_size"], q_lens=args["q_lens"],
+            max_kv_len=self.layout.max_model_len, dummy_row=self.dummy_row, device=self.device,
+            logits_fn=self.model.compute_logits, tree_shapes=tree_shapes, tree_local_rows=args["tree_local_rows"])
+        self.graphs.capture()
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [N, V] float32 of the rows batch.logits_indices selects."""
+        if self.device.type == "cuda":
+            logits = self.graphs.run(batch) if self.graphs is not None else None  # [T, V]; None: no graph fits
+            if logits is not None:
+                # The graph's buffer is overwritten by its next replay: hand out a copy.
+                # logits_indices are ascending and unique, so N == T means every row.
+                idx = batch.logits_indices
+                return logits.clone() if idx.shape[0] == logits.shape[0] else logits[idx]  # [N, V]
+        self.backend.begin(batch)
+        hidden = self.model(batch.input_ids, batch.positions, batch)  # [T, H]
+        return self.model.compute_logits(hidden[batch.logits_indices])  # [N, V]
+
+    def run(self, items: Sequence[ForwardItem]) -> torch.Tensor:
+        """build_forward_batch + forward; positions must fit in max_model_len."""
+        limit = self.layout.max_model_len
+        for it in items:
+            if it.start_pos + len(it.token_ids) > limit:
+                raise ValueError(
+                    f"request reaches position {it.start_pos + len(it.token_ids)} > max_model_len {limit}"
+                )
+        return self.forward(build_forward_batch(items, self.device))
