@@ -17,12 +17,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from spec_runtime.engine.forward_batch import ForwardBatch
-from spec_runtime.engine.kv_cache import KVCache
+if TYPE_CHECKING:  # types only: the engine's data structures, which the engine hands in
+    from spec_runtime.engine.forward_batch import ForwardBatch
+    from spec_runtime.engine.kv_cache import KVCache
 
 
 @dataclass

@@ -28,14 +28,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from spec_runtime.attention.base import AttentionBackend, GraphAttention
-from spec_runtime.engine.forward_batch import ForwardBatch
-from spec_runtime.engine.kv_cache import KVCache
 from spec_runtime.kernels.paged import MAX_TILE_M, num_splits_for, paged_attention
+
+if TYPE_CHECKING:  # types only: the engine's data structures, which the engine hands in
+    from spec_runtime.engine.forward_batch import ForwardBatch
+    from spec_runtime.engine.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
 

@@ -11,14 +11,17 @@ sees positions (p - sliding_window, p].
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from spec_runtime.attention.base import AttentionBackend
-from spec_runtime.engine.forward_batch import ForwardBatch
-from spec_runtime.engine.kv_cache import KVCache
+
+if TYPE_CHECKING:  # types only: the engine's data structures, which the engine hands in
+    from spec_runtime.engine.forward_batch import ForwardBatch
+    from spec_runtime.engine.kv_cache import KVCache
 
 
 @dataclass

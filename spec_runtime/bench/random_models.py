@@ -14,7 +14,7 @@ import torch
 import logging
 
 from spec_runtime.models.hf_config import Llama3RopeScaling, ModelArch
-from spec_runtime.models.loader import build_model
+from spec_runtime.models.registry import build_model
 
 logger = logging.getLogger(__name__)
 

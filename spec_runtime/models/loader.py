@@ -25,7 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from spec_runtime.models.hf_config import ModelArch, arch_from_config, load_arch
-from spec_runtime.models.registry import model_class
+from spec_runtime.models.registry import build_model
 
 logger = logging.getLogger(__name__)
 
@@ -148,16 +148,6 @@ def _count_safetensors(files: list[str]) -> int:
         with safe_open(file, framework="pt", device="cpu") as f:
             total += len(list(f.keys()))
     return total
-
-
-def build_model(arch: ModelArch, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """The registry's model for `arch` on `device`, its weights uninitialised."""
-    # Meta first, so no memory is spent initialising weights that loading overwrites.
-    with torch.device("meta"):
-        model = model_class(arch.model_type)(arch, dtype)
-    model.to_empty(device=device)
-    model.init_rope()
-    return model.eval().requires_grad_(False)
 
 
 def _progress(total: int, desc: str) -> tqdm:

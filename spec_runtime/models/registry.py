@@ -1,7 +1,7 @@
 """Model families by HF `model_type`: the module and class that run each.
 
 Adding a family is one file in spec_runtime/models/ and one line here. Modules are
-imported when a model of theirs is built, so this file imports nothing.
+imported when a model of theirs is built, so this file imports nothing of the package.
 """
 
 from __future__ import annotations
@@ -25,3 +25,16 @@ def model_class(model_type: str) -> type:
         raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     module, cls = _MODELS[model_type]
     return getattr(importlib.import_module(f"spec_runtime.models.{module}"), cls)
+
+
+def build_model(arch, device, dtype):
+    """The registered model for `arch` (a ModelArch) on `device`, its weights
+    uninitialised (the loader or a benchmark fills them), RoPE tables ready, in eval mode."""
+    import torch
+
+    # Meta first, so no memory is spent initialising weights that are about to be overwritten.
+    with torch.device("meta"):
+        model = model_class(arch.model_type)(arch, dtype)
+    model.to_empty(device=device)
+    model.init_rope()
+    return model.eval().requires_grad_(False)
