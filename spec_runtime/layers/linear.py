@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from spec_runtime.kernels.compiled import triton_kernels
 from spec_runtime.kernels.plan import KernelPlan
 
 
@@ -89,12 +90,10 @@ class LinearBase(nn.Module):
         first; silu_mul: the weight is [gate; up] and the result silu(gate) * up;
         add_to: [1, N] tensor the product is added to in place (and returned); block:
         (BLOCK_N, BLOCK_K, num_warps) for this call, else the plan's tuned block."""
-        from spec_runtime.kernels.small_linear import small_linear  # Triton: CUDA hosts only
-
         if self.tp_size != 1:
             raise ValueError("the one-token kernel runs at tp_size 1 only")
         kw = dict(norm_weight=norm.weight, eps=norm.eps) if norm is not None else {}
-        return small_linear(x, self.weight, bias=self.bias, silu_mul=silu_mul, add_to=add_to, block=block,
+        return triton_kernels().small_linear(x, self.weight, bias=self.bias, silu_mul=silu_mul, add_to=add_to, block=block,
                             table=self.plan.blocks, **kw)
 
 

@@ -19,6 +19,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from spec_runtime.kernels.compiled import triton_kernels
 from spec_runtime.kernels.plan import KernelPlan
 from spec_runtime.layers.activation import SiluAndMul
 from spec_runtime.layers.embedding import LMHead, VocabEmbedding
@@ -62,11 +63,10 @@ class Attention(nn.Module):
         """qkv [T, (Hq + 2 Hkv) D] -> attention output [T, Hq * D]; writes the step's K/V."""
         t, li, kv = qkv.shape[0], self.layer_idx, ctx.kv
         if self.plan.fused:
-            from spec_runtime.kernels.paged import rope_store_kv  # Triton: CUDA hosts only
-
             qn = self.q_norm.weight if self.q_norm is not None else None
             kn = self.k_norm.weight if self.k_norm is not None else None
             # One kernel: split qkv, q/k norm, RoPE, and k/v written to their pool rows.
+            rope_store_kv = triton_kernels().rope_store_kv
             q = rope_store_kv(qkv, ctx.cos, ctx.sin, kv.k_cache[li], kv.v_cache[li], ctx.batch.kv_write_rows,
                               num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                               q_norm_w=qn, k_norm_w=kn, eps=self.eps)  # [T, Hq, D]
