@@ -40,8 +40,11 @@ class ModelConfig:
     cuda_graphs: bool = _f(True, "Capture CUDA graphs for decode/verify (ignored on CPU).")
     gpu_memory_utilization: float = _f(0.85, "Fraction of GPU memory the process may use; the KV cache takes what the weights and a warm-up forward leave.")
     gguf_cache: bool = _f(True, "Keep a de-quantized copy of a .gguf model in $XDG_CACHE_HOME/spec-runtime/gguf (~/.cache when unset), so only the first start converts it.")
+    tensor_parallel_size: int = _f(1, "Target: processes (devices) the model is split over by attention heads and MLP columns; ranks 1..N-1 run on the N-1 devices after its --target-device (cuda:0 -> cuda:0..N-1; on cpu, all on the CPU with gloo). The draft takes 1 only: give it its own device.")
 
     def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if not 0.05 <= self.gpu_memory_utilization <= 0.99:
             raise ValueError(
                 f"gpu_memory_utilization must be in [0.05, 0.99], got {self.gpu_memory_utilization}"
@@ -184,6 +187,9 @@ class RuntimeConfig:
             raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
         if self.spec.mode == "ssd" and self.draft_name == "ngram":
             raise ValueError("mode ssd needs a draft model (--draft PATH); the n-gram speculator has no tree to build")
+        if self.draft.tensor_parallel_size != 1:
+            raise ValueError("the draft runs on one device: draft tensor_parallel_size must be 1 "
+                             f"(got {self.draft.tensor_parallel_size}); put it on its own GPU with --draft-device")
 
     @property
     def draft_name(self) -> str:

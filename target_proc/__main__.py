@@ -17,13 +17,10 @@ def build(cfg, init, *, client_secret_key: bytes | None = None, draft_public_key
     """Load the target and open its links. The keys (Ray deployments over tcp) make the
     client ROUTER a CURVE server and the spec link a CURVE client of the draft; a CURVE
     server may bind a non-loopback address."""
-    from spec_runtime.engine.runner import ModelRunner
+    from target_proc.model import start_tensor_parallel, target_runner
 
-    # Verify forwards are padded to K+1 tokens per sequence, so one graph per batch size fits.
-    q_lens = (1, cfg.spec.k + 1) if cfg.spec.mode != "ar" else (1,)
-    runner = ModelRunner.build(cfg.target, kernels=cfg.kernels, num_slots=cfg.sched.max_batch_size,
-                               max_model_len=cfg.sched.max_model_len, max_batch_size=cfg.sched.max_batch_size,
-                               graph_q_lens=q_lens)
+    tp = start_tensor_parallel(cfg)  # None on one device
+    runner = target_runner(cfg, tp)
     clients = RouterChannel(ClientMessage)
     if client_secret_key is not None:
         set_curve_server(clients.socket, client_secret_key)
@@ -49,7 +46,16 @@ def build(cfg, init, *, client_secret_key: bytes | None = None, draft_public_key
         model_name=runner.model_name,
         startup_phases=dict(runner.startup_phases),
     )
-    return ready, worker.run_forever
+    if tp is None:
+        return ready, worker.run_forever
+
+    def run_and_stop_followers() -> None:
+        try:
+            worker.run_forever()
+        finally:
+            tp.stop()
+
+    return ready, run_and_stop_followers
 
 
 if __name__ == "__main__":

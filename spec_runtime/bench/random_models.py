@@ -43,12 +43,21 @@ BENCH_ARCHS: dict[str, ModelArch] = {
 
 @torch.no_grad()
 def random_model(arch: ModelArch, device: torch.device | str, dtype: torch.dtype = torch.bfloat16,
-                 seed: int = 0, std: float = 0.02) -> torch.nn.Module:
-    """The registry's model of `arch` with N(0, std) matrices and norms near 1, on `device`."""
-    model = build_model(arch, torch.device(device), dtype)
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
+                 seed: int = 0, std: float = 0.02, tp_size: int = 1, tp_rank: int = 0) -> torch.nn.Module:
+    """The registry's model of `arch` with N(0, std) matrices and norms near 1, on `device`.
+    With tp_size > 1, rank tp_rank's shard: the whole tensors (embeddings, norms, LM
+    head) are the same on every rank, the split ones drawn per rank (for speed only:
+    the shards are not slices of the tp_size 1 model)."""
+    model = build_model(arch, torch.device(device), dtype, tp_size, tp_rank)
+    whole = torch.Generator(device=device)
+    whole.manual_seed(seed)
+    split = whole
+    if tp_size > 1:
+        split = torch.Generator(device=device)
+        split.manual_seed(seed + 1 + tp_rank)
     for name, p in model.named_parameters():
+        owner = model.get_submodule(name.rpartition(".")[0])
+        gen = split if getattr(owner, "split_dim", None) is not None and p.dim() == 2 else whole
         if "norm" in name:
             p.normal_(1.0, 0.05, generator=gen)
         else:
@@ -56,13 +65,13 @@ def random_model(arch: ModelArch, device: torch.device | str, dtype: torch.dtype
     return model
 
 
-def load_random_model(name: str, device: torch.device, dtype: torch.dtype):
+def load_random_model(name: str, device: torch.device, dtype: torch.dtype, tp_size: int = 1, tp_rank: int = 0):
     """(model, arch, tokenizer None) for the loader's `random:<name>`."""
     if name not in BENCH_ARCHS:
         raise ValueError(f"unknown random model shape {name!r}; choose from {', '.join(BENCH_ARCHS)}")
     arch = BENCH_ARCHS[name]
     logger.info("building %s with random weights on %s (benchmarks only: it has no tokenizer)", name, device)
-    return random_model(arch, device, dtype), arch, None
+    return random_model(arch, device, dtype, tp_size=tp_size, tp_rank=tp_rank), arch, None
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

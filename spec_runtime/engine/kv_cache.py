@@ -56,7 +56,7 @@ class KVCache:
         )
 
 
-def kv_bytes_per_token(arch: ModelArch, dtype: torch.dtype) -> int:
-    """Bytes one token's K and V take over all layers."""
+def kv_bytes_per_token(arch: ModelArch, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """Bytes one token's K and V take over all layers (on one of tp_size ranks)."""
     elem = torch.empty(0, dtype=dtype).element_size()
-    return 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * elem
+    return 2 * arch.num_layers * (arch.num_kv_heads // tp_size) * arch.head_dim * elem

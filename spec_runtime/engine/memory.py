@@ -32,7 +32,8 @@ def fit_num_slots(model, backend: AttentionBackend, *, gpu_memory_utilization: f
     device = model.embed_tokens.weight.device
     arch, dtype = model.arch, model.embed_tokens.weight.dtype
     n = max(1, min(warmup_tokens, max_model_len))
-    tmp_kv = KVCache(arch.num_layers, n + 1, arch.num_kv_heads, arch.head_dim, dtype, device)
+    tp_size = getattr(model, "tp_size", 1)
+    tmp_kv = KVCache(arch.num_layers, n + 1, arch.num_kv_heads // tp_size, arch.head_dim, dtype, device)
     model.bind(backend, tmp_kv)
     torch.cuda.synchronize(device)  # sync: start-up sizing, before the peak is read
     torch.cuda.reset_peak_memory_stats(device)
@@ -50,10 +51,10 @@ def fit_num_slots(model, backend: AttentionBackend, *, gpu_memory_utilization: f
     torch.cuda.empty_cache()
 
     total = torch.cuda.get_device_properties(device).total_memory
-    tmp_bytes = kv_bytes_per_token(arch, dtype) * (n + 1)
+    tmp_bytes = kv_bytes_per_token(arch, dtype, tp_size) * (n + 1)
     used = peak - tmp_bytes  # weights + activations + workspaces
     budget = int(total * gpu_memory_utilization) - used - GRAPH_RESERVE_BYTES - reserve_bytes
-    per_token = kv_bytes_per_token(arch, dtype)
+    per_token = kv_bytes_per_token(arch, dtype, tp_size)
     fixed = per_token * (num_scratch_rows + 1)  # scratch rows + the dummy row
     fit = (budget - fixed) // (per_token * max_model_len)
     logger.info("GPU memory: total %.1f GiB, weights+activations %.2f GiB, KV budget %.2f GiB -> %d slots fit",

@@ -13,6 +13,7 @@ kernel choices in. On CPU both steps do nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -38,14 +39,16 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, *, num_slots: int, max_model_len: int, num_scratch_rows: int = 0,
                  max_batch_size: int | None = None, graph_q_lens: Sequence[int] = (1,),
                  tree_shapes: Sequence[tuple[int, int]] = (), tree_local_rows: int = 0,
-                 kernels: KernelConfig | None = None) -> None:
+                 kernels: KernelConfig | None = None, tp=None) -> None:
         """On CUDA, `num_slots` is a cap (the pool gets what fits in gpu_memory_utilization;
         read `layout.num_slots`), and CUDA graphs are captured for up to `max_batch_size`
         requests (default num_slots) of each q_len in `graph_q_lens` (1 = decode, K+1 = verify),
         and for each SSD tree step shape (sequences, branches) in `tree_shapes`, whose
         branches see at most `tree_local_rows` rows beyond their sequence's prefix.
-        kernels: the CUDA kernel choices (default KernelConfig()). Use `build`, which
-        also tunes the kernels and captures the graphs."""
+        kernels: the CUDA kernel choices (default KernelConfig()). tp: this process's
+        engine.parallel.TPGroup when the model is split over several (every rank builds
+        its runner with the same arguments; rank 0's `run` leads the others'). Use
+        `build`, which also tunes the kernels and captures the graphs."""
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         if max_model_len < 1:
@@ -53,8 +56,14 @@ class ModelRunner:
         if num_scratch_rows < 0:
             raise ValueError(f"num_scratch_rows must be >= 0, got {num_scratch_rows}")
         self.cfg = cfg
+        self.tp = tp
+        tp_size, tp_rank = (tp.size, tp.rank) if tp is not None else (1, 0)
         self.kernel_cfg = kernels or KernelConfig()
-        self.device = torch.device(cfg.device)
+        if tp_size > 1 and self.kernel_cfg.small_linear != "off":
+            # The one-token projection kernel folds the residual add into a whole-row
+            # product; split rows need the all-reduce in between.
+            self.kernel_cfg = dataclasses.replace(self.kernel_cfg, small_linear="off")
+        self.device = torch.device(cfg.device if tp is None else str(tp.device))
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())  # "cuda" = the current one
         if self.device.type == "cuda":
@@ -64,7 +73,8 @@ class ModelRunner:
         # Seconds per start-up phase (load, kv_alloc, graph_capture with kernel tuning), sent in Ready.
         self.startup_phases: dict[str, float] = {}
         t0 = time.perf_counter()
-        self.model, self.arch, self.tokenizer = load_model(cfg.path, self.device, self.dtype, cfg.gguf_cache)
+        self.model, self.arch, self.tokenizer = load_model(cfg.path, self.device, self.dtype, cfg.gguf_cache,
+                                                           tp_size=tp_size, tp_rank=tp_rank)
         self.model_name = model_name(cfg.path)
         self.vocab_size = self.arch.vocab_size
         self.eos_token_ids = eos_token_ids(cfg.path, self.arch, self.tokenizer, cfg.gguf_cache)
@@ -76,16 +86,19 @@ class ModelRunner:
             logger.warning("max_model_len %d capped to the model's max_position_embeddings %d",
                            max_model_len, self.arch.max_position_embeddings)
             max_model_len = self.arch.max_position_embeddings
-        self.backend = make_backend(self.arch.num_heads, self.arch.num_kv_heads, self.arch.head_dim, self.dtype,
+        num_heads, num_kv_heads = self.arch.num_heads // tp_size, self.arch.num_kv_heads // tp_size  # this rank's
+        self.backend = make_backend(num_heads, num_kv_heads, self.arch.head_dim, self.dtype,
                                     self.device, sliding_window=self.arch.sliding_window,
                                     graph_attention=self.kernel_cfg.attention_backend)
         if self.device.type == "cuda":
             num_slots = self._fit_num_slots(num_slots, max_model_len, num_scratch_rows,
                                             max_batch_size or num_slots, graph_q_lens, tree_shapes)
+        if tp is not None:
+            num_slots = tp.min_int(num_slots)  # every rank's pool holds the same rows
         self.layout = SlotLayout(num_slots, max_model_len, num_scratch_rows)
         # One row past the layout that no sequence owns, for padded requests and branches.
         self.dummy_row = self.layout.num_rows
-        self.kv_cache = KVCache(self.arch.num_layers, self.layout.num_rows + 1, self.arch.num_kv_heads,
+        self.kv_cache = KVCache(self.arch.num_layers, self.layout.num_rows + 1, num_kv_heads,
                                 self.arch.head_dim, self.dtype, self.device)
         self.model.bind(self.backend, self.kv_cache)
         self.startup_phases["kv_alloc_s"] = time.perf_counter() - t0
@@ -162,11 +175,20 @@ class ModelRunner:
         return self.model.compute_logits(hidden[batch.logits_indices])  # [N, V]
 
     def run(self, items: Sequence[ForwardItem]) -> torch.Tensor:
-        """build_forward_batch + forward; positions must fit in max_model_len."""
+        """build_forward_batch + forward; positions must fit in max_model_len. With
+        tensor parallelism, rank 0 sends the items to the other ranks first (they run
+        the same forward in `follow`)."""
         limit = self.layout.max_model_len
         for it in items:
             if it.start_pos + len(it.token_ids) > limit:
                 raise ValueError(
                     f"request reaches position {it.start_pos + len(it.token_ids)} > max_model_len {limit}"
                 )
+        if self.tp is not None:
+            self.tp.send_items(items)
         return self.forward(build_forward_batch(items, self.device))
+
+    def follow(self) -> None:
+        """Tensor-parallel ranks 1..N-1: run rank 0's forwards until it stops the group."""
+        while (items := self.tp.recv_items()) is not None:
+            self.forward(build_forward_batch(items, self.device))

@@ -43,16 +43,20 @@ class StepContext:
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch, layer_idx: int, dtype: torch.dtype, plan: KernelPlan) -> None:
+    """This rank's heads: num_heads / tp and num_kv_heads / tp of them (tp = tensor-parallel size)."""
+
+    def __init__(self, arch: ModelArch, layer_idx: int, dtype: torch.dtype, plan: KernelPlan, tp: dict) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.plan = plan
-        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
-        self.q_size, self.kv_size = arch.q_size, arch.kv_size
+        n = tp["tp_size"]
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads // n, arch.num_kv_heads // n, arch.head_dim
+        self.q_size, self.kv_size = arch.q_size // n, arch.kv_size // n
         self.eps = arch.rms_norm_eps
         self.qkv_proj = QKVParallelLinear(arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads,
-                                          bias=arch.attention_bias, dtype=dtype, plan=plan)
-        self.o_proj = RowParallelLinear(arch.q_size, arch.hidden_size, bias=arch.o_proj_bias, dtype=dtype, plan=plan)
+                                          bias=arch.attention_bias, dtype=dtype, plan=plan, **tp)
+        self.o_proj = RowParallelLinear(arch.q_size, arch.hidden_size, bias=arch.o_proj_bias, dtype=dtype, plan=plan,
+                                        **tp)
         if arch.qk_norm:
             self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype, plan)
             self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype, plan)
@@ -84,13 +88,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: ModelArch, dtype: torch.dtype, plan: KernelPlan) -> None:
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, plan: KernelPlan, tp: dict) -> None:
         super().__init__()
         size = arch.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(arch.hidden_size, [size, size], bias=False, dtype=dtype,
-                                                       plan=plan)
+                                                       plan=plan, **tp)
         self.act = SiluAndMul(plan)
-        self.down_proj = RowParallelLinear(size, arch.hidden_size, bias=False, dtype=dtype, plan=plan)
+        self.down_proj = RowParallelLinear(size, arch.hidden_size, bias=False, dtype=dtype, plan=plan, **tp)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(h)))
@@ -104,12 +108,12 @@ class DecoderLayer(nn.Module):
     """Pre-norm attention and gated MLP. `attend` is the layer's attention bound to the
     step (the model passes Attention.attend; the kernel tuning passes a stand-in)."""
 
-    def __init__(self, arch: ModelArch, layer_idx: int, dtype: torch.dtype, plan: KernelPlan) -> None:
+    def __init__(self, arch: ModelArch, layer_idx: int, dtype: torch.dtype, plan: KernelPlan, tp: dict) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, plan)
-        self.self_attn = Attention(arch, layer_idx, dtype, plan)
+        self.self_attn = Attention(arch, layer_idx, dtype, plan, tp)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, plan)
-        self.mlp = MLP(arch, dtype, plan)
+        self.mlp = MLP(arch, dtype, plan, tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
                 attend: Attend) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,21 +152,30 @@ class LlamaForCausalLM(nn.Module):
     Build it under `torch.device("meta")` and `to_empty` it to avoid initialising
     weights that are about to be overwritten; call `init_rope()` after that, and
     `bind(backend, kv)` before the first forward. `kernels` is the plan every layer
-    reads (eager ops until the runner sets it for CUDA).
+    reads (eager ops until the runner sets it for CUDA). With tp_size > 1 the model is
+    rank tp_rank's shard (spec_runtime.engine.parallel): its heads, MLP columns and KV
+    heads are 1/tp_size of the whole; embeddings, norms and the LM head are whole.
     """
 
     sliding_window_supported = False
 
-    def __init__(self, arch: ModelArch, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, arch: ModelArch, dtype: torch.dtype = torch.float32, tp_size: int = 1,
+                 tp_rank: int = 0) -> None:
         super().__init__()
         if arch.sliding_window is not None and not self.sliding_window_supported:
             raise ValueError(f"{arch.model_type} with a sliding window is not supported")
+        if arch.num_heads % tp_size or arch.num_kv_heads % tp_size or arch.intermediate_size % tp_size:
+            raise ValueError(f"{arch.model_type} with {arch.num_heads} heads, {arch.num_kv_heads} kv heads and "
+                             f"{arch.intermediate_size} MLP features does not split over {tp_size} ranks")
         self.arch = arch
+        self.tp_size, self.tp_rank = tp_size, tp_rank
+        self.num_kv_heads = arch.num_kv_heads // tp_size  # this rank's, in the KV pool
+        tp = dict(tp_size=tp_size, tp_rank=tp_rank)
         self.kernels = KernelPlan()
         plan = self.kernels
         self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size, dtype)
         self.rotary_emb = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling, plan)
-        self.layers = nn.ModuleList(DecoderLayer(arch, i, dtype, plan) for i in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, dtype, plan, tp) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, plan)
         self.lm_head = None if arch.tie_word_embeddings else LMHead(arch.vocab_size, arch.hidden_size, dtype)
         self.backend = None  # attention.AttentionBackend, set by bind
@@ -172,7 +185,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary_emb.init_tables(self.embed_tokens.weight.device)
 
     def bind(self, backend, kv) -> None:
-        if kv.num_layers != self.arch.num_layers or kv.num_kv_heads != self.arch.num_kv_heads \
+        if kv.num_layers != self.arch.num_layers or kv.num_kv_heads != self.num_kv_heads \
                 or kv.head_dim != self.arch.head_dim:
             raise ValueError(f"{kv} does not fit the model {self.arch}")
         self.backend = backend

@@ -155,21 +155,22 @@ def _progress(total: int, desc: str) -> tqdm:
 
 
 def load_model(path: str, device: torch.device | str = "cpu", dtype: str | torch.dtype = "auto",
-               use_cache: bool = True):
+               use_cache: bool = True, tp_size: int = 1, tp_rank: int = 0):
     """(model, arch, tokenizer) for a HF directory, a .gguf file, or "" (default SmolLM2).
-    use_cache: read a GGUF file's converted copy, writing it on the first load."""
+    use_cache: read a GGUF file's converted copy, writing it on the first load.
+    tp_size > 1: rank tp_rank's shard (each linear layer keeps its slice of each tensor)."""
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
     if is_random(path):  # the one hook for benchmark-only models
         from spec_runtime.bench.random_models import load_random_model
 
-        return load_random_model(path[len(RANDOM_PREFIX):], device, dtype)
+        return load_random_model(path[len(RANDOM_PREFIX):], device, dtype, tp_size, tp_rank)
     directory, gguf = _resolve_path(path, use_cache)
     logger.info("loading %s on %s", model_name(path), device)
     tokenizer = None
     if gguf is None:
         arch = load_arch(directory)
-        model = build_model(arch, device, dtype)
+        model = build_model(arch, device, dtype, tp_size, tp_rank)
         files = _safetensors_files(directory)
         with _progress(_count_safetensors(files), f"Loading {os.path.basename(directory)}") as bar:
             model.load_weights(_iter_safetensors(files, bar))
@@ -189,7 +190,7 @@ def load_model(path: str, device: torch.device | str = "cpu", dtype: str | torch
             tokenizer = load_tokenizer(path, use_cache=False)
             gguf_cache.store(os.path.join(directory, gguf), hf_model.config, state, tokenizer)
         del hf_model
-        model = build_model(arch, device, dtype)
+        model = build_model(arch, device, dtype, tp_size, tp_rank)
         with _progress(len(state), f"Loading {gguf}") as bar:
             def weights() -> Iterator[tuple[str, torch.Tensor]]:
                 for name in list(state):

@@ -27,14 +27,15 @@ def model_class(model_type: str) -> type:
     return getattr(importlib.import_module(f"spec_runtime.models.{module}"), cls)
 
 
-def build_model(arch, device, dtype):
-    """The registered model for `arch` (a ModelArch) on `device`, its weights
-    uninitialised (the loader or a benchmark fills them), RoPE tables ready, in eval mode."""
+def build_model(arch, device, dtype, tp_size: int = 1, tp_rank: int = 0):
+    """The registered model for `arch` (a ModelArch) on `device` (rank tp_rank's shard of
+    tp_size), its weights uninitialised (the loader or a benchmark fills them), RoPE
+    tables ready, in eval mode."""
     import torch
 
     # Meta first, so no memory is spent initialising weights that are about to be overwritten.
     with torch.device("meta"):
-        model = model_class(arch.model_type)(arch, dtype)
+        model = model_class(arch.model_type)(arch, dtype, tp_size=tp_size, tp_rank=tp_rank)
     model.to_empty(device=device)
     model.init_rope()
     return model.eval().requires_grad_(False)

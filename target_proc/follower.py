@@ -1,0 +1,50 @@
+"""`python -m target_proc.follower --rank R --world-size N --port P --device D`: rank R of
+the target's tensor-parallel group, started by rank 0 (target_proc.model) through
+spec_runtime.child_boot.
+
+It joins the group, receives the runtime config from rank 0, builds the same runner,
+then runs each forward rank 0 broadcasts until rank 0 stops the group. It talks to
+nobody else; rank 0's death ends it (the parent-death signal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+
+logger = logging.getLogger(__name__)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m target_proc.follower")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--device", required=True)
+    args = p.parse_args()
+
+    from spec_runtime.child import exit_with_parent, setup_logging
+
+    exit_with_parent()
+    role = f"target-rank{args.rank}"
+    setup_logging(role, os.environ.get("SPEC_RUNTIME_LOG_LEVEL", "WARNING"))
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+
+    import msgspec
+
+    from protocol.codec import decode_config
+    from spec_runtime.engine.parallel import TPGroup
+    from target_proc.model import target_runner
+
+    group = TPGroup(args.world_size, args.rank, args.device, args.port)
+    cfg = decode_config(msgspec.msgpack.decode(group.broadcast_bytes(None)))
+    setup_logging(role, cfg.log_level)
+    runner = target_runner(cfg, group)
+    runner.follow()
+    group.stop()
+
+
+if __name__ == "__main__":
+    main()

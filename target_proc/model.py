@@ -1,0 +1,38 @@
+"""The target's runner: on one device, or split over several (tensor parallelism).
+
+Rank 0 (the target process) and the followers (target_proc.follower) build their
+runners through `target_runner` with the same config, so they load, size and capture
+in the same order and their collectives pair up.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from protocol.codec import encode_config
+
+
+def target_runner(cfg, tp=None):
+    """The target's ModelRunner (tp: this rank's TPGroup, or None on one device)."""
+    from spec_runtime.engine.runner import ModelRunner
+
+    # Verify forwards are padded to K+1 tokens per sequence, so one graph per batch size fits.
+    q_lens = (1, cfg.spec.k + 1) if cfg.spec.mode != "ar" else (1,)
+    return ModelRunner.build(cfg.target, kernels=cfg.kernels, num_slots=cfg.sched.max_batch_size,
+                             max_model_len=cfg.sched.max_model_len, max_batch_size=cfg.sched.max_batch_size,
+                             graph_q_lens=q_lens, tp=tp)
+
+
+def start_tensor_parallel(cfg):
+    """Rank 0 of --tensor-parallel-size N > 1: start ranks 1..N-1, form the group, send
+    them the config. None for N = 1."""
+    n = cfg.target.tensor_parallel_size
+    if n == 1:
+        return None
+    from spec_runtime.engine.parallel import TPGroup, free_port, start_followers
+
+    port = free_port()
+    procs = start_followers(n, port, cfg.target.device)
+    group = TPGroup(n, 0, cfg.target.device, port, timeout_s=cfg.startup_timeout_s, followers=procs)
+    group.broadcast_bytes(msgspec.msgpack.encode(encode_config(cfg)))
+    return group
