@@ -36,7 +36,10 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=No
     _copy(param.data, loaded)
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+def _copy(dst: torch.Tensor, src) -> None:
+    """src: a tensor, or a checkpoint slice not read yet (models.loader.LazySlice)."""
+    if not isinstance(src, torch.Tensor):
+        src = src.materialize()
     if tuple(dst.shape) != tuple(src.shape):
         raise ValueError(f"checkpoint shape {tuple(src.shape)} != model {tuple(dst.shape)}")
     dst.copy_(src)

@@ -130,13 +130,35 @@ def _safetensors_files(directory: str) -> list[str]:
     return files
 
 
-def _iter_safetensors(files: list[str], bar: tqdm) -> Iterator[tuple[str, torch.Tensor]]:
+class LazySlice:
+    """A checkpoint tensor not read yet: `narrow` reads only the slice asked for (a
+    tensor-parallel rank's shard), `materialize` the whole tensor."""
+
+    def __init__(self, sl) -> None:
+        self._sl = sl
+        self.shape = tuple(sl.get_shape())
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + length)
+        return self._sl[tuple(index)]
+
+    def materialize(self) -> torch.Tensor:
+        return self._sl[:]
+
+
+def _iter_safetensors(files: list[str], bar: tqdm, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every checkpoint tensor; lazy: LazySlice instead, so a
+    tensor-parallel rank reads only its shard of each split tensor."""
     from safetensors import safe_open
 
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, (LazySlice(f.get_slice(name)) if lazy else f.get_tensor(name))
                 bar.update(1)
 
 
@@ -173,7 +195,7 @@ def load_model(path: str, device: torch.device | str = "cpu", dtype: str | torch
         model = build_model(arch, device, dtype, tp_size, tp_rank)
         files = _safetensors_files(directory)
         with _progress(_count_safetensors(files), f"Loading {os.path.basename(directory)}") as bar:
-            model.load_weights(_iter_safetensors(files, bar))
+            model.load_weights(_iter_safetensors(files, bar, lazy=tp_size > 1))
     else:
         from transformers import AutoModelForCausalLM
 
