@@ -206,6 +206,9 @@ def _serve(args: argparse.Namespace) -> int:
     if not errors:
         defaults, why = _generation_defaults(args, cfg)
         errors += why
+    if not errors and args.ray and cfg.target.tensor_parallel_size > 1:
+        errors.append("--tensor-parallel-size > 1 does not run under Ray (one bundle per rank is not "
+                      "placed yet); serve it without --ray")
     if errors:
         raise ConfigErrors(errors)
     from spec_runtime.launcher import StartupError

@@ -122,7 +122,13 @@ def deploy(config: RuntimeConfig, placement: Placement = "pack", *, gpus_per_act
 
 
 def roles_of(config: RuntimeConfig) -> list[str]:
+    if config.target.tensor_parallel_size > 1:
+        raise ValueError(TP_UNDER_RAY)
     return ["target", "draft"] if config.spec.uses_draft_process else ["target"]
+
+
+TP_UNDER_RAY = ("--tensor-parallel-size > 1 does not run under Ray: the target's ranks need one bundle each, "
+                "which the Ray deployment does not place; serve it without --ray")
 
 
 def deploy_in_current_group(config: RuntimeConfig, first_bundle: int = 1) -> "RayDeployment":
