@@ -304,3 +304,55 @@ def test_tree_graph_matches_cpu_per_branch(model_dir: str) -> None:
         assert rel_err(logits, ref[i]) < TOL, i
         prev = torch.zeros(12, dtype=torch.int64, device=gpu.device)
         prev[sel] = ref[i].argmax(-1).to(gpu.device)  # follow the CPU's tokens so the rows stay comparable
+
+
+_TP_RANK = r"""
+import sys, torch
+sys.path[:0] = [{root!r}, {tests!r}]
+from spec_runtime.config import ModelConfig
+from spec_runtime.engine.parallel import TPGroup
+from spec_runtime.engine.runner import ModelRunner
+from test_gpu import MAX_LEN, SCRATCH, VERIFY_Q, scenario
+rank = {rank}
+group = TPGroup(2, rank, "cuda:0", {port}, backend="gloo")
+cfg = ModelConfig(path={path!r}, device="cuda:0", cuda_graphs=False, gpu_memory_utilization=0.3)
+runner = ModelRunner.build(cfg, num_slots=4, max_model_len=MAX_LEN, num_scratch_rows=SCRATCH, max_batch_size=4,
+                           graph_q_lens=(1, VERIFY_Q), tp=group)
+if rank == 0:
+    out, _ = scenario(runner, runner.vocab_size)
+    torch.save([o.cpu() for o in out], {out!r})
+    group.stop()
+else:
+    runner.follow()
+"""
+
+
+def test_two_tensor_parallel_ranks_on_one_gpu_match_one(model_dir: str, tmp_path) -> None:
+    """TP=2 on one GPU (gloo: NCCL wants a GPU per rank) through the CUDA kernels at
+    the split shapes (half the heads and KV heads per rank), eager, against TP=1."""
+    import os
+    import subprocess
+    import sys
+
+    from spec_runtime.engine.parallel import free_port
+    from spec_runtime.models.hf_config import load_arch
+
+    arch = load_arch(model_dir)
+    if arch.num_kv_heads % 2:
+        pytest.skip("one KV head does not split over two ranks")
+    one = _runner(model_dir, "cuda", graphs=False)
+    want, _ = scenario(one, one.vocab_size)
+    del one
+    torch.cuda.empty_cache()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    port, out = free_port(), str(tmp_path / "tp2.pt")
+    procs = [subprocess.Popen([sys.executable, "-c", _TP_RANK.format(
+        root=root, tests=os.path.join(root, "tests"), rank=r, port=port, path=model_dir, out=out)],
+        stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    errs = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(e[-2000:] for e in errs)
+    got = torch.load(out)
+    assert len(got) == len(want)
+    worst = max(rel_err(g, w) for g, w in zip(got, want))
+    print(f"TP=2 against TP=1 on one GPU: worst relative error {worst:.1e}")
+    assert worst < TOL

@@ -87,16 +87,18 @@ class TPGroup:
     """This process's place in a tensor-parallel group, and the step broadcast."""
 
     def __init__(self, size: int, rank: int, device: str, port: int, timeout_s: float = 600.0,
-                 followers: Sequence[subprocess.Popen] = ()) -> None:
+                 followers: Sequence[subprocess.Popen] = (), backend: str | None = None) -> None:
         """followers (rank 0): the processes of ranks 1..size-1, watched from now on, so
-        one that dies before joining ends this process instead of the join's wait."""
+        one that dies before joining ends this process instead of the join's wait.
+        backend: default NCCL on CUDA, gloo on the CPU (gloo also carries CUDA tensors,
+        through the host, where ranks share one GPU, which NCCL refuses)."""
         self.size, self.rank = size, rank
         self.device = torch.device(device)
         self.followers = list(followers)
         self._stopped = False
         if self.followers:
             self.watch_followers()
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", world_size=size, rank=rank,
