@@ -24,11 +24,10 @@ import math
 import time
 
 import numpy as np
-import zmq
 
 from draft_proc.speculator import Proposal, Speculator
 from draft_proc.state import DraftSeq, OutcomeError
-from protocol.codec import ProtocolError, encode
+from protocol.codec import ProtocolError
 from protocol.messages import (
     AddSequence,
     DraftStats,
@@ -243,11 +242,8 @@ class DraftWorker:
         self._pushed_at = time.monotonic()
         if st == self._pushed:
             return
-        try:
-            self.channel.socket.send_multipart(encode(st), copy=False, flags=zmq.NOBLOCK)
+        if self.channel.try_send(st):
             self._pushed = st
-        except zmq.Again:
-            pass
 
     def stats(self) -> DraftStats:
         return DraftStats(
