@@ -13,9 +13,6 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("spec_runtime", "target_proc", "draft_proc", "protocol")
-# spec_runtime.model is not walked: its loader and runner import each other lazily, and
-# the package is being split into layers/, models/, attention/, kernels/ and engine/.
-NOT_WALKED = ("spec_runtime.model",)
 
 
 def _modules() -> dict[str, str]:
@@ -25,9 +22,7 @@ def _modules() -> dict[str, str]:
             for f in files:
                 if f.endswith(".py"):
                     path = os.path.join(d, f)
-                    name = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".").removesuffix(".__init__")
-                    if not any(name == n or name.startswith(n + ".") for n in NOT_WALKED):
-                        mods[name] = path
+                    mods[os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".").removesuffix(".__init__")] = path
     return mods
 
 
