@@ -15,6 +15,7 @@ import torch
 
 from draft_proc.speculator import Proposal, Speculator
 from draft_proc.state import DraftSeq
+from protocol.sparse_q import put_q
 from spec_runtime.engine.forward_batch import ForwardItem, build_forward_batch
 from spec_runtime.sampling import SamplingTensors, draft_sample, saguaro_rescale
 
@@ -41,7 +42,7 @@ class ModelDrafter(Speculator):
         """Sample the draft token at `positions` (absolute) for each row; returns device
         tensors (token_ids [R], q_token_ids [R, top] | None, q_probs [R, top] | None).
 
-        transform: the oracle for this step of a chain (OracleTransform.chain), if any.
+        transform: this step's transform of a chain (logits_transform.chain), if any.
         depth: index of the token within its speculation (0..K-1). With Saguaro
         rescaling (SSD), q's top F_depth tokens, the ones the tree cache will fork at
         that depth, are scaled by the factor before sampling, and that rescaled q is
@@ -169,13 +170,9 @@ class ModelDrafter(Speculator):
             tokens, q_ids, q_probs = self.decode_chain(self.catch_up_items(rows), later, rows, positions, steps)
             for r, b in enumerate(idx):
                 drafted[b] = tokens[r].tolist()
-                if sampled and q_ids is not None:
-                    w = q_ids.shape[-1]
-                    prop.q_token_ids[b, :steps, :w] = q_ids[r]
-                    prop.q_probs[b, :steps, :w] = q_probs[r]
-                elif sampled:  # a greedy row in a sampled batch: one-hot q
-                    prop.q_token_ids[b, :steps, 0] = tokens[r]
-                    prop.q_probs[b, :steps, 0] = 1.0
+                if sampled:  # a greedy row in a sampled batch gets a one-hot q
+                    put_q(prop.q_token_ids, prop.q_probs, (b, slice(0, steps)), tokens[r],
+                          None if q_ids is None else q_ids[r], None if q_ids is None else q_probs[r])
         for b, s in enumerate(seqs):
             m = len(drafted[b])
             prop.draft_token_ids[b, :m] = drafted[b]

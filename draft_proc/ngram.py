@@ -13,6 +13,7 @@ import numpy as np
 
 from draft_proc.speculator import Proposal, Speculator
 from draft_proc.state import DraftSeq
+from protocol.sparse_q import put_q
 
 
 def ngram_propose(token_ids: list[int] | np.ndarray, k: int, ngram_min: int, ngram_max: int) -> list[int]:
@@ -47,9 +48,8 @@ class NgramSpeculator(Speculator):
             m = len(tokens)
             prop.draft_token_ids[b, :m] = tokens
             prop.num_draft_tokens[b] = m
-            if any_sampled:
-                prop.q_token_ids[b, :m, 0] = tokens
-                prop.q_probs[b, :m, 0] = 1.0
+            if any_sampled:  # n-gram drafts are greedy: one-hot q
+                put_q(prop.q_token_ids, prop.q_probs, (b, slice(0, m)), tokens)
             # No KV is written: the slot stays valid up to the token before the last.
             seq.set_speculation(tokens, num_cached=min(seq.num_cached, seq.num_tokens - 1))
         return prop

@@ -39,6 +39,7 @@ from draft_proc.speculator import Proposal, Speculator
 from draft_proc.state import DraftSeq
 from draft_proc.tree_budget import TreeBudget, ladder
 from draft_proc.tree_cache import CachedSpeculation, Fork, TreeCache, select_forks
+from protocol.sparse_q import put_q
 from spec_runtime.engine.forward_batch import ForwardItem, TreeBranch, build_tree_batch, tree_step_batch
 
 logger = logging.getLogger(__name__)
@@ -163,25 +164,18 @@ class SSDEngine:
                 for r, b in enumerate(misses):
                     prop.draft_token_ids[b] = sub.draft_token_ids[r]
                     prop.num_draft_tokens[b] = sub.num_draft_tokens[r]
-                    if sampled and sub.q_token_ids is not None:
-                        w = sub.q_token_ids.shape[-1]
-                        prop.q_token_ids[b, :, :w] = sub.q_token_ids[r]
-                        prop.q_probs[b, :, :w] = sub.q_probs[r]
-                    elif sampled:  # a greedy row in a sampled batch: one-hot q
+                    if sampled:  # a greedy row in a sampled batch gets a one-hot q
                         m = int(sub.num_draft_tokens[r])
-                        prop.q_token_ids[b, :m, 0] = sub.draft_token_ids[r, :m]
-                        prop.q_probs[b, :m, 0] = 1.0
+                        greedy = sub.q_token_ids is None
+                        put_q(prop.q_token_ids, prop.q_probs, (b, slice(0, m)), sub.draft_token_ids[r, :m],
+                              None if greedy else sub.q_token_ids[r, :m], None if greedy else sub.q_probs[r, :m])
         return prop, hits, hits_by_depth
 
     @staticmethod
     def _fill_q(prop: Proposal, b: int, entry: CachedSpeculation, m: int) -> None:
-        if entry.q_token_ids is None:
-            prop.q_token_ids[b, :m, 0] = entry.draft_token_ids[:m]
-            prop.q_probs[b, :m, 0] = 1.0
-        else:
-            w = entry.q_token_ids.shape[-1]
-            prop.q_token_ids[b, :m, :w] = entry.q_token_ids[:m]
-            prop.q_probs[b, :m, :w] = entry.q_probs[:m]
+        greedy = entry.q_token_ids is None
+        put_q(prop.q_token_ids, prop.q_probs, (b, slice(0, m)), entry.draft_token_ids[:m],
+              None if greedy else entry.q_token_ids[:m], None if greedy else entry.q_probs[:m])
 
     # ---------------------------------------------------------------- work ahead
 
@@ -330,14 +324,8 @@ class SSDEngine:
             positions = np.array(prefix, dtype=np.int64) + 1
             toks, qi, qp = self.drafter.decode_chain(items(0), lambda i: items(i, tok=0), rows, positions, steps)
             tokens[idx, :steps] = toks
-            if sampled:
-                if qi is not None:
-                    w = qi.shape[-1]
-                    q_ids[idx, :steps, :w] = qi
-                    q_probs[idx, :steps, :w] = qp
-                else:  # greedy branches in a sampled batch: one-hot q
-                    q_ids[idx, :steps, 0] = toks
-                    q_probs[idx, :steps, 0] = 1.0
+            if sampled:  # greedy branches in a sampled batch get a one-hot q
+                put_q(q_ids, q_probs, (idx, slice(0, steps)), toks, qi, qp)
         self._store(seqs, forks, lens, tokens, q_ids, q_probs, sampled)
 
     def _tree_q_len(self, seqs: list[DraftSeq], forks: list[Fork]) -> int | None:
@@ -381,14 +369,8 @@ class SSDEngine:
 
         toks, qi, qp = self.drafter.run_chain(make_batch, rows, positions, k, select=select_d)
         tokens[perm] = toks
-        if sampled:
-            if qi is not None:
-                w = qi.shape[-1]
-                q_ids[perm, :, :w] = qi
-                q_probs[perm, :, :w] = qp
-            else:  # greedy branches in a sampled batch: one-hot q
-                q_ids[perm, :, 0] = toks
-                q_probs[perm, :, 0] = 1.0
+        if sampled:  # greedy branches in a sampled batch get a one-hot q
+            put_q(q_ids, q_probs, (perm, slice(None)), toks, qi, qp)
 
     def _store(self, seqs, forks, lens, tokens, q_ids, q_probs, sampled) -> None:
         entries: dict[int, dict[tuple[int, int], CachedSpeculation]] = {s.seq_id: {} for s in seqs}

@@ -11,6 +11,10 @@ sequences exist and no message is waiting, the loop works ahead for all of them 
 batch (SSDEngine.prefetch), so their first outcome can hit the tree cache. A message
 always comes first: a sequence whose SpecRequest arrives before that idle moment just
 takes the normal path (a miss) and is never prefetched.
+
+Counters (DraftStats) are pushed, never waited for: after an answer when the last push is
+STATS_PUSH_S old, and when the loop goes idle with counters that changed since. The
+target keeps the last ones, so its stats never wait on this process.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from protocol.messages import (
 
 logger = logging.getLogger(__name__)
 
+STATS_PUSH_S = 0.5  # the longest the target's copy of the counters lags while answering
+
 
 class DraftWorker:
     def __init__(self, cfg, channel, speculator: Speculator, vocab_size: int, num_slots: int, ssd=None):
@@ -58,6 +64,8 @@ class DraftWorker:
         # next request was already waiting when it ended); None when no work-ahead is
         # the last thing that ran.
         self._last_tree: tuple[int, float, float, bool] | None = None
+        self._pushed: DraftStats | None = None  # the counters pushed last, and when
+        self._pushed_at = 0.0
 
     def run_forever(self) -> None:
         while self.running:
@@ -76,6 +84,8 @@ class DraftWorker:
             self.handle(msg)
         elif self.fresh:
             self.prefetch_fresh()
+        else:
+            self.push_stats()
 
     def prefetch_fresh(self) -> None:
         """One SSD work-ahead over every fresh sequence. A failure is logged and costs only
@@ -189,6 +199,8 @@ class DraftWorker:
         self.channel.send(self._response(req.step, ok, prop, hits, hits_by_depth))
         self.answer_s += time.perf_counter() - t0
         self.num_answers += 1
+        if time.monotonic() - self._pushed_at >= STATS_PUSH_S:
+            self.push_stats()
         if self.ssd is not None:
             self._worked_ahead = bool(req.work_ahead)
             if req.work_ahead:
@@ -222,6 +234,16 @@ class DraftWorker:
             draft_work_s=self.ssd.last_work_s if self.ssd is not None else 0.0,
             hits_by_depth=list(hits_by_depth),
         )
+
+    def push_stats(self) -> None:
+        """Send the counters to the target if they changed since the last push. Never
+        blocks: a target that is not reading misses this push, not the next."""
+        st = self.stats()
+        self._pushed_at = time.monotonic()
+        if st == self._pushed:
+            return
+        if self.channel.try_send(st):
+            self._pushed = st
 
     def stats(self) -> DraftStats:
         return DraftStats(

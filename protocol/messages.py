@@ -156,6 +156,20 @@ def mean_acceptance_length(num_accepted_tokens: int, num_drafts: int) -> float:
     return 1.0 + num_accepted_tokens / num_drafts if num_drafts else 1.0
 
 
+_TOTAL_COUNTERS = ("num_prompt_tokens", "num_generated_tokens", "num_rounds", "num_draft_tokens",
+                   "num_accepted_tokens", "num_cache_hits", "num_cache_misses", "num_ar_fallback_rounds",
+                   "num_sd_rounds")
+
+
+def add_totals(totals: RequestStats, st: RequestStats) -> None:
+    """Add a finished request's counters to the engine's totals."""
+    for name in _TOTAL_COUNTERS:
+        setattr(totals, name, getattr(totals, name) + getattr(st, name))
+    for i, (a, d) in enumerate(zip(st.accepted_per_position, st.drafted_per_position)):
+        totals.accepted_per_position[i] += a
+        totals.drafted_per_position[i] += d
+
+
 class RequestOutput(_Hot):
     request_id: str
     new_token_ids: list[int]

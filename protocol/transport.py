@@ -251,6 +251,14 @@ class Channel:
     def send_error(self, code: str, message: str, request_id: str = "", seq_id: int = -1) -> None:
         self.send(_error_reply(code, message, request_id, seq_id))
 
+    def try_send(self, msg: msgspec.Struct) -> bool:
+        """Send without blocking: False when the peer is absent or not reading (its queue is full)."""
+        try:
+            self.socket.send_multipart(encode(msg), copy=False, flags=zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
+
     def pending(self) -> bool:
         """Whether a message is waiting (recv would not block)."""
         return bool(self.socket.poll(0, zmq.POLLIN))

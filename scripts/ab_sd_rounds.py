@@ -80,8 +80,7 @@ def main() -> None:
         cfg = RuntimeConfig(
             target=ModelConfig(path="random:draft-1b", device="cuda:0"),
             draft=ModelConfig(path="random:draft-1b", device="cuda:0", gpu_memory_utilization=0.3),
-            spec=SpeculativeConfig(mode=mode, k=K, fan_out=(3,) * (K + 1), synthetic_acceptance=0.8,
-                                   synthetic_ranks=(0.5, 0.2, 0.1)),
+            spec=SpeculativeConfig(mode=mode, k=K, fan_out=(3,) * (K + 1), synthetic_acceptance=(0.8, 0.5, 0.2, 0.1)),
             sched=SchedulerConfig(max_batch_size=args.max_batch_size, max_model_len=PROMPT + 320),
         )
         spec, ssd, _, _ = make_speculators(cfg)

@@ -3,7 +3,8 @@
 Each mode starts its own runtime (target and draft processes) and decodes the same
 random prompts at every batch size and temperature. With random-weight models
 (`random:target-32b` ...) pass --synthetic-acceptance so acceptance comes from the
-benchmark-only synthetic oracle (docs/benchmarks.md, "Method"); every result row names it.
+synthetic acceptance oracle (spec_runtime.bench.oracle; docs/benchmarks.md, "Method"); every
+result row names it.
 
     python scripts/bench_e2e.py --target random:target-32b --draft random:draft-0.6b \\
         --target-device cuda:0 --draft-device cuda:1 --k 8 --synthetic-acceptance 0.8 \\
@@ -45,8 +46,8 @@ def run_mode(args, mode: str) -> list[dict]:
         spec=SpeculativeConfig(mode=mode, k=args.k, fan_out=args.fan_out, fan_out_miss=args.fan_out_miss,
                                backup=args.backup, tree_budget=args.tree_budget, work_ahead=args.work_ahead,
                                tree_shape=args.tree_shape,
-                               synthetic_acceptance=args.synthetic_acceptance,
-                               synthetic_ranks=args.synthetic_ranks, draft_timeout_s=30.0),
+                               synthetic_acceptance=(args.synthetic_acceptance, *args.synthetic_ranks)
+                               if args.synthetic_acceptance is not None else (), draft_timeout_s=30.0),
         # SD is the synchronous baseline: it speculates every step. SSD runs with the
         # policies a user gets (--spec-policy), which may choose SD rounds or plain steps.
         sched=SchedulerConfig(max_batch_size=max(args.batch_sizes), max_model_len=args.max_model_len,

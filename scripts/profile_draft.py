@@ -45,7 +45,7 @@ def main() -> None:
     contexts = [int(c) for c in args.contexts.split(",")]
 
     from draft_proc.drafter import ModelDrafter
-    from draft_proc.factory import make_oracle_transform
+    from spec_runtime.bench.oracle import draft_oracle
     from draft_proc.ssd import SSDEngine, scratch_rows_needed, tree_local_rows, tree_shapes
     from draft_proc.state import DraftSeq
     from spec_runtime.config import ModelConfig, SpeculativeConfig
@@ -53,15 +53,14 @@ def main() -> None:
 
     spec = SpeculativeConfig(mode="ssd", k=args.k, fan_out=(args.fan_out,) * (args.k + 1),
                              tree_budget=args.tree_budget,
-                             synthetic_acceptance=0.8 if args.oracle else None,
-                             synthetic_ranks=(0.5, 0.2, 0.1) if args.oracle else ())
+                             synthetic_acceptance=(0.8, 0.5, 0.2, 0.1) if args.oracle else ())
     slots = max(4, args.batch)
     max_len = max(contexts) + 4 * args.k + 16
     runner = ModelRunner.build(ModelConfig(path=args.model, device="cuda:0"), num_slots=slots,
                                max_model_len=max_len, num_scratch_rows=scratch_rows_needed(spec, slots),
                                max_batch_size=max(64, slots), graph_q_lens=(1, 2, args.k + 1),
                                tree_shapes=tree_shapes(spec, slots), tree_local_rows=tree_local_rows(spec))
-    drafter = ModelDrafter(runner, spec, logits_transform=make_oracle_transform(spec))
+    drafter = ModelDrafter(runner, spec, logits_transform=draft_oracle(spec.synthetic_acceptance))
     ssd = SSDEngine(drafter, drafter, spec)
     rng = np.random.default_rng(0)
     shared_q_len = ssd._tree_q_len

@@ -14,10 +14,14 @@ __all__ = ["AsyncClient", "Client", "GenerationResult", "ModelConfig", "RuntimeC
 
 def __getattr__(name):
     # The client pulls in zmq threads and the launcher; import it only when asked for.
-    if name in ("Client", "GenerationResult"):
-        from spec_runtime import client
+    if name == "Client":
+        from spec_runtime.client import Client
 
-        return getattr(client, name)
+        return Client
+    if name == "GenerationResult":
+        from spec_runtime.results import GenerationResult
+
+        return GenerationResult
     if name == "AsyncClient":
         from spec_runtime.server.async_client import AsyncClient
 

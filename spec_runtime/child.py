@@ -23,7 +23,7 @@ import zmq
 from protocol.codec import ProtocolError, check_version, decode_config
 from protocol.messages import PROTOCOL_VERSION, ErrorReply, HandshakeMessage, Hello, Init, Ready
 from protocol.transport import Channel
-from spec_runtime.child_boot import PARENT_PID_ENV, PR_SET_PDEATHSIG
+from spec_runtime.child_boot import PR_SET_PDEATHSIG
 
 logger = logging.getLogger(__name__)
 
@@ -37,13 +37,12 @@ def setup_logging(role: str, level: str) -> None:
     )
 
 
-def exit_with_parent() -> None:
+def exit_with_parent(parent_pid: int | None) -> None:
     """Die with the parent: PR_SET_PDEATHSIG where Linux has it, plus a watchdog thread
     (other platforms, and a death the signal cannot report). The parent is the pid the
     launcher passed to spec_runtime.child_boot, which already checked it before the
-    imports; a child started some other way watches the parent it has now."""
-    expected = os.environ.get(PARENT_PID_ENV)
-    parent = int(expected) if expected else os.getppid()
+    imports; a child started some other way (parent_pid None) watches the parent it has now."""
+    parent = parent_pid if parent_pid is not None else os.getppid()
     if os.getppid() != parent:
         os._exit(1)
     try:
@@ -68,9 +67,11 @@ def run_child(role: str, build: Callable[[object, Init], tuple[Ready, Callable[[
     """
     parser = argparse.ArgumentParser(prog=f"python -m {role}_proc")
     parser.add_argument("--control", required=True, help="launcher's handshake address")
+    parser.add_argument("--log-level", default="WARNING", help="log level until the config arrives")
+    parser.add_argument("--parent-pid", type=int, default=None, help="the launcher's pid (spec_runtime.child_boot)")
     args = parser.parse_args()
-    exit_with_parent()
-    setup_logging(role, os.environ.get("SPEC_RUNTIME_LOG_LEVEL", "WARNING"))
+    exit_with_parent(args.parent_pid)
+    setup_logging(role, args.log_level)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
 
     ctl = Channel(zmq.PAIR, HandshakeMessage)
@@ -85,9 +86,6 @@ def run_child(role: str, build: Callable[[object, Init], tuple[Ready, Callable[[
         check_version(init)
         cfg = decode_config(init.config)
         setup_logging(role, cfg.log_level)
-        if os.environ.get("SPEC_RUNTIME_FAULT") == f"{role}:exit_on_load":
-            # Fault injection for tests: die the way a crash during load would, silently.
-            os._exit(3)
         ready, main_loop = build(cfg, init)
     except (ProtocolError, Exception) as e:  # noqa: BLE001 - every start-up failure is reported
         logger.debug("start-up failed:\n%s", traceback.format_exc())

@@ -14,7 +14,6 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Iterator
 
 import numpy as np
@@ -27,55 +26,19 @@ from protocol.messages import (
     ErrorReply,
     GenerateRequest,
     RequestOutput,
-    RequestStats,
     SamplingParams,
     StatsRequest,
     TargetToClientMessage,
     TokenOutputs,
-    mean_acceptance_length,
 )
 from protocol.transport import Channel, set_curve_client
 from spec_runtime.config import RuntimeConfig
 from spec_runtime.inputs import as_token_ids, check_text
 from spec_runtime.launcher import Launcher
+from spec_runtime.results import GenerationResult, RequestFailed
 from target_proc.validate import RequestError, validate_sampling
 
 logger = logging.getLogger(__name__)
-
-
-class RequestFailed(RuntimeError):
-    """The runtime rejected or could not finish a request."""
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    stats: RequestStats
-    logprobs: list[float] = field(default_factory=list)
-
-    def stats_dict(self) -> dict:
-        """The request's figures; docs/metrics.md defines each."""
-        s = self.stats
-        return {
-            "num_prompt_tokens": s.num_prompt_tokens,
-            "num_generated_tokens": s.num_generated_tokens,
-            "num_rounds": s.num_rounds,
-            "num_drafts": s.num_drafts,
-            "num_draft_tokens": s.num_draft_tokens,
-            "num_accepted_tokens": s.num_accepted_tokens,
-            "mean_acceptance_length": round(mean_acceptance_length(s.num_accepted_tokens, s.num_drafts), 4),
-            "acceptance_rate": round(s.num_accepted_tokens / s.num_draft_tokens, 4) if s.num_draft_tokens else 0.0,
-            "acceptance_per_position": [
-                round(a / d, 4) if d else 0.0 for a, d in zip(s.accepted_per_position, s.drafted_per_position)
-            ],
-            "num_cache_hits": s.num_cache_hits,
-            "num_cache_misses": s.num_cache_misses,
-            "num_ar_fallback_rounds": s.num_ar_fallback_rounds,
-            "ttft_s": round(s.ttft_s, 4),
-            "e2e_s": round(s.e2e_s, 4),
-        }
 
 
 _DONE = object()

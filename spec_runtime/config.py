@@ -73,8 +73,7 @@ class SpeculativeConfig:
     ngram_max: int = _f(4, "n-gram speculator: longest suffix to match.")
     ngram_min: int = _f(1, "n-gram speculator: shortest suffix to match.")
     saguaro_rescale: float | None = _f(None, "Saguaro rescaling of the draft's top-F probabilities (SSD only): the sampled distribution and the q used in verification are both rescaled.")
-    synthetic_acceptance: float | None = _f(None, "Benchmarks only, for random-weight models: replace both models' outputs so that each draft token is the target's with this probability (spec_runtime/oracle.py).")
-    synthetic_ranks: tuple[float, ...] = _f((), "Benchmark-only: given that the oracle token is not the draft's top token, the probabilities that it is its rank 2, 3, ... token.")
+    synthetic_acceptance: tuple[float, ...] = _f((), "Benchmarks only, for random-weight models: ALPHA[,R2,R3,...] replaces both models' logits (spec_runtime.bench.oracle) so that the target's token is the draft's most likely one with probability ALPHA and, given a miss, its rank 2, 3, ... token with probabilities R2, R3, .... Empty: off.")
     draft_timeout_s: float | None = _f(None, "Seconds a round waits for the draft's speculation before decoding without it (a late or stalled draft). Unset: 4x the draft's slowest recent answer, at least 1 s (10 s before its first answer), logged.")
 
     def __post_init__(self) -> None:
@@ -102,13 +101,13 @@ class SpeculativeConfig:
             raise ValueError("draft_temperature must be >= 0")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("need 1 <= ngram_min <= ngram_max")
-        if self.synthetic_acceptance is not None and not 0.0 <= self.synthetic_acceptance <= 1.0:
-            raise ValueError("synthetic_acceptance must be in [0, 1]")
-        if self.synthetic_ranks and (
-            any(p < 0 for p in self.synthetic_ranks)
-            or sum(self.synthetic_ranks) > 1.0 + 1e-9
-        ):
-            raise ValueError("synthetic_ranks are probabilities given a top-1 miss: each >= 0, summing to at most 1")
+        if self.synthetic_acceptance:
+            alpha, ranks = self.synthetic_acceptance[0], self.synthetic_acceptance[1:]
+            if not 0.0 <= alpha <= 1.0:
+                raise ValueError(f"synthetic_acceptance must start with a probability in [0, 1], got {alpha}")
+            if any(p < 0 for p in ranks) or sum(ranks) > 1.0 + 1e-9:
+                raise ValueError("synthetic_acceptance ranks (after the first value) are probabilities given a "
+                                 "top-1 miss: each >= 0, summing to at most 1")
         if self.draft_timeout_s is not None and self.draft_timeout_s <= 0:
             raise ValueError(f"draft_timeout_s must be > 0, got {self.draft_timeout_s}")
 

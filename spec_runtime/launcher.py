@@ -63,14 +63,13 @@ class _Child:
         return f"{self.role} process (pid {self.proc.pid})"
 
 
-def _spawn(role: str, control_addr: str, cfg: RuntimeConfig) -> subprocess.Popen:
+def _spawn(role: str, module: str, control_addr: str, cfg: RuntimeConfig) -> subprocess.Popen:
     env = dict(os.environ)
     env["PYTHONPATH"] = _PROJECT_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env["SPEC_RUNTIME_LOG_LEVEL"] = cfg.log_level
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     return subprocess.Popen(
         [sys.executable, "-m", "spec_runtime.child_boot", role, "--parent-pid", str(os.getpid()),
-         "--control", control_addr],
+         "--module", module, "--control", control_addr, "--log-level", cfg.log_level],
         env=env,
         stdin=subprocess.DEVNULL,
     )
@@ -98,8 +97,11 @@ class Launcher:
     child's Ready message, and `dead_child()` names a child that has exited.
     """
 
-    def __init__(self, cfg: RuntimeConfig):
+    def __init__(self, cfg: RuntimeConfig, *, child_modules: dict[str, str] | None = None):
+        """child_modules: the module each role's process runs ({"draft": "draft_proc"} and
+        {"target": "target_proc"} unless given; tests start fault-injecting children this way)."""
         self.cfg = cfg
+        self.child_modules = {"target": "target_proc", "draft": "draft_proc", **(child_modules or {})}
         remove_stale_ipc_dirs()
         self.ipc_dir = private_ipc_dir()
         self.client_addr = ipc_address(self.ipc_dir, "client")
@@ -137,7 +139,7 @@ class Launcher:
             spec_addr=self.spec_addr,
             client_addr=self.client_addr if role == "target" else "",
         )
-        proc = _spawn(role, addr, self.cfg)
+        proc = _spawn(role, self.child_modules[role], addr, self.cfg)
         self.children[role] = _Child(role, proc, ctl, init)
         self._finalizer.detach()
         self._finalizer = weakref.finalize(

@@ -50,10 +50,11 @@ from typing import Callable, Sequence
 
 import torch
 
+from protocol.messages import PLACEHOLDER_TOKEN_ID
+
 STREAM_DRAFT = 1
 STREAM_ACCEPT = 2
 STREAM_TARGET = 3
-PLACEHOLDER_TOKEN_ID = -1
 # Temperatures below this are greedy (dividing by them would overflow the logits).
 GREEDY_TEMPERATURE = 1e-5
 

@@ -32,7 +32,12 @@ def build(cfg, init, *, client_secret_key: bytes | None = None, draft_public_key
             set_curve_client(spec_chan.socket, draft_public_key)
         link = DraftLink(spec_chan, init.spec_addr, cfg.spec.draft_timeout_s, cfg.spec.k, runner.vocab_size)
         link.wait_connected(cfg.startup_timeout_s)
-    worker = TargetWorker(cfg, runner, clients, link)
+    transform = None
+    if cfg.spec.synthetic_acceptance:  # benchmarks only
+        from spec_runtime.bench.oracle import target_oracle
+
+        transform = target_oracle(cfg.spec.synthetic_acceptance)
+    worker = TargetWorker(cfg, runner, clients, link, logits_transform=transform)
     ready = Ready(
         protocol_version=PROTOCOL_VERSION,
         role="target",

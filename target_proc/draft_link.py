@@ -1,4 +1,9 @@
-"""target_proc's end of the spec link: send outcomes, collect speculations.
+"""target_proc's end of the spec link: what the draft knows of each sequence, and the messages.
+
+DraftLink owns the draft-sync state of every sequence: whether the draft's view of it is
+current (`synced`), the round whose speculation is awaited, and the sequences the draft
+reported it could not serve. The worker speaks in steps (admit, collect, send outcomes,
+finish) and never reads that state; `NoDraft` is the same interface without a draft.
 
 The draft is a helper, never a dependency:
   - a speculation that does not arrive within the draft timeout is not waited for (that
@@ -11,14 +16,17 @@ The draft is a helper, never a dependency:
   - a draft token id outside the target's vocabulary can never be accepted: the
     speculation is cut before it (a shorter speculation is still exact) and logged;
   - whenever the draft comes back (reconnected after a restart, or answering again
-    after a stall) `generation` grows, and the worker re-adds every sequence.
+    after a stall) `generation` grows, and every sequence is re-added before it is
+    speculated again;
+  - the draft pushes its counters (DraftStats) on its own; the link keeps the last ones,
+    so reading them never waits on the draft.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import zmq
@@ -31,66 +39,15 @@ from protocol.messages import (
     DraftStatsRequest,
     ErrorReply,
     Release,
-    SpecRequest,
     SpecResponse,
 )
+from target_proc.draft_timeout import DraftTimeout
+from target_proc.sequence import Sequence
+from target_proc.speculation import Outcome, Speculation, awaited_rows, inconsistent, spec_request
 
 logger = logging.getLogger(__name__)
 
-
-class DraftTimeout:
-    """How long a round waits for the draft: `draft_timeout_s` when set, else measured.
-
-    Measured: FACTOR times a slowly decaying maximum of the draft's answer times (request
-    sent to response received; a tree-cache miss answers slower than a hit, so a maximum,
-    not a mean), never under FLOOR_S, and INITIAL_S until the first answer (which
-    includes the draft's prefill). A busy machine slows every answer, so the timeout
-    follows it instead of turning speculation off.
-    """
-
-    FACTOR = 4.0
-    FLOOR_S = 1.0
-    INITIAL_S = 10.0
-    DECAY = 0.99  # per answer
-
-    def __init__(self, configured_s: float | None):
-        self.configured_s = configured_s
-        self.slowest_s = 0.0  # the decaying maximum
-        self._logged_s = 0.0
-
-    @property
-    def value(self) -> float:
-        if self.configured_s is not None:
-            return self.configured_s
-        if self.slowest_s == 0.0:
-            return self.INITIAL_S
-        return max(self.FLOOR_S, self.FACTOR * self.slowest_s)
-
-    def observe(self, answer_s: float) -> None:
-        self.slowest_s = max(answer_s, self.slowest_s * self.DECAY)
-        if self.configured_s is None and not 0.5 * self._logged_s <= self.value <= 2 * self._logged_s:
-            self._logged_s = self.value
-            logger.info("draft timeout %.2f s: %.0fx the draft's slowest recent answer (%.3f s), at least %.1f s "
-                        "(--draft-timeout-s sets it)", self.value, self.FACTOR, self.slowest_s, self.FLOOR_S)
-
-
-@dataclass
-class Speculation:
-    """The draft's proposal for one sequence and round."""
-
-    draft_token_ids: np.ndarray  # [m] int64, m <= K
-    q_token_ids: np.ndarray | None  # [m, top_k] int64, None when greedy
-    q_probs: np.ndarray | None  # [m, top_k] float32
-    cache_hit: bool
-
-
-@dataclass
-class Outcome:
-    seq_id: int
-    round: int
-    num_accepted: int
-    token_id: int  # recovery or bonus token
-    seq_len: int  # confirmed length including token_id
+DRAIN_EVERY_S = 0.1  # how often an idle or plain-decoding loop takes what the draft sent
 
 
 class DraftLink:
@@ -106,19 +63,25 @@ class DraftLink:
         self.k = k
         self.step = 0
         self._step_sent = 0.0
+        # Per-sequence sync state. synced: the draft's view of the sequence is current;
+        # rounds: the round whose speculation is awaited (a response for another is stale);
+        # desynced: the draft said it cannot serve the sequence, so it is re-added.
+        self.synced: set[int] = set()
+        self.rounds: dict[int, int] = {}
         self.desynced: set[int] = set()
-        self.last_stats: DraftStats | None = None
-        self.num_stats = 0  # DraftStats received so far: a waiter compares it with what it saw
+        self.last_stats: DraftStats | None = None  # the counters the draft pushed last
         self.last_draft_work_s = 0.0
         self.num_timeouts = 0
         self.num_reconnects = 0
         # Bumped whenever the draft's state can no longer be trusted to match ours.
         self.generation = 0
+        self._seen_generation = 0
+        self._drained = 0.0
         self.connected = False
         self.healthy = True
         self._probe_sent = 0.0
         self._pending_releases: set[int] = set()
-        self._stash: list[SpecResponse] = []  # responses that arrived during poll_stats
+        self._stash: list[SpecResponse] = []  # responses taken outside a collect
         self.hits_by_depth = [0] * (k + 1)
         # Up = the ZMTP handshake finished (with CURVE, the key check passed too), not
         # merely the transport connected. No ZMQ_IMMEDIATE: with it, a PAIR socket whose
@@ -126,6 +89,8 @@ class DraftLink:
         # non-blocking, and nothing is sent while the draft is known to be down.
         self._monitor = channel.socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         channel.connect(address)
+
+    present = True  # there is a draft (NoDraft says False)
 
     @property
     def timeout_s(self) -> float:
@@ -156,7 +121,7 @@ class DraftLink:
                 self._send(DraftStatsRequest())
             while (msg := self._recv(0.0)) is not None:
                 if isinstance(msg, DraftStats):
-                    self._got_stats(msg)
+                    self.last_stats = msg
                     self.healthy = True
                     self._back()
                     logger.warning("draft answers again; re-adding every sequence and resuming speculation")
@@ -182,17 +147,12 @@ class DraftLink:
             self.healthy = False
             return False
 
-    def add(self, seq_id: int, token_ids: list[int], temperature: float, top_k: int, top_p: float, seed: int) -> None:
-        self._send(
-            AddSequence(
-                seq_id=seq_id,
-                prompt_token_ids=np.asarray(token_ids, dtype=np.int64),
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                seed=seed,
-            )
-        )
+    def add(self, seq: Sequence, token_ids: list[int]) -> None:
+        """The draft prefills token_ids; its next outcome carries the token after them."""
+        sp = seq.sampling
+        self._send(AddSequence(seq_id=seq.seq_id, prompt_token_ids=np.asarray(token_ids, dtype=np.int64),
+                               temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, seed=seq.seed))
+        self.synced.add(seq.seq_id)
 
     def request(self, outcomes: list[Outcome], work_ahead: bool = True) -> None:
         """Send one step's outcomes; work_ahead: whether the draft (SSD) works ahead after answering."""
@@ -200,18 +160,7 @@ class DraftLink:
             return
         self.step += 1
         self._step_sent = time.monotonic()
-        self._send(
-            SpecRequest(
-                step=self.step,
-                seq_ids=np.fromiter((o.seq_id for o in outcomes), np.int64, len(outcomes)),
-                rounds=np.fromiter((o.round for o in outcomes), np.int64, len(outcomes)),
-                num_accepted=np.fromiter((o.num_accepted for o in outcomes), np.int32, len(outcomes)),
-                token_ids=np.fromiter((o.token_id for o in outcomes), np.int64, len(outcomes)),
-                seq_lens=np.fromiter((o.seq_len for o in outcomes), np.int64, len(outcomes)),
-                k=self.k,
-                work_ahead=work_ahead,
-            )
-        )
+        self._send(spec_request(self.step, outcomes, self.k, work_ahead))
 
     def release(self, seq_ids: list[int]) -> None:
         """Free the draft's state of these sequences. A release the draft cannot take now
@@ -228,24 +177,136 @@ class DraftLink:
             ids, self._pending_releases = sorted(self._pending_releases), set()
             self.release(ids)
 
-    def request_stats(self) -> None:
-        """Ask the draft for fresh counters without waiting for them: the answer is taken
-        by `poll_stats` (or by a collect) and bumps `num_stats`."""
-        if self.alive:
-            self._send(DraftStatsRequest())
+    # ---------------------------------------------------------------- the worker's steps
 
-    def poll_stats(self) -> None:
+    def check(self) -> None:
+        """Once per loop: take socket events and probe a suspect draft; a draft that came
+        back (restarted, or answering after a stall) knows nothing current, so every
+        sequence is re-added before it is speculated again. Every DRAIN_EVERY_S, also
+        take what the draft sent (its pushed counters) without waiting."""
+        self.poll_health()
+        if self.generation != self._seen_generation:
+            self._seen_generation = self.generation
+            self.synced.clear()
+        now = time.monotonic()
+        if now - self._drained >= DRAIN_EVERY_S:
+            self._drained = now
+            self._drain()
+
+    def admit(self, seqs: list[Sequence]) -> None:
+        """Add new sequences before the target prefills them: the draft prefills (and, in
+        SSD mode, works ahead for the first outcome) meanwhile."""
+        if not self.alive:
+            return
+        for seq in seqs:
+            if not seq.will_finish(1):
+                self.add(seq, seq.token_ids)
+
+    def send_first_tokens(self, seqs: list[Sequence]) -> None:
+        """After prefill: the first outcome (0, first token) of each added sequence still running."""
+        self.request([self._outcome(s.seq_id, 0, s.last_token_id, s.num_tokens) for s in seqs
+                      if s.seq_id in self.synced])
+
+    def collect(self, seqs: list[Sequence]) -> dict[int, Speculation]:
+        """This round's speculations of `seqs`, as many as arrive in time. Sequences whose
+        draft state may be stale are re-added first, with their last outcome, and awaited
+        like the rest; one left without an answer decodes plainly and is re-added next round."""
+        if not self.alive:
+            self.synced.difference_update(s.seq_id for s in seqs)
+            return {}
+        self._resync([s for s in seqs if s.seq_id not in self.synced or s.seq_id in self.desynced])
+        waiting = {s.seq_id: self.rounds.get(s.seq_id, 0) for s in seqs if s.seq_id in self.synced}
+        specs = self.wait_speculations(waiting)
+        for sid in waiting:
+            if sid not in specs:
+                self.synced.discard(sid)
+                self._next_round(sid)
+        return specs
+
+    def send_outcomes(self, seqs: list[Sequence], specs: dict[int, Speculation], num_accepted: list[int],
+                      token_ids: list[list[int]], speculated: bool, choose_work_ahead: Callable[[int], bool]) -> bool:
+        """Tell the draft each sequence's outcome (j, t) of this step, before the host
+        post-processes it. A plain step (speculated False) still sends the outcome of every
+        synced sequence, as (0, t) against the speculation it sent, which nobody waits for.
+        choose_work_ahead(number of outcomes) sets the request's work_ahead flag; returns
+        the flag (True when nothing was sent)."""
+        if not self.alive:
+            return True
+        outcomes = []
+        for seq, j, toks in zip(seqs, num_accepted, token_ids):
+            sid = seq.seq_id
+            in_sync = sid in specs or (not speculated and sid in self.synced)
+            if in_sync and not seq.will_finish(j + 1) and sid not in self.desynced:
+                outcomes.append(self._outcome(sid, j, toks[j], seq.num_tokens + j + 1))
+        work_ahead = choose_work_ahead(len(outcomes))
+        self.request(outcomes, work_ahead=work_ahead)
+        return work_ahead
+
+    def finish(self, seq_id: int) -> None:
+        """Forget a finished sequence; the draft frees it too (also when unsynced: the
+        draft may still hold an older state of it)."""
+        self.release([seq_id])
+        self.synced.discard(seq_id)
+        self.rounds.pop(seq_id, None)
+        self.desynced.discard(seq_id)
+
+    def take_draft_work_s(self) -> float:
+        """Seconds the draft reported working ahead since the last call (SSD)."""
+        work_s, self.last_draft_work_s = self.last_draft_work_s, 0.0
+        return work_s
+
+    def engine_fields(self) -> dict:
+        """The draft's part of EngineStats, from the counters it pushed last."""
+        ds = self.last_stats
+        return dict(
+            draft_alive=self.alive,
+            draft_num_seqs=ds.num_seqs if ds else -1,
+            draft_num_cache_entries=ds.num_cache_entries if ds else -1,
+            draft_answer_s=ds.answer_s if ds else 0.0,
+            draft_num_answers=ds.num_answers if ds else 0,
+            draft_tree_shrinks=ds.num_tree_shrinks if ds else 0,
+            draft_tree_grows=ds.num_tree_grows if ds else 0,
+            hits_by_depth=list(self.hits_by_depth),
+            num_draft_timeouts=self.num_timeouts,
+            draft_timeout_s=self.timeout_s,
+        )
+
+    # ---------------------------------------------------------------- sync internals
+
+    def _next_round(self, seq_id: int) -> int:
+        self.rounds[seq_id] = self.rounds.get(seq_id, 0) + 1
+        return self.rounds[seq_id]
+
+    def _outcome(self, seq_id: int, num_accepted: int, token_id: int, seq_len: int) -> Outcome:
+        return Outcome(seq_id, self._next_round(seq_id), num_accepted, token_id, seq_len)
+
+    def _resync(self, seqs: list[Sequence]) -> None:
+        """Re-add sequences whose draft state may be stale, with the outcome (0, last token)."""
+        if not seqs:
+            return
+        self.release([s.seq_id for s in seqs])
+        outcomes = []
+        for seq in seqs:
+            self.desynced.discard(seq.seq_id)
+            self.add(seq, seq.token_ids[:-1])
+            outcomes.append(self._outcome(seq.seq_id, 0, seq.last_token_id, seq.num_tokens))
+        self.request(outcomes)
+
+    def _drain(self) -> None:
         """Take what the draft has sent, without waiting: DraftStats into `last_stats`,
-        speculations kept for the next collect."""
+        speculations kept, in order, for the next collect (which drops the stale ones)."""
         if not self.alive:
             return
         while (msg := self._recv(0.0)) is not None:
             if isinstance(msg, SpecResponse):
+                self._observe_answer(msg)
                 self._stash.append(msg)
             else:
-                self._handle_other(msg, {})
+                self._handle_other(msg)
 
-    def collect(self, waiting: dict[int, int]) -> dict[int, Speculation]:
+    # ---------------------------------------------------------------- waiting
+
+    def wait_speculations(self, waiting: dict[int, int]) -> dict[int, Speculation]:
         """Wait for the speculations of `waiting` ({seq_id: round}).
 
         Returns what arrived in time; sequences missing from the result get no
@@ -275,9 +336,10 @@ class DraftLink:
                 self.poll_health()  # a disconnect ends the wait at once
                 continue
             if isinstance(msg, SpecResponse):
+                self._observe_answer(msg)
                 self._take_response(msg, waiting, got)
             else:
-                self._handle_other(msg, waiting)
+                self._handle_other(msg)
                 # A desync error for a sequence we wait for: it will not be answered.
                 for sid in list(waiting):
                     if sid in self.desynced and sid not in got:
@@ -285,62 +347,36 @@ class DraftLink:
         return got
 
     def _take_response(self, msg: SpecResponse, waiting: dict[int, int], got: dict[int, Speculation]) -> None:
-        why = _inconsistent(msg)
+        why = inconsistent(msg)
         if why is not None:
             logger.warning("dropping a SpecResponse with inconsistent arrays (%s)", why)
             return
-        if msg.step == self.step and self._step_sent:
-            self.timeout.observe(time.monotonic() - self._step_sent)
-            self._step_sent = 0.0  # one observation per step
         self.last_draft_work_s = msg.draft_work_s
         if all(waiting.get(int(sid)) == int(r) for sid, r in zip(msg.seq_ids, msg.rounds)):
             # Hits of answers nobody waits for (plain steps, stale rounds) are no hits.
             for j, n in enumerate(msg.hits_by_depth[: len(self.hits_by_depth)]):
                 self.hits_by_depth[j] += n
-        has_q = msg.q_token_ids is not None and msg.q_probs is not None and msg.q_token_ids.size > 0
-        cuts = self._vocab_cuts(msg, has_q)  # [B] or None
-        for b in range(len(msg.seq_ids)):
-            sid = int(msg.seq_ids[b])
-            if waiting.get(sid) != int(msg.rounds[b]):
-                continue  # stale: a round we stopped waiting for, or a released sequence
-            m = int(msg.num_draft_tokens[b])
-            if not 0 <= m <= msg.draft_token_ids.shape[1]:
-                logger.warning("draft sent num_draft_tokens=%d for seq %d; ignoring it", m, sid)
+        for b, sid, spec, num_cut in awaited_rows(msg, waiting, self.vocab_size):
+            if spec is None:
+                logger.warning("draft sent num_draft_tokens=%d for seq %d; ignoring it", msg.num_draft_tokens[b], sid)
                 self.desynced.add(sid)
                 continue
-            if cuts is not None and cuts[b] < m:
-                cut = int(cuts[b])
-                self.num_out_of_vocab += m - cut
+            if num_cut:
+                cut = len(spec.draft_token_ids)
+                self.num_out_of_vocab += num_cut
                 logger.warning("draft proposed token id %d (or a q id out of range) at position %d of seq %d, "
                                "outside the target's vocabulary of %d; it and the %d after it are rejected "
                                "(%d so far)", int(msg.draft_token_ids[b, cut]), cut, sid, self.vocab_size,
-                               m - cut - 1, self.num_out_of_vocab)
-                m = cut
-            got[sid] = Speculation(
-                draft_token_ids=msg.draft_token_ids[b, :m].astype(np.int64, copy=False),
-                q_token_ids=msg.q_token_ids[b, :m] if has_q else None,
-                q_probs=msg.q_probs[b, :m] if has_q else None,
-                cache_hit=bool(msg.cache_hit[b]),
-            )
+                               num_cut - 1, self.num_out_of_vocab)
+            got[sid] = spec
 
-    def _vocab_cuts(self, msg: SpecResponse, has_q: bool) -> np.ndarray | None:
-        """Per sequence, the position of its first draft id (or q id) outside the target's
-        vocabulary, else None when every proposed id is in it (one pass per message).
-        Cutting a speculation there keeps verification exact: its length depends on the
-        draft's proposal only, and the target samples the cut position itself."""
-        if self.vocab_size is None or msg.draft_token_ids.size == 0:
-            return None
-        ids = msg.draft_token_ids  # [B, K]
-        bad = (ids < 0) | (ids >= self.vocab_size)  # [B, K]
-        if has_q:
-            q = msg.q_token_ids  # [B, K, top_k]
-            bad |= ((q < 0) | (q >= self.vocab_size)).any(axis=-1)
-        bad &= np.arange(ids.shape[1])[None, :] < np.asarray(msg.num_draft_tokens)[:, None]  # proposed only
-        if not bad.any():
-            return None
-        return np.where(bad.any(axis=1), bad.argmax(axis=1), ids.shape[1])  # [B]
+    def _observe_answer(self, msg: SpecResponse) -> None:
+        """The answer time of the last request feeds the measured timeout, once per step."""
+        if msg.step == self.step and self._step_sent:
+            self.timeout.observe(time.monotonic() - self._step_sent)
+            self._step_sent = 0.0
 
-    def _handle_other(self, msg, waiting: dict[int, int]) -> None:
+    def _handle_other(self, msg) -> None:
         if isinstance(msg, ErrorReply):
             if msg.seq_id >= 0:
                 logger.info("draft could not serve seq %d (%s: %s); it will be re-added", msg.seq_id, msg.code, msg.message)
@@ -348,11 +384,7 @@ class DraftLink:
             else:
                 logger.warning("draft error %s: %s", msg.code, msg.message)
         elif isinstance(msg, DraftStats):
-            self._got_stats(msg)
-
-    def _got_stats(self, msg: DraftStats) -> None:
-        self.last_stats = msg
-        self.num_stats += 1
+            self.last_stats = msg
 
     def _recv(self, timeout_s: float):
         try:
@@ -362,18 +394,3 @@ class DraftLink:
             return None
 
 
-def _inconsistent(msg: SpecResponse) -> str | None:
-    """Why the arrays of a SpecResponse do not fit together, or None. The codec checks
-    each array alone; a peer could still send B seq ids with fewer rounds."""
-    b = msg.seq_ids.shape[0] if msg.seq_ids.ndim == 1 else -1
-    ids = msg.draft_token_ids
-    if b < 0 or ids.ndim != 2 or ids.shape[0] != b:
-        return f"seq_ids {msg.seq_ids.shape}, draft_token_ids {ids.shape}"
-    for name in ("rounds", "num_draft_tokens", "cache_hit"):
-        if getattr(msg, name).shape != (b,):
-            return f"{name} {getattr(msg, name).shape} for {b} sequences"
-    q_ids, q_probs = msg.q_token_ids, msg.q_probs
-    if q_ids is not None and q_ids.size and (q_ids.ndim != 3 or q_ids.shape[:2] != ids.shape
-                                             or q_probs is None or q_probs.shape != q_ids.shape):
-        return f"q_token_ids {q_ids.shape}, q_probs {None if q_probs is None else q_probs.shape}, draft {ids.shape}"
-    return None

@@ -23,13 +23,14 @@ def main() -> None:
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--device", required=True)
+    p.add_argument("--parent-pid", type=int, default=None, help="the target's pid (spec_runtime.child_boot)")
     args = p.parse_args()
 
     from spec_runtime.child import exit_with_parent, setup_logging
 
-    exit_with_parent()
+    exit_with_parent(args.parent_pid)
     role = f"target-rank{args.rank}"
-    setup_logging(role, os.environ.get("SPEC_RUNTIME_LOG_LEVEL", "WARNING"))
+    setup_logging(role, "WARNING")  # until the config arrives
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
 
     import msgspec

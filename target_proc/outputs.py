@@ -1,19 +1,15 @@
 """Per-request accounting and the messages that carry results to clients.
 
 Pure bookkeeping over protocol structs, no torch: what one verify round adds to a
-request's RequestStats, how finished requests add up into the engine totals, and how
-a step's outputs become one TokenOutputs message per client.
+request's RequestStats, and how a step's outputs become one TokenOutputs message per
+client (protocol.messages.add_totals adds finished requests into the engine totals).
 """
 
 from __future__ import annotations
 
 from protocol.messages import RequestOutput, RequestStats
-from target_proc.draft_link import Speculation
+from target_proc.speculation import Speculation
 from target_proc.sequence import Sequence
-
-_TOTAL_COUNTERS = ("num_prompt_tokens", "num_generated_tokens", "num_rounds", "num_draft_tokens",
-                   "num_accepted_tokens", "num_cache_hits", "num_cache_misses", "num_ar_fallback_rounds",
-                   "num_sd_rounds")
 
 
 def record_round(st: RequestStats, num_draft: int, num_accepted: int, spec: Speculation | None, *,
@@ -41,15 +37,6 @@ def record_round(st: RequestStats, num_draft: int, num_accepted: int, spec: Spec
             st.num_cache_misses += 1
     elif speculating:
         st.num_ar_fallback_rounds += 1
-
-
-def add_totals(totals: RequestStats, st: RequestStats) -> None:
-    """Add a finished request's counters to the engine's totals."""
-    for name in _TOTAL_COUNTERS:
-        setattr(totals, name, getattr(totals, name) + getattr(st, name))
-    for i, (a, d) in enumerate(zip(st.accepted_per_position, st.drafted_per_position)):
-        totals.accepted_per_position[i] += a
-        totals.drafted_per_position[i] += d
 
 
 def take_output(seq: Sequence) -> RequestOutput | None:

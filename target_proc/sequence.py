@@ -96,10 +96,6 @@ class Sequence:
     slot: int = -1
     token_ids: list[int] = field(default_factory=list)  # prompt + generated
     num_prompt_tokens: int = 0
-    # Spec-link bookkeeping: the round whose speculation we wait for, and whether the
-    # draft's view of this sequence is current (False after a round without it).
-    round: int = 0
-    draft_synced: bool = False
     finished: bool = False
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
@@ -134,6 +130,10 @@ class Sequence:
     @property
     def last_token_id(self) -> int:
         return self.token_ids[-1]
+
+    def will_finish(self, num_new: int) -> bool:
+        """Whether num_new more tokens reach max_tokens (the draft need not follow it then)."""
+        return self.num_generated + num_new >= self.sampling.max_tokens
 
     def take_text_delta(self) -> str:
         """Text not yet sent. While unfinished, hold back the last (longest stop - 1)

@@ -8,19 +8,38 @@ sequence for CUDA graphs); `gather` picks each sequence's K+1 verify rows out of
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
+from protocol.messages import PLACEHOLDER_TOKEN_ID
+from protocol.sparse_q import put_q
+from spec_runtime.sampling import SamplingTensors
 
-def verify_inputs(seqs, specs, num_draft, q_lens, k_max, st, device) -> dict:
-    """Device tensors for rejection_sample, plus `gather`: for each (sequence, verify
+
+@dataclass(frozen=True)
+class VerifyInputs:
+    """Device tensors of one verify step: rejection_sample's arguments, and `gather`."""
+
+    gather: torch.Tensor  # [B, k_max + 1] row of the flat logits per (sequence, verify position)
+    draft_token_ids: torch.Tensor  # [B, k_max] int64, PLACEHOLDER_TOKEN_ID past each row's drafts
+    num_draft_tokens: torch.Tensor  # [B] int64
+    q_token_ids: torch.Tensor | None  # [B, k_max, top_k_q] int64, None when every row is greedy
+    q_probs: torch.Tensor | None  # [B, k_max, top_k_q] float32
+    st: SamplingTensors
+    positions: torch.Tensor  # [B] position of d_1
+
+
+def verify_inputs(seqs, specs, num_draft, q_lens, k_max, st, device) -> VerifyInputs:
+    """Upload the inputs of rejection_sample, plus `gather`: for each (sequence, verify
     position) the row of the flat logits, clamped to the sequence's row m past its
     own drafts (those rows are masked by num_draft_tokens)."""
     b = len(seqs)
     m = np.asarray(num_draft, dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(q_lens)[:-1]])
     gather = starts[:, None] + np.minimum(np.arange(k_max + 1)[None, :], m[:, None])  # [B, k_max + 1]
-    draft_ids = np.full((b, k_max), -1, dtype=np.int64)
+    draft_ids = np.full((b, k_max), PLACEHOLDER_TOKEN_ID, dtype=np.int64)
     with_q = [specs[s.seq_id].q_token_ids for i, s in enumerate(seqs)
               if num_draft[i] > 0 and specs[s.seq_id].q_token_ids is not None]
     q_ids = q_probs = None
@@ -34,24 +53,20 @@ def verify_inputs(seqs, specs, num_draft, q_lens, k_max, st, device) -> dict:
             continue
         spec = specs[seq.seq_id]
         draft_ids[i, :mi] = spec.draft_token_ids[:mi]
-        if q_ids is not None:
-            if spec.q_token_ids is None:  # greedy draft in a sampled batch: q is one-hot
-                q_ids[i, :mi, 0] = spec.draft_token_ids[:mi]
-                q_probs[i, :mi, 0] = 1.0
-            else:
-                w = spec.q_token_ids.shape[-1]
-                q_ids[i, :mi, :w] = spec.q_token_ids[:mi]
-                q_probs[i, :mi, :w] = spec.q_probs[:mi]
+        if q_ids is not None:  # a greedy draft in a sampled batch gets a one-hot q
+            sampled = spec.q_token_ids is not None
+            put_q(q_ids, q_probs, (i, slice(0, mi)), spec.draft_token_ids[:mi],
+                  spec.q_token_ids[:mi] if sampled else None, spec.q_probs[:mi] if sampled else None)
 
     def dev(a):
         return None if a is None else torch.from_numpy(a).to(device, non_blocking=True)
 
-    return {
-        "gather": dev(gather),
-        "draft_token_ids": dev(draft_ids),
-        "num_draft_tokens": dev(m),
-        "q_token_ids": dev(q_ids),
-        "q_probs": dev(q_probs),
-        "st": st,
-        "positions": dev(np.array([s.num_tokens for s in seqs], dtype=np.int64)),
-    }
+    return VerifyInputs(
+        gather=dev(gather),
+        draft_token_ids=dev(draft_ids),
+        num_draft_tokens=dev(m),
+        q_token_ids=dev(q_ids),
+        q_probs=dev(q_probs),
+        st=st,
+        positions=dev(np.array([s.num_tokens for s in seqs], dtype=np.int64)),
+    )

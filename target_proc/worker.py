@@ -23,6 +23,7 @@ import torch
 
 from protocol.codec import ProtocolError
 from protocol.messages import (
+    PLACEHOLDER_TOKEN_ID,
     AbortRequest,
     EngineStats,
     ErrorReply,
@@ -31,29 +32,35 @@ from protocol.messages import (
     RequestStats,
     StatsRequest,
     TokenOutputs,
+    add_totals,
 )
 from spec_runtime.config import RuntimeConfig
 from spec_runtime.engine.forward_batch import ForwardItem
 from spec_runtime.logits_process import LogitsProcess, token_logprobs
 from spec_runtime.sampling import SamplingTensors, rejection_sample
-from target_proc.draft_link import DraftLink, Outcome, Speculation
-from target_proc.outputs import add_totals, merge_outputs, record_round, take_output
+from target_proc.draft_link import DraftLink
+from target_proc.no_draft import NoDraft
+from target_proc.outputs import merge_outputs, record_round, take_output
 from target_proc.sequence import IncrementalDetokenizer, Sequence, StopChecker
 from target_proc.spec_policy import SpecPolicy, WorkAheadPolicy
+from target_proc.speculation import Speculation
 from target_proc.verify import verify_inputs
 from target_proc.validate import RequestError, validate_request
 
 logger = logging.getLogger(__name__)
 
-STATS_WAIT_S = 1.0  # longest a stats request waits for the draft's counters
-
 
 class TargetWorker:
-    def __init__(self, cfg: RuntimeConfig, runner, client_channel, draft_link: DraftLink | None):
+    def __init__(self, cfg: RuntimeConfig, runner, client_channel, draft_link: DraftLink | None,
+                 logits_transform=None):
+        """logits_transform(logits [N, V], seqs, positions [N]) -> logits, applied to every
+        forward's logits (row i predicts position positions[i] of seqs[i]): the synthetic
+        acceptance oracle in benchmarks (spec_runtime.bench.oracle); None otherwise."""
         self.cfg = cfg
         self.runner = runner
         self.clients = client_channel
-        self.draft = draft_link
+        self.draft = draft_link if draft_link is not None else NoDraft()
+        self.logits_transform = logits_transform
         self.k = cfg.spec.k if cfg.spec.mode != "ar" else 0
         self.max_model_len = runner.layout.max_model_len
         self.stop_checker = StopChecker(runner.eos_token_ids, self.max_model_len)
@@ -67,8 +74,6 @@ class TargetWorker:
         self.totals = RequestStats(accepted_per_position=[0] * self.k, drafted_per_position=[0] * self.k)
         self.outputs: dict[bytes, list[RequestOutput]] = {}
         self.timing = {"num_steps": 0, "verify_s": 0.0, "draft_wait_s": 0.0, "draft_work_s": 0.0}
-        self.draft_generation = 0
-        self.stats_waiters: list[tuple[bytes, float, int]] = []  # (client, deadline, draft stats seen)
         self.policy = SpecPolicy(cfg.sched.spec_policy, cfg.sched.spec_policy_probe_every)
         self.work_ahead_policy = WorkAheadPolicy(cfg.spec.work_ahead if cfg.spec.mode == "ssd" else "always")
         # The work_ahead flags of the last three requests. A step waits for the answer to
@@ -85,23 +90,11 @@ class TargetWorker:
         """Serve until the process is stopped (the launcher signals its children)."""
         while True:
             self.poll_clients(block=not self.running and not self.waiting)
-            self.answer_stats()
-            self.check_draft()
+            self.draft.check()
             self.admit()
             if self.running:
                 self.step()
             self.flush_outputs()
-
-    def check_draft(self) -> None:
-        """A draft that came back (restarted, or answering after a stall) knows nothing
-        current: every sequence is re-added before it is speculated again."""
-        if self.draft is None:
-            return
-        self.draft.poll_health()
-        if self.draft.generation != self.draft_generation:
-            self.draft_generation = self.draft.generation
-            for seq in self.running.values():
-                seq.draft_synced = False
 
     def poll_clients(self, block: bool) -> None:
         timeout = 0.05 if block else 0.0
@@ -130,26 +123,8 @@ class TargetWorker:
         elif isinstance(msg, AbortRequest):
             self.on_abort(ident, msg.request_id)
         elif isinstance(msg, StatsRequest):
-            if self.draft is not None and self.draft.alive:
-                # Answered once the draft's counters arrive (or after STATS_WAIT_S without
-                # them); the loop goes on meanwhile, so nothing waits on the draft.
-                self.draft.request_stats()
-                self.stats_waiters.append((ident, time.monotonic() + STATS_WAIT_S, self.draft.num_stats))
-            else:
-                self.clients.send_to(ident, self.engine_stats())
-
-    def answer_stats(self) -> None:
-        """Send EngineStats to the clients whose draft counters came in, or waited long enough."""
-        if not self.stats_waiters:
-            return
-        self.draft.poll_stats()
-        now, left = time.monotonic(), []
-        for ident, deadline, seen in self.stats_waiters:
-            if self.draft.num_stats > seen or now > deadline or not self.draft.alive:
-                self.clients.send_to(ident, self.engine_stats())
-            else:
-                left.append((ident, deadline, seen))
-        self.stats_waiters = left
+            # The draft's counters are the ones it pushed last: a scrape never waits on it.
+            self.clients.send_to(ident, self.engine_stats())
 
     def on_generate(self, ident: bytes, req: GenerateRequest) -> None:
         key = (ident, req.request_id)
@@ -202,23 +177,18 @@ class TargetWorker:
             return
         # Tell the draft first: it prefills (and, in SSD mode, works ahead for the first
         # outcome) while the target prefills.
-        if self.draft is not None and self.draft.alive:
-            for seq in new:
-                if not self._will_finish(seq, 1):
-                    self.draft.add(seq.seq_id, seq.token_ids, seq.sampling.temperature, seq.sampling.top_k,
-                                   seq.sampling.top_p, seq.seed)
-                    seq.draft_synced = True
+        self.draft.admit(new)
         layout = self.runner.layout
         items = [
             ForwardItem(seq.token_ids, 0, layout.slot_rows(seq.slot, seq.num_tokens), "last") for seq in new
         ]
-        logits = self._oracle(self.runner.run(items), [(s.seed, s.num_tokens, 0) for s in new])  # [B, V]
+        logits = self._transform(self.runner.run(items), new, [1] * len(new))  # [B, V]
         st = self._sampling_tensors(new)
         positions = torch.tensor([s.num_tokens for s in new], dtype=torch.int64, device=logits.device)
         proc = self._logits_process(new)
         res = rejection_sample(
             proc.apply(logits[:, None, :]) if proc is not None else logits[:, None, :],
-            torch.full((len(new), 0), -1, dtype=torch.int64, device=logits.device),
+            torch.full((len(new), 0), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=logits.device),
             torch.zeros(len(new), dtype=torch.int64, device=logits.device),
             None,
             None,
@@ -228,34 +198,75 @@ class TargetWorker:
         tokens = res.output_token_ids[:, 0].cpu().tolist()  # sync: the host streams the first token
         logprobs = self._logprobs(new, logits[:, None, :], res.output_token_ids[:, :1])
         now = time.monotonic()
-        outcomes = []
         for i, (seq, tok) in enumerate(zip(new, tokens)):
             self.running[seq.seq_id] = seq
             seq.stats.num_rounds += 1
             seq.stats.ttft_s = now - seq.arrival_s
-            if seq.draft_synced:
-                seq.round += 1
-                outcomes.append(Outcome(seq.seq_id, seq.round, 0, tok, seq.num_tokens + 1))
             if self.stop_checker.append(seq, tok, *_at(logprobs, i, 0)):
                 self.finish(seq)
-        if self.draft is not None:
-            self.draft.request(outcomes)
+        self.draft.send_first_tokens(new)
         self._emit(new)
 
     # ------------------------------------------------------------------ one round
 
     def step(self) -> None:
+        """One round over every running sequence (the module docstring's steps 1 to 5)."""
         self.step_id += 1
         seqs = list(self.running.values())
         t0 = time.perf_counter()
         # Plain steps (chosen by the policy) leave the draft in sync: it still gets each
         # outcome, as (0, t) against the speculation it sent, which nobody waits for.
-        speculate = self.draft is not None and self.policy.use_speculation(len(seqs))
-        specs = self._collect_speculations(seqs) if speculate else {}
+        speculate = self.draft.present and self.policy.use_speculation(len(seqs))
+        specs = self.draft.collect(seqs) if speculate else {}
         t1 = time.perf_counter()
+        num_draft, num_accepted, out_tokens, logprobs = self._verify(seqs, specs)
+        tm = self.timing
+        tm["num_steps"] += 1
+        tm["draft_wait_s"] += t1 - t0
+        tm["verify_s"] += time.perf_counter() - t1
+        tm["draft_work_s"] += self.draft.take_draft_work_s()
+
+        # Overlap-scheduled acceptance: tell the draft first, post-process after. SSD:
+        # work ahead for the next round, or answer it with a chain (SD), as measured
+        # faster at this batch size; plain steps wait for nothing.
+        work_ahead = self.draft.send_outcomes(seqs, specs, num_accepted, out_tokens, speculate,
+                                              lambda n: speculate and self.work_ahead_policy.work_ahead(n))
+        self._accept(seqs, specs, num_draft, num_accepted, out_tokens, logprobs, speculate)
+        self._record_step(len(seqs), speculate, bool(specs), sum(n + 1 for n in num_accepted), t0, work_ahead)
+        self._emit(seqs)
+
+    def _accept(self, seqs, specs, num_draft, num_accepted, out_tokens, logprobs, speculate: bool) -> None:
+        """Count each round, then append its accepted tokens and the recovery or bonus
+        token one by one, so a stop inside the chunk cuts it there."""
+        ssd = self.cfg.spec.mode == "ssd"
+        sd_round = ssd and speculate and not self._last_flags[-2]
+        for i, seq in enumerate(seqs):
+            j = num_accepted[i]
+            record_round(seq.stats, num_draft[i], j, specs.get(seq.seq_id), ssd=ssd,
+                         speculating=bool(self.k and speculate), sd_round=sd_round)
+            for t in range(j + 1):
+                if self.stop_checker.append(seq, out_tokens[i][t], *_at(logprobs, i, t)):
+                    break
+            if seq.finished:
+                self.finish(seq)
+
+    def _record_step(self, batch: int, speculate: bool, speculated: bool, num_tokens: int, t0: float,
+                     work_ahead: bool) -> None:
+        """Feed the step's time to the policies that choose plain or speculative steps
+        and (SSD) work-ahead or synchronous rounds."""
+        if self.draft.present:
+            step_s = time.perf_counter() - t0
+            self.policy.record(batch, speculate, num_tokens, step_s)
+            if self.cfg.spec.mode == "ssd" and speculate and speculated and len(set(self._last_flags)) == 1:
+                self.work_ahead_policy.record(batch, self._last_flags[-1], step_s)
+        self._last_flags = self._last_flags[1:] + (work_ahead,)
+
+    def _verify(self, seqs: list[Sequence], specs: dict[int, Speculation]):
+        """One verify forward over [x_n, d_1..d_m] per sequence, then rejection sampling.
+        Returns host lists: num_draft [B], num_accepted [B], output tokens [B][k_max + 1]
+        and the logprobs of `_logprobs` (or None)."""
         layout = self.runner.layout
         k_max = max((len(specs[s.seq_id].draft_token_ids) for s in seqs if s.seq_id in specs), default=0)
-
         # Pad every verify to K+1 tokens where the context allows, so the step replays one
         # CUDA graph: padded positions write KV rows past the sequence's length (never
         # read) and their logits are never used (num_draft bounds acceptance).
@@ -276,110 +287,30 @@ class TargetWorker:
         # Upload the verify inputs before the forward is queued: then nothing between the
         # forward and the acceptance kernels waits on the GPU.
         inputs = verify_inputs(seqs, specs, num_draft, q_lens, k_max, self._sampling_tensors(seqs), self.runner.device)
-        flat_logits = self._oracle(self.runner.run(items),
-                                   [(s.seed, s.num_tokens, q - 1) for s, q in zip(seqs, q_lens)])
-        # flat_logits: [sum(q_lens), V]
-        gather = inputs.pop("gather")
-        target_logits = flat_logits[gather]  # [B, k_max + 1, V]
+        flat_logits = self._transform(self.runner.run(items), seqs, q_lens)
+        target_logits = flat_logits[inputs.gather]  # [sum(q_lens), V] -> [B, k_max + 1, V]
         proc = self._logits_process(seqs)
         if proc is not None:
-            res = rejection_sample(proc.apply(target_logits, inputs["draft_token_ids"]), **inputs)
+            target_logits_p = proc.apply(target_logits, inputs.draft_token_ids)
         else:
-            res = rejection_sample(target_logits, **inputs)
+            target_logits_p = target_logits
+        res = rejection_sample(target_logits_p, inputs.draft_token_ids, inputs.num_draft_tokens, inputs.q_token_ids,
+                               inputs.q_probs, inputs.st, inputs.positions)
         num_accepted = res.num_accepted.cpu()  # sync: the accepted prefix decides what the host does next
         out_tokens = res.output_token_ids.cpu()
         logprobs = self._logprobs(seqs, target_logits, res.output_token_ids)
-        num_accepted_l = num_accepted.tolist()
-        out_l = out_tokens.tolist()
-        tm = self.timing
-        tm["num_steps"] += 1
-        tm["draft_wait_s"] += t1 - t0
-        tm["verify_s"] += time.perf_counter() - t1
-        if self.draft is not None:
-            tm["draft_work_s"] += self.draft.last_draft_work_s
-            self.draft.last_draft_work_s = 0.0
-
-        # Overlap-scheduled acceptance: tell the draft first, post-process after.
-        if self.draft is not None and self.draft.alive:
-            outcomes = []
-            for i, seq in enumerate(seqs):
-                j = num_accepted_l[i]
-                in_sync = seq.seq_id in specs or (not speculate and seq.draft_synced)
-                if in_sync and not self._will_finish(seq, j + 1) and seq.seq_id not in self.draft.desynced:
-                    seq.round += 1
-                    outcomes.append(Outcome(seq.seq_id, seq.round, j, out_l[i][j], seq.num_tokens + j + 1))
-            # SSD: work ahead for the next round, or answer it with a chain (SD), as
-            # measured faster at this batch size; plain steps wait for nothing.
-            work_ahead = speculate and self.work_ahead_policy.work_ahead(len(outcomes))
-            self.draft.request(outcomes, work_ahead=work_ahead)
-        else:
-            work_ahead = True
-
-        ssd = self.cfg.spec.mode == "ssd"
-        sd_round = ssd and speculate and not self._last_flags[-2]
-        for i, seq in enumerate(seqs):
-            j = num_accepted_l[i]
-            record_round(seq.stats, num_draft[i], j, specs.get(seq.seq_id), ssd=ssd,
-                         speculating=bool(self.k and speculate), sd_round=sd_round)
-            for t in range(j + 1):
-                if self.stop_checker.append(seq, out_l[i][t], *_at(logprobs, i, t)):
-                    break
-            if seq.finished:
-                self.finish(seq)
-        if self.draft is not None:
-            step_s = time.perf_counter() - t0
-            self.policy.record(len(seqs), speculate, sum(n + 1 for n in num_accepted_l), step_s)
-            if ssd and speculate and specs and len(set(self._last_flags)) == 1:
-                self.work_ahead_policy.record(len(seqs), self._last_flags[-1], step_s)
-        self._last_flags = self._last_flags[1:] + (work_ahead,)
-        self._emit(seqs)
-
-    def _collect_speculations(self, seqs: list[Sequence]) -> dict[int, Speculation]:
-        if self.draft is None:
-            return {}
-        if not self.draft.alive:
-            for seq in seqs:
-                seq.draft_synced = False
-            return {}
-        self._resync([s for s in seqs if not s.draft_synced or s.seq_id in self.draft.desynced])
-        waiting = {s.seq_id: s.round for s in seqs if s.draft_synced}
-        specs = self.draft.collect(waiting)
-        for seq in seqs:
-            if seq.draft_synced and seq.seq_id not in specs:
-                # No answer in time (or a desync): this round decodes plainly; the draft's
-                # view of the sequence is now stale, so it is re-added next round.
-                seq.draft_synced = False
-                seq.round += 1
-        return specs
-
-    def _resync(self, seqs: list[Sequence]) -> None:
-        """Re-add sequences whose draft state may be stale; their speculation comes next round."""
-        if not seqs:
-            return
-        self.draft.release([s.seq_id for s in seqs])
-        outcomes = []
-        for seq in seqs:
-            self.draft.desynced.discard(seq.seq_id)
-            self.draft.add(seq.seq_id, seq.token_ids[:-1], seq.sampling.temperature, seq.sampling.top_k,
-                           seq.sampling.top_p, seq.seed)
-            seq.round += 1
-            seq.draft_synced = True
-            outcomes.append(Outcome(seq.seq_id, seq.round, 0, seq.last_token_id, seq.num_tokens))
-        self.draft.request(outcomes)
+        return num_draft, num_accepted.tolist(), out_tokens.tolist(), logprobs
 
     # ------------------------------------------------------------------ helpers
 
-    def _oracle(self, logits: torch.Tensor, rows: list[tuple[int, int, int]]) -> torch.Tensor:
-        """Benchmark-only synthetic oracle: logits predicting position t become peaked on
-        o_t = hash(seed, t). rows: (seed, first predicted position, m) -> m + 1 rows each."""
-        if self.cfg.spec.synthetic_acceptance is None:
+    def _transform(self, logits: torch.Tensor, seqs: list[Sequence], q_lens: list[int]) -> torch.Tensor:
+        """logits_transform, if set, over flat logits [sum(q_lens), V]: sequence s has q_lens
+        rows, predicting positions s.num_tokens, s.num_tokens + 1, ..."""
+        if self.logits_transform is None:
             return logits
-        from spec_runtime.oracle import target_oracle_logits
-
-        seeds = np.concatenate([np.full(m + 1, seed, dtype=np.int64) for seed, _, m in rows])
-        pos = np.concatenate([np.arange(p, p + m + 1, dtype=np.int64) for _, p, m in rows])
-        # Host tensors: the oracle hashes on the CPU and scatters once on the device.
-        return target_oracle_logits(logits, torch.from_numpy(seeds), torch.from_numpy(pos))
+        rows = [s for s, q in zip(seqs, q_lens) for _ in range(q)]
+        pos = np.concatenate([np.arange(s.num_tokens, s.num_tokens + q, dtype=np.int64) for s, q in zip(seqs, q_lens)])
+        return self.logits_transform(logits, rows, pos)
 
     def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
         return SamplingTensors.from_params(
@@ -405,10 +336,6 @@ class TargetWorker:
         return (lp.cpu().tolist(), top_ids.cpu().tolist() if top_ids is not None else None,
                 top_lp.cpu().tolist() if top_lp is not None else None)
 
-    @staticmethod
-    def _will_finish(seq: Sequence, num_new: int) -> bool:
-        return seq.num_generated + num_new >= seq.sampling.max_tokens
-
     def finish(self, seq: Sequence) -> None:
         """Free the slot and the draft's state; the final output goes out with this step's."""
         self.running.pop(seq.seq_id, None)
@@ -416,9 +343,7 @@ class TargetWorker:
         if seq.slot >= 0:
             self.free_slots.append(seq.slot)
             seq.slot = -1
-        if self.draft is not None:
-            # Also when unsynced: the draft may still hold an older state of it.
-            self.draft.release([seq.seq_id])
+        self.draft.finish(seq.seq_id)
         seq.stats.num_generated_tokens = seq.num_generated
         seq.stats.e2e_s = time.monotonic() - seq.arrival_s
         add_totals(self.totals, seq.stats)
@@ -437,26 +362,17 @@ class TargetWorker:
         self.outputs.clear()
 
     def engine_stats(self) -> EngineStats:
-        ds = self.draft.last_stats if self.draft is not None else None
+        ssd = self.cfg.spec.mode == "ssd"
         return EngineStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             num_free_slots=len(self.free_slots),
-            draft_alive=self.draft is not None and self.draft.alive,
             mode=self.cfg.spec.mode,
             totals=self.totals,
-            draft_num_seqs=ds.num_seqs if ds else -1,
-            draft_num_cache_entries=ds.num_cache_entries if ds else -1,
-            draft_answer_s=ds.answer_s if ds else 0.0,
-            draft_num_answers=ds.num_answers if ds else 0,
-            draft_tree_shrinks=ds.num_tree_shrinks if ds else 0,
-            draft_tree_grows=ds.num_tree_grows if ds else 0,
             num_plain_steps=self.policy.num_plain_steps,
-            num_ssd_rounds=self.work_ahead_policy.num_work_ahead if self.cfg.spec.mode == "ssd" else 0,
-            num_sd_rounds=self.work_ahead_policy.num_sync if self.cfg.spec.mode == "ssd" else 0,
-            hits_by_depth=list(self.draft.hits_by_depth) if self.draft is not None else [],
-            num_draft_timeouts=self.draft.num_timeouts if self.draft is not None else 0,
-            draft_timeout_s=self.draft.timeout_s if self.draft is not None else 0.0,
+            num_ssd_rounds=self.work_ahead_policy.num_work_ahead if ssd else 0,
+            num_sd_rounds=self.work_ahead_policy.num_sync if ssd else 0,
+            **self.draft.engine_fields(),
             **self.timing,
         )
 

@@ -148,7 +148,7 @@ def test_fuzz_target_spec_link_end(tmp_path):
         fake_draft.send(m.SpecResponse(step=r, seq_ids=np.array([7]), rounds=np.array([r]),
                                        draft_token_ids=np.array([[4, 5, 6]]), num_draft_tokens=np.array([3], np.int32),
                                        cache_hit=np.array([True])))
-        got = link.collect({7: r})
+        got = link.wait_speculations({7: r})
         assert list(got) == [7] and got[7].draft_token_ids.tolist() == [4, 5, 6] and link.alive
 
     try:

@@ -8,7 +8,7 @@ from conftest import save_tiny_model
 from e2e_util import make_config
 from protocol.messages import SamplingParams
 from spec_runtime.client import Client
-from target_proc.draft_link import DraftTimeout
+from target_proc.draft_timeout import DraftTimeout
 
 
 def test_configured_timeout_is_used_as_given():

@@ -109,11 +109,21 @@ def test_draft_killed_while_idle(setup):
         assert totals.num_draft_tokens > 0 and totals.num_ar_fallback_rounds == 0
 
 
+def _stall_and_scrape(client, draft) -> None:
+    """Stop the draft; then stats are answered (from the counters it pushed last, never
+    asking it) while the target keeps stepping."""
+    draft.suspend()
+    steps = client.engine_stats(timeout_s=10).num_steps
+    for _ in range(3):
+        assert wait_until(lambda: client.engine_stats(timeout_s=10).num_steps > steps, 60)
+        steps = client.engine_stats(timeout_s=10).num_steps
+
+
 def test_draft_stalled_then_resumed(setup):
     target, prompts, ar = setup
     with Client(_cfg(target, target, timeout_s=0.5)) as client:
         draft = psutil.Process(client.launcher.pids()["draft"])
-        outs = _run_with_fault(client, prompts, draft.suspend)
+        outs = _run_with_fault(client, prompts, lambda: _stall_and_scrape(client, draft))
         assert outs == ar
         st = client.engine_stats()
         assert st.num_draft_timeouts == 1  # one timeout, then plain decoding without waiting

@@ -8,11 +8,14 @@ import numpy as np
 import torch
 from scipy import stats
 
-from spec_runtime.oracle import (
+from spec_runtime.bench.oracle import (
     MASKED_LOGIT,
+    OracleConfig,
+    draft_oracle,
     draft_oracle_logits,
     draft_oracle_rank,
     oracle_token,
+    target_oracle,
     target_oracle_logits,
 )
 from spec_runtime.sampling import SamplingTensors, rejection_sample, target_probs
@@ -122,9 +125,7 @@ def test_chain_transform_equals_per_step_transform():
     """The drafter's precomputed per-step oracle is the per-call oracle, step by step."""
     from types import SimpleNamespace
 
-    from draft_proc.factory import OracleTransform
-
-    tf = OracleTransform(0.8, (0.5, 0.2, 0.1))
+    tf = draft_oracle((0.8, 0.5, 0.2, 0.1))
     seqs = [SimpleNamespace(seed=s) for s in (3, 7, 7, -5)]
     positions = np.array([10, 10, 400, 0])
     vocab, steps = 97, 5
@@ -133,3 +134,11 @@ def test_chain_transform_equals_per_step_transform():
     for i, step in enumerate(chained):
         logits = torch.randn(len(seqs), vocab)
         assert torch.equal(step(logits), tf(logits, seqs, positions + i))
+
+
+def test_config_field_builds_each_half_or_none():
+    assert target_oracle(()) is None and draft_oracle(()) is None
+    tf = draft_oracle((0.7, 0.2))
+    assert (tf.alpha, tf.ranks) == (0.7, (0.2,)) and target_oracle((0.7,)) is not None
+    with pytest.raises(ValueError, match="ranks"):
+        OracleConfig(0.5, (0.8, 0.4))

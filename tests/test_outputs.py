@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from protocol.messages import RequestOutput, RequestStats
-from target_proc.draft_link import Speculation
-from target_proc.outputs import add_totals, merge_outputs, record_round
+from protocol.messages import RequestOutput, RequestStats, add_totals
+from target_proc.outputs import merge_outputs, record_round
+from target_proc.speculation import Speculation
 
 
 def _stats(k: int = 3) -> RequestStats:

@@ -161,7 +161,7 @@ def test_config_round_trip_through_init():
         target=ModelConfig(path="/m/t", device="cuda:0", dtype="bfloat16", gpu_memory_utilization=0.7),
         draft=ModelConfig(path="/m/d.gguf", cuda_graphs=False),
         spec=SpeculativeConfig(mode="ssd", k=3, fan_out=(3, 2, 1, 1), fan_out_miss=(4, 2, 1, 1),
-                               draft_temperature=0.5, synthetic_acceptance=0.6, synthetic_ranks=(0.2, 0.1)),
+                               draft_temperature=0.5, synthetic_acceptance=(0.6, 0.2, 0.1)),
         sched=SchedulerConfig(max_batch_size=4, max_model_len=512),
         seed=7, log_level="INFO",
     )

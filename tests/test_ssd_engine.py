@@ -107,12 +107,11 @@ def test_chain_drafter_with_the_oracle_drafts_its_top_slot(model_dir):
     right step and position."""
     import torch
 
-    from draft_proc.factory import make_oracle_transform
-    from spec_runtime.oracle import draft_oracle_slots
+    from spec_runtime.bench.oracle import draft_oracle, draft_oracle_slots
 
-    spec = SpeculativeConfig(mode="sd", k=K, synthetic_acceptance=0.8, synthetic_ranks=(0.5, 0.2, 0.1))
+    spec = SpeculativeConfig(mode="sd", k=K, synthetic_acceptance=(0.8, 0.5, 0.2, 0.1))
     runner = ModelRunner(ModelConfig(path=model_dir), num_slots=2, max_model_len=128)
-    drafter = ModelDrafter(runner, spec, logits_transform=make_oracle_transform(spec))
+    drafter = ModelDrafter(runner, spec, logits_transform=draft_oracle(spec.synthetic_acceptance))
     seqs = _seqs(0.0)
     prop = drafter.propose(seqs, K)
     for b, s in enumerate(seqs):

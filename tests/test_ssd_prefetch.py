@@ -44,6 +44,7 @@ class MemoryChannel:
     def __init__(self):
         self.inbox: deque = deque()
         self.sent: list = []
+        self.pushed: list = []
         self.timeouts: list[float] = []
         self.always_pending = False  # pretend the next request is waiting after each work-ahead
 
@@ -53,6 +54,10 @@ class MemoryChannel:
 
     def send(self, msg) -> None:
         self.sent.append(msg)
+
+    def try_send(self, msg) -> bool:
+        self.pushed.append(msg)  # the draft's own counter pushes, kept apart from its replies
+        return True
 
     def pending(self) -> bool:
         return self.always_pending or bool(self.inbox)

@@ -13,6 +13,8 @@ from conftest import save_tiny_model
 from e2e_util import make_config
 from spec_runtime.launcher import Launcher, StartupError
 
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
 
 def _children() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True)}
@@ -49,10 +51,11 @@ def test_unsupported_architecture_in_draft(tmp_path):
 
 def test_child_that_dies_during_load(tmp_path, monkeypatch):
     target = save_tiny_model(tmp_path / "t", "llama")
-    monkeypatch.setenv("SPEC_RUNTIME_FAULT", "draft:exit_on_load")
+    # The draft process runs tests/fault_child.py, which dies the way a crash during load would.
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [TESTS_DIR, os.environ.get("PYTHONPATH")])))
     before = _children()
     with pytest.raises(StartupError, match=r"draft process \(pid \d+\) exited with code 3 during start-up"):
-        Launcher(make_config(target, target, mode="sd"))
+        Launcher(make_config(target, target, mode="sd"), child_modules={"draft": "fault_child"})
     _assert_no_new_children(before)
 
 

@@ -11,9 +11,6 @@ rejected by the verifier, never looked up (it used to kill the target with an In
 
 from __future__ import annotations
 
-import os
-import signal
-
 import numpy as np
 import psutil
 import pytest
@@ -70,15 +67,8 @@ def test_padded_draft_vocabulary_serves_exactly(tmp_path, capfd, ar_reference):
         assert c.launcher.dead_child() is None and c.health() == "ok"
         after = c.engine_stats()
         assert after.totals.num_draft_tokens > 0
-        # The draft's counters in EngineStats are current (they are asked for, not cached).
+        # The draft pushes its counters while it answers.
         assert after.draft_num_answers > before.draft_num_answers
-        # A stalled draft does not hold up the stats: they come with the last counters.
-        draft_pid = c.launcher.pids()["draft"]
-        os.kill(draft_pid, signal.SIGSTOP)
-        try:
-            assert c.engine_stats(timeout_s=10).draft_num_answers == after.draft_num_answers
-        finally:
-            os.kill(draft_pid, signal.SIGCONT)
     assert got == ref
     assert "outside the target's vocabulary of 384" in capfd.readouterr().err
 

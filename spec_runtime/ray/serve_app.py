@@ -80,14 +80,14 @@ class _ModelServer:
     async def handle_request(self, request: dict):
         """One HTTP request passed on by spec_runtime.ray.router: yields (status, headers),
         then the body's chunks."""
-        from spec_runtime.ray.router import call_asgi
+        from spec_runtime.ray.asgi import call_asgi
 
         async for item in call_asgi(self.__serve_build_asgi_app__(), request):
             yield item
 
     def _refresh_gauges(self) -> None:
         """Gauges are read from the engine; nobody scrapes a replica, so read them here."""
-        from spec_runtime.client import RequestFailed
+        from spec_runtime.results import RequestFailed
 
         while not self._stop.wait(_METRICS_PERIOD_S):
             try:
@@ -171,7 +171,7 @@ _APP_KEYS = ("api_key", "served_model_name")
 
 def app_builder(args: dict[str, str]):
     """`serve run spec_runtime.ray.serve_app:app_builder key=value ...` (see the module doc)."""
-    from spec_runtime.cli import add_config_flags, config_from_args
+    from spec_runtime.cli_flags import add_config_flags, config_from_args
 
     args = dict(args)
     kwargs = {k: conv(args.pop(k)) for k, conv in _DEPLOY_KEYS.items() if k in args}

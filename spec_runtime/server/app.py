@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from protocol.messages import EngineStats
-from spec_runtime.client import RequestFailed
+from spec_runtime.results import RequestFailed
 from spec_runtime.server.async_client import AsyncClient, AsyncRequest
 from spec_runtime.server.flight import EngineStream, InFlight, Tracker
 from spec_runtime.server.generation_config import apply_generation_defaults

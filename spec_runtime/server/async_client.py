@@ -18,7 +18,8 @@ import threading
 from typing import AsyncIterator
 
 from protocol.messages import EngineStats, RequestOutput, SamplingParams
-from spec_runtime.client import Client, GenerationResult, RequestFailed
+from spec_runtime.client import Client
+from spec_runtime.results import GenerationResult, RequestFailed
 from spec_runtime.config import RuntimeConfig
 
 logger = logging.getLogger(__name__)

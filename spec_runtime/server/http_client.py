@@ -16,7 +16,7 @@ from typing import AsyncIterator, Iterator
 import httpx
 
 from protocol.messages import EngineStats, RequestOutput, RequestStats, SamplingParams
-from spec_runtime.client import GenerationResult, RequestFailed
+from spec_runtime.results import GenerationResult, RequestFailed
 from spec_runtime.server.openai_responses import stats_from_usage
 
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from protocol.messages import RequestOutput, RequestStats, mean_acceptance_length
-from target_proc.outputs import add_totals
+from protocol.messages import RequestOutput, RequestStats, add_totals, mean_acceptance_length
 
 # JSON has no -inf; vLLM reports logprobs below this as this.
 _MIN_LOGPROB = -9999.0

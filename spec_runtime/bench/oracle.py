@@ -1,8 +1,8 @@
 """Synthetic acceptance oracle: benchmark-only replacement of the two LM heads' outputs.
 
-Random-weight models agree on nothing, so GPU benchmarks (../shared/BENCH.md, "Models on
-the GPU machine") replace the numbers that come out of each LM head, after its real
-forward, so that acceptance follows configured rates through the real machinery:
+Random-weight models agree on nothing, so GPU benchmarks of real-size random models
+replace the numbers that come out of each LM head, after its real forward, so that
+acceptance follows configured rates through the real machinery:
 
   o_t        the oracle token at position t: hash(request seed, t) mod vocab. It depends
              on (seed, t) only, never on the tokens before t.
@@ -12,8 +12,8 @@ forward, so that acceptance follows configured rates through the real machinery:
              1 and the rest spread evenly.
   draft      its logits at t put o_t at rank 1 with probability alpha; otherwise (with
              probability 1 - alpha) at rank r = 2, 3, ... with conditional probability
-             ranks[r - 2], and outside its top slots with what is left. So BENCH.md's
-             alpha 0.8 with ranks 0.5,0.2,0.1 puts o_t at rank 2 with probability 0.1. The
+             ranks[r - 2], and outside its top slots with what is left. So alpha 0.8
+             with ranks 0.5,0.2,0.1 puts o_t at rank 2 with probability 0.1. The
              top slots have logits top_logit, top_logit - gap, ... (a clear top-1, so a
              greedy draft takes rank 1); every other token gets -1e4. The tokens in the
              slots o_t does not take are pseudo-random: consecutive ids (mod vocab) after
@@ -28,12 +28,19 @@ Every choice is a pure function of (request seed, t), through the counter-based 
 prefix sees the same draft prediction at t. t is the position of the token the logits
 predict (the same convention as sampling). The input logits only supply shape, dtype
 and device: their values are discarded. Never on by default.
+
+Wiring: `--synthetic-acceptance ALPHA[,R2,R3,...]` (SpeculativeConfig.synthetic_acceptance)
+makes each process build its half here (`target_oracle`, `draft_oracle`) and hand it to
+the one hook it has, `logits_transform(logits [N, V], seqs, positions [N]) -> logits`:
+row i predicts position positions[i] of seqs[i].
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from spec_runtime.sampling import hash32, uniform
@@ -158,3 +165,74 @@ def draft_oracle_logits(
     """Draft logits [*N, V] -> logits of the same shape and dtype (module docstring)."""
     tokens, slot_logits = draft_oracle_slots(seeds, positions, logits.shape[-1], alpha, ranks, top_logit, gap)
     return scatter_slots(logits, _to(tokens, logits.device), _to(slot_logits, logits.device))
+
+
+@dataclass(frozen=True)
+class OracleConfig:
+    """alpha: the probability that the draft's top token is the target's; ranks: given a
+    top-1 miss, the probabilities that it is the draft's rank 2, 3, ... token."""
+
+    alpha: float
+    ranks: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"the oracle's acceptance must be in [0, 1], got {self.alpha}")
+        if any(p < 0 for p in self.ranks) or sum(self.ranks) > 1.0 + 1e-9:
+            raise ValueError("the oracle's ranks are probabilities given a top-1 miss: each >= 0, summing to at most 1")
+
+    @classmethod
+    def parse(cls, values: tuple[float, ...]) -> "OracleConfig | None":
+        """SpeculativeConfig.synthetic_acceptance (ALPHA, R2, R3, ...) -> config, or None when empty."""
+        return cls(values[0], tuple(values[1:])) if values else None
+
+
+def _seeds_positions(seqs, positions) -> tuple[torch.Tensor, torch.Tensor]:
+    # Host tensors: the oracle hashes on the CPU and scatters once on the device.
+    seeds = torch.tensor([s.seed for s in seqs], dtype=torch.int64)
+    return seeds, torch.from_numpy(np.asarray(positions, dtype=np.int64))
+
+
+class TargetOracle:
+    """The target half: logits predicting position t become peaked on o_t."""
+
+    def __call__(self, logits: torch.Tensor, seqs, positions: np.ndarray) -> torch.Tensor:
+        return target_oracle_logits(logits, *_seeds_positions(seqs, positions))
+
+
+class DraftOracle:
+    """The draft half: o_t at the draft's rank drawn from (alpha, ranks).
+
+    `chain` computes the slots of every step of a chain at once (they depend on (seed,
+    position) only), so each step costs one scatter on the device and no host work.
+    """
+
+    def __init__(self, cfg: OracleConfig) -> None:
+        self.alpha = cfg.alpha
+        self.ranks = tuple(cfg.ranks)
+
+    def __call__(self, logits: torch.Tensor, seqs, positions: np.ndarray) -> torch.Tensor:
+        return draft_oracle_logits(logits, *_seeds_positions(seqs, positions), self.alpha, self.ranks)
+
+    def chain(self, seqs, positions: np.ndarray, num_steps: int, vocab: int, device):
+        """Per-step transforms for steps 0..num_steps-1 of a chain whose step i predicts
+        positions + i ([R]): a list of functions logits [R, V] -> logits."""
+        seeds, pos = _seeds_positions(seqs, positions)
+        seeds = seeds[None, :].expand(num_steps, -1)
+        pos = pos[None, :] + torch.arange(num_steps)[:, None]
+        tokens, slot_logits = draft_oracle_slots(seeds, pos, vocab, self.alpha, self.ranks)  # [S_steps, R, slots]
+        if device.type == "cuda":
+            tokens = tokens.pin_memory().to(device, non_blocking=True)
+            slot_logits = slot_logits.pin_memory().to(device, non_blocking=True)
+        return [lambda logits, t=tokens[i]: scatter_slots(logits, t, slot_logits) for i in range(num_steps)]
+
+
+def target_oracle(values: tuple[float, ...]) -> TargetOracle | None:
+    """The target's logits_transform for SpeculativeConfig.synthetic_acceptance, or None when off."""
+    return TargetOracle() if OracleConfig.parse(values) is not None else None
+
+
+def draft_oracle(values: tuple[float, ...]) -> DraftOracle | None:
+    """The draft's logits_transform for SpeculativeConfig.synthetic_acceptance, or None when off."""
+    cfg = OracleConfig.parse(values)
+    return DraftOracle(cfg) if cfg is not None else None

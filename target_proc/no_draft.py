@@ -1,0 +1,44 @@
+"""The spec link of a target without a draft process (AR mode).
+
+Same interface as `DraftLink`, doing nothing: the worker runs one plan whether or not a
+draft exists, and every step is a plain decode.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from target_proc.sequence import Sequence
+from target_proc.speculation import Speculation
+
+
+class NoDraft:
+    present = False
+    alive = False
+
+    def check(self) -> None:
+        pass
+
+    def admit(self, seqs: list[Sequence]) -> None:
+        pass
+
+    def send_first_tokens(self, seqs: list[Sequence]) -> None:
+        pass
+
+    def collect(self, seqs: list[Sequence]) -> dict[int, Speculation]:
+        return {}
+
+    def send_outcomes(self, seqs: list[Sequence], specs: dict[int, Speculation], num_accepted: list[int],
+                      token_ids: list[list[int]], speculated: bool, choose_work_ahead: Callable[[int], bool]) -> bool:
+        return True
+
+    def finish(self, seq_id: int) -> None:
+        pass
+
+    def take_draft_work_s(self) -> float:
+        return 0.0
+
+    def engine_fields(self) -> dict:
+        return dict(draft_alive=False, draft_num_seqs=-1, draft_num_cache_entries=-1, draft_answer_s=0.0,
+                    draft_num_answers=0, draft_tree_shrinks=0, draft_tree_grows=0, hits_by_depth=[],
+                    num_draft_timeouts=0, draft_timeout_s=0.0)

@@ -1,0 +1,114 @@
+"""What crosses the spec link for one sequence and round, as target_proc sees it.
+
+Pure data and checks over protocol structs, no sockets: a `Speculation` is the draft's
+proposal that one verify round checks, an `Outcome` is what the round tells the draft
+back, and `inconsistent` / `vocab_cuts` vet a SpecResponse before any of it is used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+
+from protocol.messages import SpecRequest, SpecResponse
+
+
+@dataclass
+class Speculation:
+    """The draft's proposal for one sequence and round."""
+
+    draft_token_ids: np.ndarray  # [m] int64, m <= K
+    q_token_ids: np.ndarray | None  # [m, top_k] int64, None when greedy
+    q_probs: np.ndarray | None  # [m, top_k] float32
+    cache_hit: bool
+
+
+@dataclass
+class Outcome:
+    seq_id: int
+    round: int
+    num_accepted: int
+    token_id: int  # recovery or bonus token
+    seq_len: int  # confirmed length including token_id
+
+
+def spec_request(step: int, outcomes: list[Outcome], k: int, work_ahead: bool) -> SpecRequest:
+    """One step's outcomes as the message the draft answers."""
+    n = len(outcomes)
+    return SpecRequest(
+        step=step,
+        seq_ids=np.fromiter((o.seq_id for o in outcomes), np.int64, n),
+        rounds=np.fromiter((o.round for o in outcomes), np.int64, n),
+        num_accepted=np.fromiter((o.num_accepted for o in outcomes), np.int32, n),
+        token_ids=np.fromiter((o.token_id for o in outcomes), np.int64, n),
+        seq_lens=np.fromiter((o.seq_len for o in outcomes), np.int64, n),
+        k=k,
+        work_ahead=work_ahead,
+    )
+
+
+def inconsistent(msg: SpecResponse) -> str | None:
+    """Why the arrays of a SpecResponse do not fit together, or None. The codec checks
+    each array alone; a peer could still send B seq ids with fewer rounds."""
+    b = msg.seq_ids.shape[0] if msg.seq_ids.ndim == 1 else -1
+    ids = msg.draft_token_ids
+    if b < 0 or ids.ndim != 2 or ids.shape[0] != b:
+        return f"seq_ids {msg.seq_ids.shape}, draft_token_ids {ids.shape}"
+    for name in ("rounds", "num_draft_tokens", "cache_hit"):
+        if getattr(msg, name).shape != (b,):
+            return f"{name} {getattr(msg, name).shape} for {b} sequences"
+    q_ids, q_probs = msg.q_token_ids, msg.q_probs
+    if q_ids is not None and q_ids.size and (q_ids.ndim != 3 or q_ids.shape[:2] != ids.shape
+                                             or q_probs is None or q_probs.shape != q_ids.shape):
+        return f"q_token_ids {q_ids.shape}, q_probs {None if q_probs is None else q_probs.shape}, draft {ids.shape}"
+    return None
+
+
+def has_q(msg: SpecResponse) -> bool:
+    """Whether the response carries sparse q (absent when every sequence is greedy)."""
+    return msg.q_token_ids is not None and msg.q_probs is not None and msg.q_token_ids.size > 0
+
+
+def vocab_cuts(msg: SpecResponse, vocab_size: int | None) -> np.ndarray | None:
+    """Per sequence, the position of its first draft id (or q id) outside the target's
+    vocabulary, or None when every proposed id is in it (one pass per message).
+    Cutting a speculation there keeps verification exact: its length depends on the
+    draft's proposal only, and the target samples the cut position itself."""
+    if vocab_size is None or msg.draft_token_ids.size == 0:
+        return None
+    ids = msg.draft_token_ids  # [B, K]
+    bad = (ids < 0) | (ids >= vocab_size)  # [B, K]
+    if has_q(msg):
+        q = msg.q_token_ids  # [B, K, top_k]
+        bad |= ((q < 0) | (q >= vocab_size)).any(axis=-1)
+    bad &= np.arange(ids.shape[1])[None, :] < np.asarray(msg.num_draft_tokens)[:, None]  # proposed only
+    if not bad.any():
+        return None
+    return np.where(bad.any(axis=1), bad.argmax(axis=1), ids.shape[1])  # [B]
+
+
+def awaited_rows(msg: SpecResponse, waiting: dict[int, int],
+                 vocab_size: int | None) -> Iterator[tuple[int, int, Speculation | None, int]]:
+    """The rows of a consistent response that answer an awaited round ({seq_id: round}), as
+    (row, seq_id, speculation, draft tokens cut as out of vocabulary). The speculation is
+    None when the row's num_draft_tokens does not fit its arrays. Other rows are stale: a
+    round no longer awaited, or a released sequence."""
+    with_q = has_q(msg)
+    cuts = vocab_cuts(msg, vocab_size)  # [B] or None
+    for b in range(len(msg.seq_ids)):
+        sid = int(msg.seq_ids[b])
+        if waiting.get(sid) != int(msg.rounds[b]):
+            continue
+        m = int(msg.num_draft_tokens[b])
+        if not 0 <= m <= msg.draft_token_ids.shape[1]:
+            yield b, sid, None, 0
+            continue
+        cut = m if cuts is None else min(m, int(cuts[b]))
+        yield b, sid, Speculation(
+            draft_token_ids=msg.draft_token_ids[b, :cut].astype(np.int64, copy=False),
+            q_token_ids=msg.q_token_ids[b, :cut] if with_q else None,
+            q_probs=msg.q_probs[b, :cut] if with_q else None,
+            cache_hit=bool(msg.cache_hit[b]),
+        ), m - cut

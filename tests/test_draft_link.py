@@ -1,0 +1,157 @@
+"""DraftLink: the target's end of the spec link, against this test as the draft.
+
+  - the link owns every sequence's sync state: add, first outcome, speculation, and a
+    re-add of every sequence after the draft comes back;
+  - answers taken between collects (with the pushed counters) wait for the next collect,
+    which drops the stale ones;
+  - the draft's counters are the ones it pushed last: a stats request is answered at
+    once, without a message to the draft, even while the draft does not read (stalled).
+"""
+
+from __future__ import annotations
+
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import zmq
+
+from e2e_util import wait_until
+from protocol import messages as m
+from protocol.transport import Channel, ipc_address, private_ipc_dir
+from spec_runtime.config import RuntimeConfig, SpeculativeConfig
+from target_proc.draft_link import DraftLink
+from target_proc.sequence import Sequence
+from target_proc.worker import TargetWorker
+
+K = 3
+
+
+@pytest.fixture
+def pair():
+    """(link, fake draft channel): a connected spec link whose draft end is this test."""
+    ipc_dir = private_ipc_dir()
+    addr = ipc_address(ipc_dir, "spec")
+    draft = Channel(zmq.PAIR, m.SpecLinkToDraft)
+    draft.bind(addr)
+    link = DraftLink(Channel(zmq.PAIR, m.SpecLinkToTarget), addr, timeout_s=5.0, k=K, vocab_size=100)
+    link.wait_connected(5.0)
+    yield link, draft
+    link.channel.close()
+    draft.close()
+    shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+def _seq(seq_id: int, tokens: list[int], max_tokens: int = 50) -> Sequence:
+    return Sequence(seq_id=seq_id, request_id=str(seq_id), client=b"c", prompt_token_ids=tokens,
+                    sampling=m.SamplingParams(max_tokens=max_tokens), seed=seq_id)
+
+
+def _take(draft: Channel) -> list:
+    """Every message the draft end has received so far (waits for the first)."""
+    got = [draft.recv(timeout_s=5.0)]
+    while (msg := draft.recv(timeout_s=0.2)) is not None:
+        got.append(msg)
+    return got
+
+
+def _answer(draft: Channel, step: int, seq_id: int, rnd: int, tokens: list[int]) -> None:
+    draft.send(m.SpecResponse(step=step, seq_ids=np.array([seq_id]), rounds=np.array([rnd]),
+                              draft_token_ids=np.array([tokens]), num_draft_tokens=np.array([len(tokens)], np.int32),
+                              cache_hit=np.array([False])))
+
+
+def test_the_link_keeps_each_sequence_in_sync(pair):
+    link, draft = pair
+    seq = _seq(7, [1, 2, 3])
+    link.admit([seq])
+    seq.token_ids.append(4)  # the first token, sampled after prefill
+    link.send_first_tokens([seq])
+    add, req = _take(draft)
+    assert isinstance(add, m.AddSequence) and add.prompt_token_ids.tolist() == [1, 2, 3]
+    assert isinstance(req, m.SpecRequest) and req.rounds.tolist() == [1] and req.seq_lens.tolist() == [4]
+    _answer(draft, req.step, 7, 1, [5, 6, 7])
+    specs = link.collect([seq])
+    assert specs[7].draft_token_ids.tolist() == [5, 6, 7]
+
+    # Outcome (2 accepted, then 9): the next round is 2, with the confirmed length.
+    assert link.send_outcomes([seq], specs, [2], [[5, 6, 9, 0]], True, lambda n: n == 1) is True
+    (req,) = _take(draft)
+    assert (req.rounds.tolist(), req.num_accepted.tolist(), req.token_ids.tolist(), req.seq_lens.tolist(),
+            req.work_ahead) == ([2], [2], [9], [7], True)
+    seq.token_ids += [5, 6, 9]
+
+    # The draft comes back (restart or stall): the sequence is released, re-added and
+    # given its outcome again before it is speculated.
+    link.generation += 1
+    link.check()
+    with ThreadPoolExecutor(1) as pool:
+        collecting = pool.submit(link.collect, [seq])
+        rel, add, req = _take(draft)
+        assert isinstance(rel, m.Release) and rel.seq_ids.tolist() == [7]
+        assert add.prompt_token_ids.tolist() == [1, 2, 3, 4, 5, 6]
+        assert req.rounds.tolist() == [3] and req.num_accepted.tolist() == [0] and req.token_ids.tolist() == [9]
+        _answer(draft, req.step, 7, 3, [8])
+        assert collecting.result(timeout=10)[7].draft_token_ids.tolist() == [8]
+
+    link.finish(7)
+    (rel,) = _take(draft)
+    assert isinstance(rel, m.Release) and 7 not in link.rounds and 7 not in link.synced
+
+
+def test_a_sequence_that_ends_at_its_first_token_is_never_added(pair):
+    link, draft = pair
+    seq = _seq(3, [1, 2], max_tokens=1)
+    link.admit([seq])
+    link.send_first_tokens([seq])
+    assert draft.recv(timeout_s=0.3) is None and not link.synced
+
+
+def test_answers_taken_between_collects_wait_for_the_next(pair):
+    link, draft = pair
+    seq = _seq(7, [1, 2, 3])
+    link.admit([seq])
+    seq.token_ids.append(4)
+    link.send_first_tokens([seq])
+    _take(draft)
+    _answer(draft, 1, 7, 0, [9])  # a round nobody waits for
+    _answer(draft, 1, 7, 1, [5, 6])  # the awaited round
+    assert wait_until(lambda: (link._drain(), len(link._stash))[1] == 2, 5.0)
+    assert link.collect([seq])[7].draft_token_ids.tolist() == [5, 6] and not link._stash
+
+
+def _worker(link: DraftLink) -> tuple[TargetWorker, list]:
+    sent: list = []
+    clients = SimpleNamespace(send_to=lambda ident, msg: sent.append((ident, msg)) or True)
+    runner = SimpleNamespace(layout=SimpleNamespace(max_model_len=64, num_slots=2), eos_token_ids=[0])
+    cfg = RuntimeConfig(spec=SpeculativeConfig(mode="sd", k=K))
+    return TargetWorker(cfg, runner, clients, link), sent
+
+
+def test_stats_are_answered_at_once_without_asking_the_draft(pair):
+    """A draft that does not read (stalled, SIGSTOP) cannot hold up a /metrics scrape."""
+    link, draft = pair
+    worker, sent = _worker(link)
+    worker.on_client_message(b"scraper", m.StatsRequest())
+    assert [(ident, type(msg)) for ident, msg in sent] == [(b"scraper", m.EngineStats)]
+    st = sent[0][1]
+    assert st.draft_alive and st.draft_num_seqs == -1  # nothing pushed yet
+    assert draft.recv(timeout_s=0.3) is None  # the draft was asked nothing
+
+    # The draft pushes its counters on its own; the next answer carries them.
+    draft.send(m.DraftStats(num_seqs=2, num_cache_entries=5, num_requests=9, num_hits=4, num_misses=1,
+                            answer_s=0.25, num_answers=9))
+    assert wait_until(lambda: (link._drain(), link.last_stats)[1] is not None, 5.0)
+    worker.on_client_message(b"scraper", m.StatsRequest())
+    st = sent[-1][1]
+    assert (st.draft_num_seqs, st.draft_num_cache_entries, st.draft_num_answers, st.draft_answer_s) == (2, 5, 9, 0.25)
+    assert draft.recv(timeout_s=0.3) is None
+
+
+def test_without_a_draft_the_worker_answers_the_same_fields():
+    worker, sent = _worker(None)
+    worker.on_client_message(b"c", m.StatsRequest())
+    st = sent[0][1]
+    assert not st.draft_alive and st.draft_num_seqs == -1 and st.hits_by_depth == [] and st.draft_timeout_s == 0.0
