@@ -36,6 +36,7 @@ from spec_runtime.config import RuntimeConfig
 from spec_runtime.engine.forward_batch import ForwardItem
 from spec_runtime.logits_process import LogitsProcess, token_logprobs
 from spec_runtime.sampling import SamplingTensors, rejection_sample
+from spec_runtime.structured import Grammars
 from target_proc.draft_link import DraftLink, Outcome, Speculation
 from target_proc.outputs import add_totals, merge_outputs, record_round, take_output
 from target_proc.sequence import IncrementalDetokenizer, Sequence, StopChecker
@@ -57,6 +58,7 @@ class TargetWorker:
         self.k = cfg.spec.k if cfg.spec.mode != "ar" else 0
         self.max_model_len = runner.layout.max_model_len
         self.stop_checker = StopChecker(runner.eos_token_ids, self.max_model_len)
+        self.grammars = Grammars(runner.tokenizer, runner.vocab_size, runner.eos_token_ids)
         self.free_slots = list(range(runner.layout.num_slots))[::-1]
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}
@@ -171,6 +173,12 @@ class TargetWorker:
         )
         if self.runner.tokenizer is not None:  # random-weight benchmark models have none
             seq.detok = IncrementalDetokenizer(self.runner.tokenizer, prompt, sp.skip_special_tokens)
+        if sp.structured is not None:
+            try:
+                seq.grammar = self.grammars.start(sp.structured)
+            except ValueError as e:
+                self.clients.send_to(ident, ErrorReply(code="bad_request", message=str(e), request_id=req.request_id))
+                return
         seq.stats.num_prompt_tokens = len(prompt)
         seq.stats.accepted_per_position = [0] * self.k
         seq.stats.drafted_per_position = [0] * self.k
@@ -217,7 +225,8 @@ class TargetWorker:
         positions = torch.tensor([s.num_tokens for s in new], dtype=torch.int64, device=logits.device)
         proc = self._logits_process(new)
         res = rejection_sample(
-            proc.apply(logits[:, None, :]) if proc is not None else logits[:, None, :],
+            self.grammars.mask([s.grammar for s in new],
+                               proc.apply(logits[:, None, :]) if proc is not None else logits[:, None, :]),
             torch.full((len(new), 0), -1, dtype=torch.int64, device=logits.device),
             torch.zeros(len(new), dtype=torch.int64, device=logits.device),
             None,
@@ -236,7 +245,7 @@ class TargetWorker:
             if seq.draft_synced:
                 seq.round += 1
                 outcomes.append(Outcome(seq.seq_id, seq.round, 0, tok, seq.num_tokens + 1))
-            if self.stop_checker.append(seq, tok, *_at(logprobs, i, 0)):
+            if self.stop_checker.append(seq, tok, *_at(logprobs, i, 0)) or self._grammar_commit(seq, [tok]):
                 self.finish(seq)
         if self.draft is not None:
             self.draft.request(outcomes)
@@ -282,10 +291,9 @@ class TargetWorker:
         gather = inputs.pop("gather")
         target_logits = flat_logits[gather]  # [B, k_max + 1, V]
         proc = self._logits_process(seqs)
-        if proc is not None:
-            res = rejection_sample(proc.apply(target_logits, inputs["draft_token_ids"]), **inputs)
-        else:
-            res = rejection_sample(target_logits, **inputs)
+        logits = proc.apply(target_logits, inputs["draft_token_ids"]) if proc is not None else target_logits
+        drafts = [specs[s.seq_id].draft_token_ids[:m] if m else () for s, m in zip(seqs, num_draft)]
+        res = rejection_sample(self.grammars.mask([s.grammar for s in seqs], logits, drafts), **inputs)
         num_accepted = res.num_accepted.cpu()  # sync: the accepted prefix decides what the host does next
         out_tokens = res.output_token_ids.cpu()
         logprobs = self._logprobs(seqs, target_logits, res.output_token_ids)
@@ -324,7 +332,7 @@ class TargetWorker:
             for t in range(j + 1):
                 if self.stop_checker.append(seq, out_l[i][t], *_at(logprobs, i, t)):
                     break
-            if seq.finished:
+            if seq.finished or self._grammar_commit(seq, out_l[i][: j + 1]):
                 self.finish(seq)
         if self.draft is not None:
             step_s = time.perf_counter() - t0
@@ -380,6 +388,14 @@ class TargetWorker:
         pos = np.concatenate([np.arange(p, p + m + 1, dtype=np.int64) for _, p, m in rows])
         # Host tensors: the oracle hashes on the CPU and scatters once on the device.
         return target_oracle_logits(logits, torch.from_numpy(seeds), torch.from_numpy(pos))
+
+    def _grammar_commit(self, seq: Sequence, token_ids: list[int]) -> bool:
+        """Commit a structured sequence's new tokens to its grammar; True (and the sequence
+        finished) once the grammar is complete."""
+        if seq.grammar is None or seq.finished or not self.grammars.advance(seq.grammar, token_ids, seq.request_id):
+            return False
+        seq.finished, seq.finish_reason = True, "stop"
+        return True
 
     def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
         return SamplingTensors.from_params(
