@@ -330,9 +330,11 @@ class TargetWorker:
             record_round(seq.stats, num_draft[i], j, specs.get(seq.seq_id), ssd=ssd,
                          speculating=bool(self.k and speculate), sd_round=sd_round)
             for t in range(j + 1):
-                if self.stop_checker.append(seq, out_l[i][t], *_at(logprobs, i, t)):
+                # A complete grammar ends the sequence at its last token, as in AR decoding.
+                if (self.stop_checker.append(seq, out_l[i][t], *_at(logprobs, i, t))
+                        or self._grammar_commit(seq, out_l[i][t:t + 1])):
                     break
-            if seq.finished or self._grammar_commit(seq, out_l[i][: j + 1]):
+            if seq.finished:
                 self.finish(seq)
         if self.draft is not None:
             step_s = time.perf_counter() - t0
