@@ -69,10 +69,10 @@ def check_structured(so: StructuredOutputs) -> str:
     import llguidance
 
     try:
-        err = llguidance.LLMatcher.validate_grammar(grammar_text(so))
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar_text(so))
     except (ValueError, TypeError) as e:
         return str(e)
-    return "" if not err or llguidance.LLMatcher.is_validate_warning(err) else err
+    return "; ".join(messages) if is_error else ""
 
 
 class Grammars:

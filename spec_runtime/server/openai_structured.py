@@ -117,7 +117,7 @@ def structured_of(req) -> tuple[str, StructuredOutputs] | None:
     if getattr(req, "response_format", None) is not None:
         so = _from_response_format(req.response_format)
         if so is not None:
-            found.append(("response_format", so))
+            found.append(("response_format.json_schema.schema" if so.kind == "json_schema" else "response_format", so))
     if req.structured_outputs is not None:
         found += _from_structured_outputs(req.structured_outputs)
     for name, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
