@@ -78,10 +78,10 @@ def test_regex_choice_and_sampled_json(smollm2_gguf_path):
             kind="choice", spec=json.dumps(choices))))
         assert r.text in choices and r.finish_reason == "stop"
         r = client.generate(prompt, SamplingParams(max_tokens=30, structured=StructuredOutputs(
-            kind="regex", spec=r"[A-Z][a-z]+ is the capital\.")))
+            kind="regex", spec=r"[A-Z][a-z]{1,12} is the capital\.")))
         assert r.text.endswith(" is the capital.") and r.finish_reason == "stop"
         schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                                   "population": {"type": "integer", "minimum": 0}},
+                                                   "population": {"type": "integer", "minimum": 0, "maximum": 10**9}},
                   "required": ["city", "population"], "additionalProperties": False}
         sp = SamplingParams(max_tokens=60, temperature=1.0, structured=StructuredOutputs(
             kind="json_schema", spec=json.dumps(schema)))
