@@ -70,6 +70,7 @@ def test_200_random_schemas_per_mode(smollm2_gguf_path):
     _check_modes(smollm2_gguf_path, [random_schema(rng) for _ in range(200)])
 
 
+@pytest.mark.slow
 def test_regex_choice_and_sampled_json(smollm2_gguf_path):
     choices = ["Paris", "London", "Berlin"]
     with Client(_cfg(smollm2_gguf_path, "sd", smollm2_gguf_path)) as client:
