@@ -137,7 +137,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5, help="walks per schema (default: 5)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
-    from spec_runtime.model.loader import load_tokenizer
+    from spec_runtime.models.loader import load_tokenizer
 
     tok = load_tokenizer("")
     vocab = len(tok)

@@ -93,7 +93,7 @@ def test_regex_choice_and_sampled_json(smollm2_gguf_path):
 
 
 def test_bitmask_follows_the_valid_prefix_of_the_drafts(smollm2_gguf_path):
-    from spec_runtime.model.loader import load_tokenizer
+    from spec_runtime.models.loader import load_tokenizer
     from spec_runtime.structured import Grammars
 
     tok = load_tokenizer(smollm2_gguf_path)
