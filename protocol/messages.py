@@ -84,6 +84,19 @@ class Ready(_Cold, tag="ready"):
 # ---------------------------------------------------------------- client link
 
 
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+class StructuredOutputs(_Cold):
+    """A constraint on the output, applied as a token mask to the target's distribution
+    at every verified position (spec_runtime.structured)."""
+
+    kind: str  # one of STRUCTURED_KINDS
+    # json_schema: the schema as JSON text; regex: the pattern; choice: a JSON list of
+    # strings; grammar: a Lark grammar; json_object: empty (any JSON object).
+    spec: str = ""
+
+
 class SamplingParams(_Cold):
     """Per-request sampling and stop rules. Validated by `validate_sampling`."""
 
@@ -109,6 +122,8 @@ class SamplingParams(_Cold):
     # Output text.
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # The output follows this grammar; it ends once the grammar is complete.
+    structured: StructuredOutputs | None = None
 
 
 class GenerateRequest(_Hot, tag="gen"):

@@ -149,9 +149,9 @@ def _check_ray_flags(args: argparse.Namespace) -> None:
         for name, why in _LOCAL_ONLY_FLAGS.items():
             if getattr(args, name) is not None:
                 raise ValueError(f"--{name.replace('_', '-')} does not apply with --ray: {why}")
-        http = sorted(n for n in vars(args) if n.startswith("http."))  # given HTTP limits only
+        http = sorted(n for n in vars(args) if n.startswith(("http.", "chat.")))  # given ones only
         if http:
-            raise ValueError(f"--{http[0][len('http.'):].replace('_', '-')} does not apply with --ray: Ray Serve's "
+            raise ValueError(f"--{http[0].split('.', 1)[1].replace('_', '-')} does not apply with --ray: Ray Serve's "
                              "proxy runs its own HTTP server")
     else:
         given = [n for n in _RAY_FLAGS if getattr(args, n) is not None]
@@ -202,6 +202,12 @@ def _serve(args: argparse.Namespace) -> int:
         cfg, _ = _checked_config(args, local=not args.ray)
     except ConfigErrors as e:
         errors = e.errors + errors
+    chat = None
+    try:
+        chat = _sub_config(args, "chat")
+    except ValueError as e:  # "field_name ...": name the flag
+        name, _, rest = str(e).partition(" ")
+        errors.append(f"--{name.replace('_', '-')} {rest}")
     defaults = {}
     if not errors:
         defaults, why = _generation_defaults(args, cfg)
@@ -223,7 +229,8 @@ def _serve(args: argparse.Namespace) -> int:
                           served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
                           log_level=args.uvicorn_log_level or "warning",
                           on_target_death=args.on_target_death or "exit", http=_http_config(args),
-                          metrics_prefix=args.metrics_prefix or "spec_runtime", generation_defaults=defaults)
+                          metrics_prefix=args.metrics_prefix or "spec_runtime", generation_defaults=defaults,
+                          chat=chat)
     except StartupError as e:
         print(f"spec-runtime: start-up failed: {e}", file=sys.stderr)
         return 1
@@ -258,6 +265,27 @@ def _http_config(args: argparse.Namespace):
 
     given = {name[len("http."):]: v for name, v in vars(args).items() if name.startswith("http.")}
     return HTTPConfig(**given)
+
+
+def _sub_config(args: argparse.Namespace, prefix: str):
+    """The serve-only config of the flags `prefix.*` (chat: ChatConfig)."""
+    from spec_runtime.server.chat_config import ChatConfig
+
+    given = {name[len(prefix) + 1:]: v for name, v in vars(args).items() if name.startswith(prefix + ".")}
+    return ChatConfig(**given)
+
+
+def _add_chat_flags(parser: argparse.ArgumentParser) -> None:
+    import typing
+
+    from spec_runtime.cli_flags import _add_field
+    from spec_runtime.server.chat_config import ChatConfig
+
+    g = parser.add_argument_group("chat")
+    hints = typing.get_type_hints(ChatConfig)
+    for f in dataclasses.fields(ChatConfig):
+        _add_field(g, f"--{f.name.replace('_', '-')}", f"chat.{f.name}", hints[f.name], f.metadata.get("help", ""),
+                   str(f.default), argparse.SUPPRESS)
 
 
 def _add_http_flags(parser: argparse.ArgumentParser) -> None:
@@ -322,6 +350,7 @@ def _add_serve(sub) -> None:
     srv.add_argument("--max-body-bytes", type=int, default=None, help="larger request bodies get HTTP 413 (default: 1 MiB)")
     srv.add_argument("--uvicorn-log-level", default=None, help="uvicorn's log level (default: warning; not with --ray)")
     _add_http_flags(srv)
+    _add_chat_flags(srv)
     add_config_flags(srv)
     srv.set_defaults(func=_serve)
 

@@ -101,9 +101,10 @@ class Client:
 
     def encode_chat(self, messages: list[dict], **template_kwargs) -> list[int]:
         """The chat template's tokens for `messages`; template_kwargs reach the template
-        (add_generation_prompt, default True; continue_final_message; e.g. enable_thinking)."""
+        (add_generation_prompt, default True; continue_final_message; tools; chat_template,
+        which replaces the model's own; e.g. enable_thinking)."""
         tok = self.tokenizer
-        if not getattr(tok, "chat_template", None):
+        if not template_kwargs.get("chat_template") and not getattr(tok, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; pass a plain prompt")
         for i, m in enumerate(messages):
             if not isinstance(m, dict):

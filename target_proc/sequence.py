@@ -104,6 +104,8 @@ class Sequence:
     arrival_s: float = field(default_factory=time.monotonic)
     first_token_s: float = 0.0
     detok: IncrementalDetokenizer | None = None
+    # The grammar matcher of a structured-output request (spec_runtime.structured).
+    grammar: object | None = None
     # Generated text so far, with any stop string cut off.
     text: str = ""
     # Characters of `text` already sent to the client.

@@ -10,11 +10,12 @@ import math
 
 import numpy as np
 
-from protocol.messages import GenerateRequest, SamplingParams
+from protocol.messages import STRUCTURED_KINDS, GenerateRequest, SamplingParams
 
 
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024
+MAX_GRAMMAR_CHARS = 1 << 20
 
 
 class RequestError(ValueError):
@@ -57,6 +58,15 @@ def validate_sampling(sp: SamplingParams) -> None:
     for t, b in sp.logit_bias.items():
         if not (math.isfinite(b) and -100.0 <= b <= 100.0):
             raise RequestError(f"logit_bias values must be in [-100, 100], got {b} for token {t}")
+    if sp.structured is not None:
+        if sp.structured.kind not in STRUCTURED_KINDS:
+            raise RequestError(f"structured.kind must be one of {', '.join(STRUCTURED_KINDS)}, "
+                               f"got {sp.structured.kind!r}")
+        if len(sp.structured.spec) > MAX_GRAMMAR_CHARS:
+            raise RequestError(f"structured.spec is over {MAX_GRAMMAR_CHARS} characters")
+        if sp.min_tokens:
+            # The grammar decides where the output ends; min_tokens would mask the end it allows.
+            raise RequestError("min_tokens cannot be combined with structured outputs")
 
 
 def validate_request(req: GenerateRequest, vocab_size: int, max_model_len: int) -> list[int]:

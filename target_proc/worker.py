@@ -38,6 +38,7 @@ from spec_runtime.config import RuntimeConfig
 from spec_runtime.engine.forward_batch import ForwardItem
 from spec_runtime.logits_process import LogitsProcess, token_logprobs
 from spec_runtime.sampling import SamplingTensors, rejection_sample
+from spec_runtime.structured import Grammars
 from target_proc.draft_link import DraftLink
 from target_proc.no_draft import NoDraft
 from target_proc.outputs import merge_outputs, record_round, take_output
@@ -64,6 +65,7 @@ class TargetWorker:
         self.k = cfg.spec.k if cfg.spec.mode != "ar" else 0
         self.max_model_len = runner.layout.max_model_len
         self.stop_checker = StopChecker(runner.eos_token_ids, self.max_model_len)
+        self.grammars = Grammars(runner.tokenizer, runner.vocab_size, runner.eos_token_ids)
         self.free_slots = list(range(runner.layout.num_slots))[::-1]
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}
@@ -146,6 +148,12 @@ class TargetWorker:
         )
         if self.runner.tokenizer is not None:  # random-weight benchmark models have none
             seq.detok = IncrementalDetokenizer(self.runner.tokenizer, prompt, sp.skip_special_tokens)
+        if sp.structured is not None:
+            try:
+                seq.grammar = self.grammars.start(sp.structured)
+            except ValueError as e:
+                self.clients.send_to(ident, ErrorReply(code="bad_request", message=str(e), request_id=req.request_id))
+                return
         seq.stats.num_prompt_tokens = len(prompt)
         seq.stats.accepted_per_position = [0] * self.k
         seq.stats.drafted_per_position = [0] * self.k
@@ -187,7 +195,8 @@ class TargetWorker:
         positions = torch.tensor([s.num_tokens for s in new], dtype=torch.int64, device=logits.device)
         proc = self._logits_process(new)
         res = rejection_sample(
-            proc.apply(logits[:, None, :]) if proc is not None else logits[:, None, :],
+            self.grammars.mask([s.grammar for s in new],
+                               proc.apply(logits[:, None, :]) if proc is not None else logits[:, None, :]),
             torch.full((len(new), 0), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=logits.device),
             torch.zeros(len(new), dtype=torch.int64, device=logits.device),
             None,
@@ -202,7 +211,7 @@ class TargetWorker:
             self.running[seq.seq_id] = seq
             seq.stats.num_rounds += 1
             seq.stats.ttft_s = now - seq.arrival_s
-            if self.stop_checker.append(seq, tok, *_at(logprobs, i, 0)):
+            if self.stop_checker.append(seq, tok, *_at(logprobs, i, 0)) or self._grammar_commit(seq, [tok]):
                 self.finish(seq)
         self.draft.send_first_tokens(new)
         self._emit(new)
@@ -245,7 +254,9 @@ class TargetWorker:
             record_round(seq.stats, num_draft[i], j, specs.get(seq.seq_id), ssd=ssd,
                          speculating=bool(self.k and speculate), sd_round=sd_round)
             for t in range(j + 1):
-                if self.stop_checker.append(seq, out_tokens[i][t], *_at(logprobs, i, t)):
+                # A complete grammar ends the sequence at its last token, as in AR decoding.
+                if (self.stop_checker.append(seq, out_tokens[i][t], *_at(logprobs, i, t))
+                        or self._grammar_commit(seq, out_tokens[i][t:t + 1])):
                     break
             if seq.finished:
                 self.finish(seq)
@@ -294,6 +305,8 @@ class TargetWorker:
             target_logits_p = proc.apply(target_logits, inputs.draft_token_ids)
         else:
             target_logits_p = target_logits
+        drafts = [specs[s.seq_id].draft_token_ids[:m] if m else () for s, m in zip(seqs, num_draft)]
+        target_logits_p = self.grammars.mask([s.grammar for s in seqs], target_logits_p, drafts)
         res = rejection_sample(target_logits_p, inputs.draft_token_ids, inputs.num_draft_tokens, inputs.q_token_ids,
                                inputs.q_probs, inputs.st, inputs.positions)
         num_accepted = res.num_accepted.cpu()  # sync: the accepted prefix decides what the host does next
@@ -311,6 +324,14 @@ class TargetWorker:
         rows = [s for s, q in zip(seqs, q_lens) for _ in range(q)]
         pos = np.concatenate([np.arange(s.num_tokens, s.num_tokens + q, dtype=np.int64) for s, q in zip(seqs, q_lens)])
         return self.logits_transform(logits, rows, pos)
+
+    def _grammar_commit(self, seq: Sequence, token_ids: list[int]) -> bool:
+        """Commit a structured sequence's new tokens to its grammar; True (and the sequence
+        finished) once the grammar is complete."""
+        if seq.grammar is None or seq.finished or not self.grammars.advance(seq.grammar, token_ids, seq.request_id):
+            return False
+        seq.finished, seq.finish_reason = True, "stop"
+        return True
 
     def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
         return SamplingTensors.from_params(

@@ -74,6 +74,16 @@ def test_serve_checks_its_flags_too(capsys):
     assert any("--port must be in [0, 65535]" in line for line in err)
 
 
+def test_serve_chat_flags_are_checked(capsys, tmp_path):
+    assert main(["serve", "--chat-template", str(tmp_path / "missing.jinja")]) == 2
+    err = capsys.readouterr().err
+    assert "--chat-template" in err and "neither a file nor a Jinja template" in err
+    assert main(["serve", "--tool-call-parser", "xml"]) == 2
+    assert "--tool-call-parser must be auto, hermes or llama3_json, got 'xml'" in capsys.readouterr().err
+    assert main(["serve", "--ray", "--chat-template", "{{ messages }}"]) == 2
+    assert "--chat-template does not apply with --ray" in capsys.readouterr().err
+
+
 def test_bad_flags_load_nothing():
     """The checks run in the command's own process, before torch or a child is started."""
     code = ("import sys; from spec_runtime.cli import main; rc = main(['generate', 'hi', '--temperature', '-1']); "

@@ -172,12 +172,12 @@ BAD = [
     ("/v1/completions", {"prompt": [1, 2, 10**6]}, "prompt"),
     ("/v1/completions", {"prompt": ["a", ""]}, "prompt"),
     ("/v1/completions", {"max_tokens": "many"}, "max_tokens"),
-    ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json"),
+    ("/v1/completions", {"guided_json": {"type": "no such type"}}, "guided_json"),
     ("/v1/completions", {"no_such_field": 1}, "no_such_field"),
     ("/v1/chat/completions", {"temperature": -1}, "temperature"),
     ("/v1/chat/completions", {"max_completion_tokens": 0}, "max_tokens"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "yaml"}}, "response_format.type"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
 ]
 

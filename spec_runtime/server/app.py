@@ -35,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from protocol.messages import EngineStats
 from spec_runtime.results import RequestFailed
 from spec_runtime.server.async_client import AsyncClient, AsyncRequest
+from spec_runtime.server.chat_config import ChatConfig
 from spec_runtime.server.flight import EngineStream, InFlight, Tracker
 from spec_runtime.server.generation_config import apply_generation_defaults
 from spec_runtime.server.http_limits import GuardMiddleware, HTTPConfig
@@ -48,7 +49,9 @@ from spec_runtime.server.openai_protocol import (
     to_sampling,
 )
 from spec_runtime.server.openai_responses import Choice, ResponseIds, merge_stats, spec_decode_usage, usage_body
+from spec_runtime.server.openai_structured import constraint_of
 from spec_runtime.server.request_checks import check_json_body
+from spec_runtime.server.tool_calls import ToolRequest, tool_parser, tool_request
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +63,10 @@ class _Server:
 
     def __init__(self, client: AsyncClient, served_model_name: str, api_key: str | None, http: HTTPConfig,
                  metrics: ServerMetrics | None = None, metrics_prefix: str = "spec_runtime",
-                 generation_defaults: dict | None = None):
+                 generation_defaults: dict | None = None, chat: ChatConfig | None = None):
         self.client = client
+        self.chat = chat or ChatConfig()
+        self.chat_template = self.chat.template_text()
         self.model = served_model_name
         self.api_key = api_key
         self.http = http
@@ -138,11 +143,17 @@ class _Server:
         req = parse_request(ChatCompletionRequest if chat else CompletionRequest, body)
         req = apply_generation_defaults(req, self.generation_defaults)
         self.check_model(req.model)
-        prompts, echoes = await self._prompts(req, chat)
+        tools = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls) if chat else None
+        parser = self._tool_parser(tools)
+        structured = constraint_of(req, tools)
+        # Tool-call markers may be special tokens: keep them in the text the parser reads.
+        skip_special = False if parser and "skip_special_tokens" not in req.model_fields_set else None
+        prompts, echoes = await self._prompts(req, chat, tools)
         sps = []
         for ids in prompts:  # every prompt is checked before any is submitted
             self.check_prompt_ids(ids)
-            sp = to_sampling(req, len(ids), self.max_model_len)
+            sp = to_sampling(req, len(ids), self.max_model_len, structured=structured,
+                             skip_special_tokens=skip_special)
             for name, ids_ in (("stop_token_ids", sp.stop_token_ids), ("logit_bias", list(sp.logit_bias))):
                 for t in ids_:
                     if not 0 <= t < self.vocab_size:
@@ -159,7 +170,7 @@ class _Server:
                     sp_j = sp if sp.seed is None or j == 0 else msgspec.structs.replace(sp, seed=sp.seed + j)
                     flights.append(InFlight(self, self.client.submit(ids, sp_j), Tracker(self.metrics)))
                     choices.append(Choice(p * n + j, chat, tokenizer, num_top=num_top, echo=echoes[p],
-                                          return_token_ids=req.return_token_ids))
+                                          return_token_ids=req.return_token_ids, tools=tools, parser=parser))
         except ValueError as e:  # what the client's own checks refuse
             for f in flights:
                 f.end()
@@ -182,11 +193,21 @@ class _Server:
         finally:
             end_all()
 
-    async def _prompts(self, req, chat: bool) -> tuple[list[list[int]], list[str]]:
+    def _tool_parser(self, tools: ToolRequest | None) -> str | None:
+        if tools is None or tools.choice == "none":
+            return None
+        template = self.chat_template or getattr(self._tokenizer("tools"), "chat_template", None)
+        return tool_parser(template, self.chat.tool_call_parser)
+
+    async def _prompts(self, req, chat: bool, tools: ToolRequest | None = None) -> tuple[list[list[int]], list[str]]:
         """Token ids of each prompt (tokenized off the event loop), and the text `echo`
         puts before each one's output."""
         if chat:
             messages, kwargs = req.chat_messages(), req.template_kwargs()
+            if tools is not None and tools.template_tools() is not None:
+                kwargs["tools"] = tools.template_tools()
+            if self.chat_template is not None:
+                kwargs["chat_template"] = self.chat_template
             try:
                 ids = await self.client.encode_chat(messages, **kwargs)
             except APIError:
@@ -392,17 +413,18 @@ def model_name_of(cfg, served_model_name: str | None = None) -> str:
 def build_app(client: AsyncClient, *, served_model_name: str | None = None, api_key: str | None = None,
               max_body_bytes: int | None = None, http: HTTPConfig | None = None,
               metrics: ServerMetrics | None = None, metrics_prefix: str = "spec_runtime",
-              generation_defaults: dict | None = None) -> FastAPI:
+              generation_defaults: dict | None = None, chat: ChatConfig | None = None) -> FastAPI:
     """The FastAPI app over a started AsyncClient (the caller owns and closes the client).
     `http` holds the limits; max_body_bytes, if given, overrides its max_body_bytes.
     metrics: the ServerMetrics to record into (default: a fresh one, named after the model,
     its names under `metrics_prefix`: "spec_runtime" or "vllm"). generation_defaults:
-    sampling defaults of every request (server.generation_config)."""
+    sampling defaults of every request (server.generation_config). chat: the chat
+    template override and the tool-call parser."""
     http = http or HTTPConfig()
     if max_body_bytes is not None:
         http = dataclasses.replace(http, max_body_bytes=max_body_bytes)
     name = model_name_of(client.config, served_model_name)
-    srv = _Server(client, name, api_key, http, metrics, metrics_prefix, generation_defaults)
+    srv = _Server(client, name, api_key, http, metrics, metrics_prefix, generation_defaults, chat)
     app = FastAPI(title="spec-runtime", docs_url=None, redoc_url=None)
     app.state.server = srv
     app.add_middleware(GuardMiddleware, cfg=http)

@@ -14,6 +14,9 @@ Extensions (vLLM's names; the openai SDK sends them via `extra_body`):
   - stop_token_ids: [int], ignore_eos, skip_special_tokens, include_stop_str_in_output
   - return_token_ids: bool  add `token_ids` to each choice / chunk
   - chat only: echo, add_generation_prompt, continue_final_message, chat_template_kwargs
+  - structured outputs: structured_outputs, guided_json, guided_regex, guided_choice,
+    guided_grammar, guided_decoding_backend (checked by openai_structured); chat's tools
+    and tool_choice are checked by tool_calls
 Every response's `usage` carries `spec_decode`, the request's speculation stats.
 """
 
@@ -24,7 +27,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from protocol.messages import SamplingParams
+from protocol.messages import SamplingParams, StructuredOutputs
 from target_proc.validate import MAX_TOP_LOGPROBS, RequestError, validate_sampling
 
 # Accepted and ignored, with why ignoring them changes no output.
@@ -42,10 +45,9 @@ NO_OP_FIELDS = {
 MAX_N = 64
 
 # Fields whose every non-default value is refused, with the reason given in the 400.
-_STRUCTURED = "structured outputs (response_format json_object / json_schema, guided decoding) are not supported"
-_TOOLS = "tool calling is not supported (tools, tool_choice, functions); tool-call history is"
+_FUNCTIONS = "the deprecated functions / function_call are not supported: use tools and tool_choice"
 REFUSED_FIELDS = {
-    "tools": _TOOLS, "functions": _TOOLS, "function_call": _TOOLS, "parallel_tool_calls": _TOOLS,
+    "functions": _FUNCTIONS, "function_call": _FUNCTIONS,
     "audio": "audio output is not supported",
     "reasoning_effort": "reasoning_effort is not supported (pass chat_template_kwargs, e.g. enable_thinking)",
     "verbosity": "verbosity is not supported",
@@ -56,9 +58,7 @@ REFUSED_FIELDS = {
 # vLLM request fields that are refused by name with their reason (any other unknown
 # field gets the generic "unsupported parameter" 400).
 _VLLM_REFUSED = {
-    "guided_json": _STRUCTURED, "guided_regex": _STRUCTURED, "guided_choice": _STRUCTURED,
-    "guided_grammar": _STRUCTURED, "guided_decoding_backend": _STRUCTURED, "structured_outputs": _STRUCTURED,
-    "guided_whitespace_pattern": _STRUCTURED, "prompt_logprobs": "prompt_logprobs is not supported",
+    "prompt_logprobs": "prompt_logprobs is not supported",
     "use_beam_search": "beam search is not supported", "chat_template": "a per-request chat_template is not supported",
 }
 
@@ -119,6 +119,15 @@ class _Common(_Strict):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
+    # Structured outputs (openai_structured reads and checks them)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(param, why) for fields set to something this runtime does not implement."""
@@ -234,7 +243,6 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tool_choice: Any = None
     modalities: list[str] | None = None
     tools: Any = None
@@ -254,10 +262,6 @@ class ChatCompletionRequest(_Common):
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            out.append(("response_format", f"response_format {self.response_format.get('type')!r}: {_STRUCTURED}"))
-        if self.tool_choice not in (None, "none"):
-            out.append(("tool_choice", _TOOLS))
         if self.modalities not in (None, ["text"]):
             out.append(("modalities", "only the text modality is supported"))
         if self.top_logprobs and not self.logprobs:
@@ -276,7 +280,8 @@ class ChatCompletionRequest(_Common):
 
     def template_kwargs(self) -> dict:
         kw = dict(self.chat_template_kwargs or {})
-        clash = {"messages", "add_generation_prompt", "continue_final_message", "tokenize"} & set(kw)
+        clash = {"messages", "add_generation_prompt", "continue_final_message", "tokenize", "tools",
+                 "chat_template"} & set(kw)
         if clash:
             raise APIError(400, f"chat_template_kwargs may not set {sorted(clash)}", param="chat_template_kwargs")
         kw.update(add_generation_prompt=self.add_generation_prompt, continue_final_message=self.continue_final_message)
@@ -308,8 +313,11 @@ def parse_request(cls: type[_Common], body: Any) -> _Common:
     return req
 
 
-def to_sampling(req: _Common, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
-    """SamplingParams for a parsed request whose prompt has `num_prompt_tokens` tokens."""
+def to_sampling(req: _Common, num_prompt_tokens: int, max_model_len: int, *,
+                structured: StructuredOutputs | None = None,
+                skip_special_tokens: bool | None = None) -> SamplingParams:
+    """SamplingParams for a parsed request whose prompt has `num_prompt_tokens` tokens;
+    `structured` is its checked constraint; skip_special_tokens overrides the request's."""
     max_tokens = req.max_tokens
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
         max_tokens = req.max_completion_tokens
@@ -344,7 +352,8 @@ def to_sampling(req: _Common, num_prompt_tokens: int, max_model_len: int) -> Sam
         top_logprobs=top or 0, presence_penalty=given(req.presence_penalty, 0.0),
         frequency_penalty=given(req.frequency_penalty, 0.0), repetition_penalty=given(req.repetition_penalty, 1.0),
         min_p=given(req.min_p, 0.0), min_tokens=req.min_tokens, logit_bias=bias,
-        skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output, structured=structured,
     )
     try:
         validate_sampling(sp)

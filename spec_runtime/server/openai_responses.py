@@ -11,6 +11,7 @@ import time
 import uuid
 
 from protocol.messages import RequestOutput, RequestStats, add_totals, mean_acceptance_length
+from spec_runtime.server.tool_calls import ToolRequest, call_body, safe_content_len
 
 # JSON has no -inf; vLLM reports logprobs below this as this.
 _MIN_LOGPROB = -9999.0
@@ -102,13 +103,20 @@ class Choice:
 
     num_top: None without logprobs, else the alternatives per token. echo: text that
     precedes the generated text (the prompt for completions; for chat, the final
-    assistant message being continued).
+    assistant message being continued). tools, parser: a chat request's tools and the
+    parser of its calls; text that may be part of a call is held back while streaming,
+    and the calls go out with the final chunk.
     """
 
     def __init__(self, index: int, chat: bool, tokenizer, *, num_top: int | None = None, echo: str = "",
-                 return_token_ids: bool = False):
+                 return_token_ids: bool = False, tools: ToolRequest | None = None, parser: str | None = None):
         self.index, self.chat, self.tokenizer = index, chat, tokenizer
         self.num_top, self.echo, self.return_token_ids = num_top, echo, return_token_ids
+        self.tools = tools if tools is not None and tools.choice != "none" else None
+        self.parser = parser
+        self.raw = ""  # generated text (tools): what the parser reads
+        self.num_sent = 0  # characters of `raw` sent as content
+        self.tool_calls: list[dict] = []
         self.text: list[str] = []
         self.token_ids: list[int] = []
         self.logprobs: list = []  # chat: content entries; completions: one dict per token
@@ -156,7 +164,7 @@ class Choice:
         entries = self._logprobs(out)
         self.logprobs += entries
         self.token_ids += out.new_token_ids
-        text = out.text_delta
+        text = out.text_delta if self.tools is None else self._tool_text(out)
         if not self.started:
             text = self.echo + text
         self.text.append(text)
@@ -164,13 +172,33 @@ class Choice:
             self.final = out
             self.finish_reason = openai_finish_reason(out.finish_reason)
             self.stop_reason = out.stop_reason
+            if self.tool_calls and self.finish_reason == "stop" and self.tools.choice != "named":
+                self.finish_reason = "tool_calls"
         c = {"index": self.index}
         if self.chat:
             c["delta"] = {"role": "assistant", "content": text} if not self.started else {"content": text}
+            if out.finished and self.tool_calls:
+                c["delta"]["tool_calls"] = [dict(call, index=i) for i, call in enumerate(self.tool_calls)]
         else:
             c["text"] = text
         self.started = True
         return self._tail(c, self._logprobs_body(entries), list(out.new_token_ids), out.finished)
+
+    def _tool_text(self, out: RequestOutput) -> str:
+        """The content to send for `out`: what can no longer become part of a call; at the
+        end, the rest of the content, with the calls parsed into `tool_calls`."""
+        self.raw += out.text_delta
+        if out.finished:
+            content, calls = self.tools.calls_from(self.raw, self.parser)
+            self.tool_calls = [call_body(c) for c in calls]
+            end = len(content) if calls else len(self.raw)
+        elif self.tools.holds_content():
+            end = 0
+        else:
+            end = safe_content_len(self.parser, self.raw)
+        text = self.raw[self.num_sent:end] if end > self.num_sent else ""
+        self.num_sent = max(self.num_sent, end)
+        return text
 
     def _tail(self, c: dict, logprobs: dict | None, token_ids: list[int], finished: bool) -> dict:
         c["logprobs"] = logprobs
@@ -186,6 +214,8 @@ class Choice:
         c: dict = {"index": self.index}
         if self.chat:
             c["message"] = {"role": "assistant", "content": text}
+            if self.tool_calls:
+                c["message"].update(content=text or None, tool_calls=self.tool_calls)
         else:
             c["text"] = text
         return self._tail(c, self._logprobs_body(self.logprobs), self.token_ids, True)

@@ -92,11 +92,12 @@ def run_server(cfg: RuntimeConfig, *, host: str = "127.0.0.1", port: int = 8000,
                served_model_name: str | None = None, max_body_bytes: int | None = None,
                log_level: str = "warning", out=None, on_target_death: str = "exit",
                http: HTTPConfig | None = None, metrics_prefix: str = "spec_runtime",
-               generation_defaults: dict | None = None) -> int:
+               generation_defaults: dict | None = None, chat=None) -> int:
     """Serve until interrupted (SIGINT/SIGTERM); shuts the runtime down on the way out.
 
     on_target_death: "exit" stops serving and returns 1 once the target process has died
     (so a supervisor can restart the server); "stay" keeps answering, /health with 503.
+    chat: the ChatConfig (chat template override, tool-call parser).
     Returns the process exit code.
     """
     if on_target_death not in ("exit", "stay"):
@@ -118,7 +119,7 @@ def run_server(cfg: RuntimeConfig, *, host: str = "127.0.0.1", port: int = 8000,
         client = AsyncClient(cfg)
         app = build_app(client, served_model_name=served_model_name, api_key=api_key,
                         max_body_bytes=max_body_bytes, http=http, metrics_prefix=metrics_prefix,
-                        generation_defaults=generation_defaults)
+                        generation_defaults=generation_defaults, chat=chat)
         name = app.state.server.model
         bound_host, bound_port = sock.getsockname()[:2]
         shown = f"[{bound_host}]" if ":" in bound_host else bound_host

@@ -1,0 +1,115 @@
+"""Structured outputs on SmolLM2-135M-Instruct (the real GGUF), in ar, sd and ssd.
+
+Random JSON schemas (tests/schema_util.py): every greedy output parses and validates
+against its schema, and ar, sd (n-gram draft) and ssd (SmolLM2 drafting for itself,
+unmasked, so the grammar rejects some of its tokens) give the same tokens. The quick
+test takes a few schemas; the slow one takes 200 per mode. Also: the grammar's mask on
+draft tokens (Grammars.bitmask), regex and choice constraints, and a sampled (T = 1) run.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import jsonschema
+import msgspec
+import pytest
+
+from protocol.messages import SamplingParams, StructuredOutputs
+from schema_util import random_schema
+from spec_runtime.client import Client
+from spec_runtime.config import ModelConfig, RuntimeConfig, SchedulerConfig, SpeculativeConfig
+
+MAX_TOKENS = 200
+
+
+def _cfg(gguf: str, mode: str, draft: str = "", k: int = 4) -> RuntimeConfig:
+    return RuntimeConfig(
+        target=ModelConfig(path=gguf), draft=ModelConfig(path=draft),
+        spec=SpeculativeConfig(mode=mode, k=k, draft_timeout_s=60.0, work_ahead="always"),
+        sched=SchedulerConfig(max_batch_size=8, max_model_len=1024, spec_policy="always"), startup_timeout_s=300.0,
+    )
+
+
+def _modes(gguf: str) -> dict[str, RuntimeConfig]:
+    return {"ar": _cfg(gguf, "ar"), "sd": _cfg(gguf, "sd", "ngram"), "ssd": _cfg(gguf, "ssd", gguf)}
+
+
+def _run(cfg: RuntimeConfig, schemas: list[dict]) -> list[tuple[list[int], str, str]]:
+    """(tokens, text, finish_reason) of a greedy request per schema, 8 at a time."""
+    with Client(cfg) as client:
+        prompts = [client.encode_prompt(f"Reply with JSON for this schema: {json.dumps(s)}", chat=True)
+                   for s in schemas]
+        rids = [client.submit(p, SamplingParams(max_tokens=MAX_TOKENS, structured=StructuredOutputs(
+            kind="json_schema", spec=json.dumps(s)))) for p, s in zip(prompts, schemas)]
+        results = [client._collect(r) for r in rids]
+        totals = client.engine_stats().totals
+    if cfg.spec.mode != "ar":
+        assert totals.num_draft_tokens > 0
+    return [(r.token_ids, r.text, r.finish_reason) for r in results]
+
+
+def _check_modes(gguf: str, schemas: list[dict]) -> None:
+    outputs = {mode: _run(cfg, schemas) for mode, cfg in _modes(gguf).items()}
+    for schema, (tokens, text, reason) in zip(schemas, outputs["ar"]):
+        assert reason == "stop", (schema, text)
+        jsonschema.validate(json.loads(text), schema)
+    for mode in ("sd", "ssd"):
+        assert [o[0] for o in outputs[mode]] == [o[0] for o in outputs["ar"]], mode
+
+
+def test_random_schemas_validate_and_agree_across_modes(smollm2_gguf_path):
+    rng = random.Random(0)
+    _check_modes(smollm2_gguf_path, [random_schema(rng) for _ in range(3)])
+
+
+@pytest.mark.slow
+def test_200_random_schemas_per_mode(smollm2_gguf_path):
+    rng = random.Random(1)
+    _check_modes(smollm2_gguf_path, [random_schema(rng) for _ in range(200)])
+
+
+@pytest.mark.slow
+def test_regex_choice_and_sampled_json(smollm2_gguf_path):
+    choices = ["Paris", "London", "Berlin"]
+    with Client(_cfg(smollm2_gguf_path, "sd", smollm2_gguf_path)) as client:
+        prompt = client.encode_prompt("What is the capital of France?", chat=True)
+        r = client.generate(prompt, SamplingParams(max_tokens=20, structured=StructuredOutputs(
+            kind="choice", spec=json.dumps(choices))))
+        assert r.text in choices and r.finish_reason == "stop"
+        r = client.generate(prompt, SamplingParams(max_tokens=30, structured=StructuredOutputs(
+            kind="regex", spec=r"[A-Z][a-z]{1,12} is the capital\.")))
+        assert r.text.endswith(" is the capital.") and r.finish_reason == "stop"
+        schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                   "population": {"type": "integer", "minimum": 0, "maximum": 10**9}},
+                  "required": ["city", "population"], "additionalProperties": False}
+        sp = SamplingParams(max_tokens=60, temperature=1.0, structured=StructuredOutputs(
+            kind="json_schema", spec=json.dumps(schema)))
+        for seed in range(6):
+            r = client.generate(prompt, msgspec.structs.replace(sp, seed=seed))
+            assert r.finish_reason == "stop", r.text
+            jsonschema.validate(json.loads(r.text), schema)
+
+
+def test_bitmask_follows_the_valid_prefix_of_the_drafts(smollm2_gguf_path):
+    from spec_runtime.models.loader import load_tokenizer
+    from spec_runtime.structured import Grammars
+
+    tok = load_tokenizer(smollm2_gguf_path)
+    g = Grammars(tok, len(tok), [tok.eos_token_id])
+    m = g.start(StructuredOutputs(kind="choice", spec=json.dumps(["yes", "no"])))
+    (yes,) = tok.encode("yes")
+    bad = tok.encode("maybe")[0]
+
+    def allowed(bits, row, t):
+        return bool((int(bits[row, t // 32]) >> (t % 32)) & 1)
+
+    bits = g.bitmask([m, None], [[bad, yes], [bad]], 3)  # [2 * 3, W]
+    assert allowed(bits, 0, yes) and not allowed(bits, 0, bad)
+    # Slots past the first refused draft (and every slot of an unconstrained row) allow all.
+    assert allowed(bits, 1, bad) and allowed(bits, 2, bad) and all(allowed(bits, r, bad) for r in (3, 4, 5))
+    bits = g.bitmask([m], [[yes]], 2)
+    assert not allowed(bits, 1, yes) and allowed(bits, 1, tok.eos_token_id)  # after "yes": only EOS
+    # The masks were computed by walking ahead; nothing was committed.
+    assert not g.complete(m) and g.commit(m, [yes]) and g.complete(m)
