@@ -28,6 +28,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from protocol.messages import SamplingParams, StructuredOutputs
+from spec_runtime.server.errors import APIError
 from target_proc.validate import MAX_TOP_LOGPROBS, RequestError, validate_sampling
 
 # Accepted and ignored, with why ignoring them changes no output.
@@ -61,18 +62,6 @@ _VLLM_REFUSED = {
     "prompt_logprobs": "prompt_logprobs is not supported",
     "use_beam_search": "beam search is not supported", "chat_template": "a per-request chat_template is not supported",
 }
-
-
-class APIError(Exception):
-    """An error the server answers with OpenAI's body {"error": {message, type, param, code}}."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 class _Strict(BaseModel):

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from protocol.messages import StructuredOutputs
-from spec_runtime.server.openai_protocol import APIError
+from spec_runtime.server.errors import APIError
 
 PARSERS = ("hermes", "llama3_json")
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
