@@ -48,6 +48,9 @@ def draft(models, tmp_path_factory):
     init = m.Init(protocol_version=m.PROTOCOL_VERSION, config=encode_config(cfg), spec_addr=addr)
     ready, run_forever = build(cfg, init)
     worker = run_forever.__self__
+    # No pushed stats: a DraftStats on this socket is then always the answer to a
+    # DraftStatsRequest, which is how these tests know the draft still serves.
+    worker.push_stats = lambda: None
     thread = threading.Thread(target=run_forever, name="draft-under-test", daemon=True)
     thread.start()
     peer = Channel(zmq.PAIR, m.SpecLinkToTarget)
