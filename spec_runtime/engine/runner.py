@@ -29,6 +29,26 @@ from spec_runtime.models.loader import eos_token_ids, load_model, model_name, re
 logger = logging.getLogger(__name__)
 
 
+def _kernel_config(kernels: KernelConfig | None, tp_size: int) -> KernelConfig:
+    kernels = kernels or KernelConfig()
+    if tp_size > 1 and kernels.small_linear != "off":
+        # The one-token projection kernel folds the residual add into a whole-row
+        # product; split rows need the all-reduce in between.
+        kernels = dataclasses.replace(kernels, small_linear="off")
+    return kernels
+
+
+def _device(name: str) -> torch.device:
+    """The device `name` names, made the current CUDA device (flashinfer and CUDA graphs
+    launch on the current one); bare "cuda" is the current one."""
+    device = torch.device(name)
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    return device
+
+
 class ModelRunner:
     """Runs forwards of one model over a slot-laid-out KV pool.
 
@@ -58,17 +78,8 @@ class ModelRunner:
         self.cfg = cfg
         self.tp = tp
         tp_size, tp_rank = (tp.size, tp.rank) if tp is not None else (1, 0)
-        self.kernel_cfg = kernels or KernelConfig()
-        if tp_size > 1 and self.kernel_cfg.small_linear != "off":
-            # The one-token projection kernel folds the residual add into a whole-row
-            # product; split rows need the all-reduce in between.
-            self.kernel_cfg = dataclasses.replace(self.kernel_cfg, small_linear="off")
-        self.device = torch.device(cfg.device if tp is None else str(tp.device))
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())  # "cuda" = the current one
-        if self.device.type == "cuda":
-            # flashinfer and CUDA graphs launch on the current device: make it this one.
-            torch.cuda.set_device(self.device)
+        self.kernel_cfg = _kernel_config(kernels, tp_size)
+        self.device = _device(cfg.device if tp is None else str(tp.device))
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         # Seconds per start-up phase (load, kv_alloc, graph_capture with kernel tuning), sent in Ready.
         self.startup_phases: dict[str, float] = {}
