@@ -305,8 +305,9 @@ class TargetWorker:
             target_logits_p = proc.apply(target_logits, inputs.draft_token_ids)
         else:
             target_logits_p = target_logits
-        drafts = [specs[s.seq_id].draft_token_ids[:m] if m else () for s, m in zip(seqs, num_draft)]
-        target_logits_p = self.grammars.mask([s.grammar for s in seqs], target_logits_p, drafts)
+        if any(s.grammar is not None for s in seqs):
+            drafts = [specs[s.seq_id].draft_token_ids[:m] if m else () for s, m in zip(seqs, num_draft)]
+            target_logits_p = self.grammars.mask([s.grammar for s in seqs], target_logits_p, drafts)
         res = rejection_sample(target_logits_p, inputs.draft_token_ids, inputs.num_draft_tokens, inputs.q_token_ids,
                                inputs.q_probs, inputs.st, inputs.positions)
         num_accepted = res.num_accepted.cpu()  # sync: the accepted prefix decides what the host does next

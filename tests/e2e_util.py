@@ -55,6 +55,20 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int, ggu
     return outs
 
 
+def record_submits(aclient) -> list:
+    """Make `aclient.submit` also append (prompt ids, SamplingParams) to the returned list,
+    so a test sees what the server asked the engine for."""
+    submitted: list = []
+    orig_submit = aclient.submit
+
+    def recording_submit(ids, sp):
+        submitted.append((list(ids), sp))
+        return orig_submit(ids, sp)
+
+    aclient.submit = recording_submit
+    return submitted
+
+
 @contextmanager
 def serve_in_thread(app, timeout_s: float = 30.0):
     """Run an ASGI app with uvicorn on a free loopback port in a thread; yields its URL."""

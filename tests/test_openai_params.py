@@ -24,7 +24,7 @@ from openai.types.chat import (
 from openai.types.chat import completion_create_params as chat_params
 
 from conftest import save_tiny_model
-from e2e_util import make_config, perturbed_copy, serve_in_thread
+from e2e_util import make_config, perturbed_copy, record_submits, serve_in_thread
 from protocol.messages import StructuredOutputs
 from spec_runtime.server.app import build_app
 from spec_runtime.server.async_client import AsyncClient
@@ -51,14 +51,7 @@ def server(tmp_path_factory):
     tok.save_pretrained(target)
     draft = perturbed_copy(target, str(root / "draft"), noise=0.2)
     aclient = AsyncClient(make_config(target, draft, mode="sd", k=3))
-    submitted = []
-    orig_submit = aclient.submit
-
-    def recording_submit(ids, sp):
-        submitted.append((list(ids), sp))
-        return orig_submit(ids, sp)
-
-    aclient.submit = recording_submit
+    submitted = record_submits(aclient)
     with serve_in_thread(build_app(aclient, served_model_name=MODEL)) as url:
         yield SimpleNamespace(url=url, client=aclient.client, submitted=submitted)
     aclient.client.close()

@@ -16,7 +16,7 @@ import httpx
 import jsonschema
 import pytest
 
-from e2e_util import serve_in_thread
+from e2e_util import record_submits, serve_in_thread
 from spec_runtime.config import ModelConfig, RuntimeConfig, SchedulerConfig, SpeculativeConfig
 from spec_runtime.server.app import build_app
 from spec_runtime.server.async_client import AsyncClient
@@ -52,14 +52,7 @@ def server(smollm2_gguf_path):
                         sched=SchedulerConfig(max_batch_size=4, max_model_len=1024, spec_policy="always"),
                         startup_timeout_s=300.0)
     aclient = AsyncClient(cfg)
-    submitted = []
-    orig_submit = aclient.submit
-
-    def recording_submit(ids, sp):
-        submitted.append((list(ids), sp))
-        return orig_submit(ids, sp)
-
-    aclient.submit = recording_submit
+    submitted = record_submits(aclient)
     app = build_app(aclient, served_model_name=MODEL, chat=ChatConfig(chat_template=TEMPLATE))
     with serve_in_thread(app) as url:
         yield SimpleNamespace(url=url, client=aclient.client, submitted=submitted)

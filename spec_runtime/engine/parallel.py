@@ -108,15 +108,19 @@ class TPGroup:
     def is_leader(self) -> bool:
         return self.rank == 0
 
-    def _broadcast(self, data: np.ndarray | None, kind: int) -> tuple[int, np.ndarray]:
-        head = torch.zeros(2, dtype=torch.int64, device=self.device)
+    def _broadcast(self, data: np.ndarray | None, kind: int) -> tuple[int, np.ndarray | None]:
+        """Rank 0 sends [kind, len(data)] then data; the others receive them. Rank 0 gets
+        its own (kind, data) back without reading anything from the device."""
         if self.is_leader:
-            head[0], head[1] = kind, 0 if data is None else data.shape[0]
+            n = 0 if data is None else data.shape[0]
+            dist.broadcast(torch.tensor([kind, n], dtype=torch.int64, device=self.device), 0)
+            if n:
+                dist.broadcast(torch.from_numpy(data).to(self.device), 0)
+            return kind, data
+        head = torch.empty(2, dtype=torch.int64, device=self.device)
         dist.broadcast(head, 0)
         kind, n = head.tolist()
         payload = torch.empty(n, dtype=torch.int64, device=self.device)
-        if self.is_leader and n:
-            payload.copy_(torch.from_numpy(data))
         if n:
             dist.broadcast(payload, 0)
         return kind, payload.cpu().numpy()
