@@ -191,3 +191,51 @@ def test_default_draft_is_about_a_tenth_of_the_target(shape):
     assert 0.07 < ratio < 0.13, ratio
     assert cfg.vocab_size == shape["vocab_size"] and cfg.tie_word_embeddings
     assert cfg.num_attention_heads % cfg.num_key_value_heads == 0
+
+
+class _ScriptedTarget(torch.nn.Module):
+    """Stands in for the target in prompt sampling: `generate` returns scripted user turns."""
+
+    def __init__(self, turns: list[list[int]]):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.turns = turns
+        self.calls = 0
+
+    def generate(self, input_ids, max_new_tokens, **kw):
+        rows = []
+        for r in range(input_ids.shape[0]):
+            turn = self.turns[(self.calls * input_ids.shape[0] + r) % len(self.turns)][:max_new_tokens]
+            rows.append(input_ids[r].tolist() + turn + [kw["pad_token_id"]] * (max_new_tokens - len(turn)))
+        self.calls += 1
+        return torch.tensor(rows)
+
+
+def test_self_prompts_are_finished_distinct_user_turns(tmp_path):
+    from conftest import tiny_tokenizer
+    from spec_runtime.distill.data import sample_prompts, user_turn_prefix
+
+    tok = tiny_tokenizer()
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    prefix = user_turn_prefix(tok)
+    rendered = tok.apply_chat_template([{"role": "user", "content": "hello there"}], tokenize=False)
+    assert rendered.startswith(tok.decode(prefix)) and "hello there" not in tok.decode(prefix)
+    a = tok.encode("What is the tallest mountain?", add_special_tokens=False)
+    b = tok.encode("Write a poem about rain.", add_special_tokens=False)
+    unfinished = tok.encode("This turn never ends and runs on", add_special_tokens=False)
+    short = tok.encode("Hi", add_special_tokens=False)
+    target = _ScriptedTarget([a + [eos], unfinished, a + [eos], short + [eos], b + [eos]])
+    prompts = sample_prompts(target, tok, [eos], 2, batch_size=5, seed=0, max_tokens=len(unfinished))
+    assert prompts == ["What is the tallest mountain?", "Write a poem about rain."]
+
+
+def test_draft_config_drops_the_targets_quantization(tmp_path):
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=300)
+    cfg.quantization_config = {"quant_method": "gguf", "gguf_file": "target.gguf"}
+    draft = draft_config(cfg, 10_000_000, 1, 32)
+    text = draft.to_json_string()
+    assert "quantization_config" not in text and "gguf" not in text
+    assert cfg.quantization_config["quant_method"] == "gguf"  # the target's own config is untouched

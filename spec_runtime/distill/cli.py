@@ -18,6 +18,8 @@ _HELP = {
     "intermediate_size": "draft MLP width (default: the target's ratio to hidden_size)",
     "prompts": "file with one prompt per line (default: the prompt set shipped with spec-runtime)",
     "num_prompts": "use only the first N prompts (0 = all)",
+    "self_prompts": "add N prompts the target writes itself (user turns sampled at temperature 1): "
+                    "more varied teacher data than a fixed prompt set",
     "max_new_tokens": "tokens the target generates per prompt",
     "samples_per_prompt": "continuations per prompt: the first greedy, the others sampled at --gen-temperature",
     "gen_temperature": "temperature of the sampled continuations",

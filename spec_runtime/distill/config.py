@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, fields
 
 # Fields that fix the draft's shape or its training data: a resumed run must not change them.
 RESUME_FIXED = ("target", "num_layers", "hidden_size", "intermediate_size", "top_k_logits", "max_new_tokens",
-                "samples_per_prompt", "gen_temperature", "prompts", "held_out_fraction", "seed")
+                "samples_per_prompt", "gen_temperature", "prompts", "self_prompts", "held_out_fraction", "seed")
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,7 @@ class DistillConfig:
     # Teacher data: the target's own continuations of the prompts, with its top-k log-probs.
     prompts: str = ""  # a file with one prompt per line; "" = the prompts shipped with the package
     num_prompts: int = 0  # 0 = all of them
+    self_prompts: int = 0  # user turns the target writes itself, added to the prompt set
     max_new_tokens: int = 128
     samples_per_prompt: int = 1  # the first is greedy, the others sampled at gen_temperature
     gen_temperature: float = 0.8
@@ -41,7 +42,7 @@ class DistillConfig:
     def __post_init__(self) -> None:
         if not self.out:
             raise ValueError("--out is required: the directory the draft is written to")
-        for name in ("num_layers", "hidden_size", "intermediate_size", "num_prompts"):
+        for name in ("num_layers", "hidden_size", "intermediate_size", "num_prompts", "self_prompts"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 = default), got {getattr(self, name)}")
         for name in ("max_new_tokens", "samples_per_prompt", "gen_batch_size", "top_k_logits", "steps",

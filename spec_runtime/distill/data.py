@@ -58,6 +58,53 @@ def encode_prompt(tokenizer, prompt: str) -> list[int]:
     return [int(t) for t in ids]
 
 
+_SENTINEL = "\x00user-turn\x00"
+
+
+def user_turn_prefix(tokenizer) -> list[int]:
+    """Token ids that open a user turn (the chat template up to a user message's text), or
+    the BOS token alone for a tokenizer without a template."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": _SENTINEL}], tokenize=False)
+        return [int(t) for t in tokenizer.encode(text[:text.index(_SENTINEL)], add_special_tokens=False)]
+    return [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+
+
+@torch.inference_mode()
+def sample_prompts(target, tokenizer, eos_ids: list[int], n: int, *, batch_size: int, seed: int,
+                   max_tokens: int = 64) -> list[str]:
+    """`n` distinct prompts written by the target itself: user turns sampled at temperature 1."""
+    prefix = user_turn_prefix(tokenizer)
+    if not prefix:
+        raise ValueError("--self-prompts needs a chat template or a BOS token to start a user turn from")
+    device = next(target.parameters()).device
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+    eos = set(eos_ids)
+    found: dict[str, None] = {}
+    bar = tqdm(total=n, desc="Sampling prompts", unit="prompt", file=sys.stderr,
+               mininterval=1.0 if sys.stderr.isatty() else 30.0)
+    for attempt in range(8 * max(1, -(-n // batch_size))):
+        if len(found) >= n:
+            break
+        torch.manual_seed(seed * 1_000_003 + 7919 * (attempt + 1))
+        input_ids = torch.tensor([prefix] * batch_size, device=device)
+        out = target.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=True,
+                              temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_tokens,
+                              eos_token_id=eos_ids, pad_token_id=pad_id)
+        for row in out[:, len(prefix):].tolist():
+            end = _continuation_length(row, eos)
+            if end == len(row) and row[-1] not in eos:
+                continue  # the turn did not end within max_tokens
+            text = tokenizer.decode(row[:end - 1], skip_special_tokens=True).strip()
+            if len(text) >= 8 and text not in found and len(found) < n:
+                found[text] = None
+                bar.update(1)
+    bar.close()
+    if len(found) < n:
+        logger.warning("the target wrote %d distinct prompts of the %d asked for", len(found), n)
+    return list(found)
+
+
 def save_samples(samples: list[TeacherSample], path: str) -> None:
     tmp = path + ".tmp"
     torch.save([{"token_ids": torch.tensor(s.token_ids, dtype=torch.int32), "start": s.start,

@@ -79,6 +79,10 @@ def draft_config(target_cfg, target_params: int, num_layers: int = 0, hidden_siz
     for name in ("layer_types", "max_window_layers"):  # per-layer lists sized for the target
         if hasattr(cfg, name) and isinstance(getattr(cfg, name), list):
             setattr(cfg, name, getattr(cfg, name)[:layers])
+    # The draft is written unquantized under its own name, whatever file the target came from.
+    for name in ("quantization_config", "_name_or_path"):
+        if hasattr(cfg, name):
+            delattr(cfg, name)
     return cfg
 
 

@@ -28,7 +28,8 @@ import torch
 from tqdm.auto import tqdm
 
 from spec_runtime.distill.config import DistillConfig
-from spec_runtime.distill.data import TeacherSample, generate_samples, load_prompts, split_held_out
+from spec_runtime.distill.data import (TeacherSample, generate_samples, load_prompts, sample_prompts,
+                                       split_held_out)
 from spec_runtime.distill.shape import count_params, draft_config, init_from_target
 
 logger = logging.getLogger(__name__)
@@ -184,6 +185,23 @@ def _device(name: str) -> torch.device:
     return device
 
 
+def _self_prompts(cfg: DistillConfig, target, tokenizer, eos_ids) -> list[str]:
+    """The target's own prompts, sampled once and kept in OUT/.distill/self_prompts.json."""
+    if not cfg.self_prompts:
+        return []
+    path = work_path(cfg.out, "self_prompts.json")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+        if len(saved) >= cfg.self_prompts:
+            return saved[:cfg.self_prompts]
+    prompts = sample_prompts(target, tokenizer, eos_ids, cfg.self_prompts, batch_size=cfg.gen_batch_size,
+                             seed=cfg.seed)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(prompts, f, indent=0)
+    return prompts
+
+
 def distill(cfg: DistillConfig) -> dict:
     """Run (or resume) a distillation; returns the summary also written to OUT/distill.json."""
     from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
@@ -197,6 +215,7 @@ def distill(cfg: DistillConfig) -> dict:
     prompts = load_prompts(cfg.prompts)
     if cfg.num_prompts:
         prompts = prompts[:cfg.num_prompts]
+    prompts += _self_prompts(cfg, target, tokenizer, eos_ids)
     samples = generate_samples(
         target, tokenizer, prompts, eos_ids, max_new_tokens=cfg.max_new_tokens,
         samples_per_prompt=cfg.samples_per_prompt, temperature=cfg.gen_temperature,
