@@ -78,7 +78,10 @@ class RoleActor:
         keys: {"client_secret", "draft_public"} for the target, {"spec_secret"} for the
         draft; empty over ipc (values are Z85 bytes, generated per deployment).
         """
-        cfg = pin_device(decode_config(config), self.role)
+        from spec_runtime.cli_config import resolve_config_model_ids
+
+        # A Hugging Face id loads from this node's cache.
+        cfg = pin_device(resolve_config_model_ids(decode_config(config)), self.role)
         setup_logging(self.role, cfg.log_level)
         init = Init(protocol_version=PROTOCOL_VERSION, config=encode_config(cfg), spec_addr=spec_addr,
                     client_addr=client_addr if self.role == "target" else "")

@@ -324,9 +324,11 @@ class RayDeployment:
 
     def client(self, **kw):
         """A Client of this deployment; closing it shuts the deployment down."""
+        from spec_runtime.cli_config import resolve_config_model_ids
         from spec_runtime.client import Client
 
-        return Client(self.cfg, launcher=self, **kw)
+        # The tokenizer of a Hugging Face id comes from this node's cache.
+        return Client(resolve_config_model_ids(self.cfg), launcher=self, **kw)
 
     def dead_child(self) -> str | None:
         """'target' once the target is gone (final); 'draft' while a new draft is placed."""
