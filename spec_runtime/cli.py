@@ -203,9 +203,6 @@ def _serve(args: argparse.Namespace) -> int:
             options = _app_options(args, cfg)
         except ConfigErrors as e:
             errors += e.errors
-    if not errors and args.ray and cfg.target.tensor_parallel_size > 1:
-        errors.append("--tensor-parallel-size > 1 does not run under Ray (one bundle per rank is not "
-                      "placed yet); serve it without --ray")
     if errors:
         raise ConfigErrors(errors)
     from spec_runtime.launcher import StartupError

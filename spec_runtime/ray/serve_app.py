@@ -137,10 +137,14 @@ def resolve_resources(cfg: RuntimeConfig, gpus_per_actor: float | None, cpus_per
     else:
         cluster = {}
     res, warnings = resolve(gpus_per_actor, cpus_per_actor, cluster, len(roles_of(cfg)), replica_cpus)
-    on_cuda = [m.device for m in (cfg.target, cfg.draft)[:len(roles_of(cfg))] if m.device.startswith("cuda")]
+    models = [cfg.target] + ([cfg.draft] if cfg.spec.uses_draft_process else [])
+    on_cuda = [m.device for m in models if m.device.startswith("cuda")]
     if res.gpus == 0 and on_cuda:
         raise ValueError(f"the actors get 0 GPUs but a model's device is {on_cuda[0]!r}: give "
                          "--ray-gpus-per-actor 1 (a GPU per actor), or --target-device cpu --draft-device cpu")
+    if cfg.target.tensor_parallel_size > 1 and cfg.target.device.startswith("cuda") and res.gpus != int(res.gpus):
+        raise ValueError(f"a tensor-parallel target needs a whole GPU per rank (NCCL refuses two ranks on one "
+                         f"GPU): --ray-gpus-per-actor must be whole, got {res.gpus:g}")
     return res, warnings
 
 
