@@ -124,6 +124,9 @@ class SamplingParams(_Cold):
     include_stop_str_in_output: bool = False
     # The output follows this grammar; it ends once the grammar is complete.
     structured: StructuredOutputs | None = None
+    # The logprob of every prompt token after the first, from the target's prefill, with
+    # this many alternatives each (None: none); they come with the request's first output.
+    prompt_logprobs: int | None = None
 
 
 class GenerateRequest(_Hot, tag="gen"):
@@ -185,6 +188,16 @@ def add_totals(totals: RequestStats, st: RequestStats) -> None:
         totals.drafted_per_position[i] += d
 
 
+class PromptLogprobs(_Cold):
+    """The target's raw log-softmax at each prompt position: entry i is about prompt token
+    i + 1 given tokens 0..i (the first prompt token has none)."""
+
+    logprobs: list[float] = []  # [num_prompt - 1] of the prompt's own tokens
+    ranks: list[int] = []  # [num_prompt - 1] each one's rank in its distribution (1 = most likely)
+    top_token_ids: list[list[int]] = []  # [num_prompt - 1][num_top] the most likely tokens
+    top_logprobs: list[list[float]] = []  # [num_prompt - 1][num_top] and their logprobs
+
+
 class RequestOutput(_Hot):
     request_id: str
     new_token_ids: list[int]
@@ -200,6 +213,8 @@ class RequestOutput(_Hot):
     # What ended the request with finish_reason "stop": the stop string or stop token id
     # (None for EOS).
     stop_reason: str | int | None = None
+    # With SamplingParams.prompt_logprobs: the prompt's logprobs, on the first output only.
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class TokenOutputs(_Hot, tag="out"):

@@ -9,7 +9,6 @@ a line of its own and the exit code is 2.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -137,7 +136,6 @@ def _generate(args: argparse.Namespace) -> int:
 _LOCAL_ONLY_FLAGS = {
     "on_target_death": "Ray Serve's health check replaces a replica whose target died",
     "uvicorn_log_level": "Ray Serve's proxy runs its own HTTP server (its logs are in the Ray logs)",
-    "metrics_prefix": "Ray's metrics carry Ray's own ray_spec_runtime_ prefix",
 }
 _RAY_FLAGS = ("ray_address", "ray_placement", "ray_gpus_per_actor", "ray_cpus_per_actor", "num_replicas",
               "max_replicas", "ray_placement_timeout_s")
@@ -146,20 +144,19 @@ _RAY_FLAGS = ("ray_address", "ray_placement", "ray_gpus_per_actor", "ray_cpus_pe
 def _check_ray_flags(args: argparse.Namespace) -> None:
     """Refuse, by name, a flag that the chosen server (local or --ray) would not honour."""
     if args.ray:
-        for name, why in _LOCAL_ONLY_FLAGS.items():
-            if getattr(args, name) is not None:
-                raise ValueError(f"--{name.replace('_', '-')} does not apply with --ray: {why}")
-        http = sorted(n for n in vars(args) if n.startswith(("http.", "chat.")))  # given ones only
-        if http:
-            raise ValueError(f"--{http[0].split('.', 1)[1].replace('_', '-')} does not apply with --ray: Ray Serve's "
-                             "proxy runs its own HTTP server")
+        from spec_runtime.server.app_options import PROXY_HTTP_FIELDS
+
+        local_only = {**_LOCAL_ONLY_FLAGS, **{f"http.{k}": why for k, why in PROXY_HTTP_FIELDS.items()}}
+        for name, why in local_only.items():
+            if vars(args).get(name) is not None:
+                raise ValueError(f"--{name.rpartition('.')[2].replace('_', '-')} does not apply with --ray: {why}")
     else:
         given = [n for n in _RAY_FLAGS if getattr(args, n) is not None]
         if given:
             raise ValueError(f"--{given[0].replace('_', '-')} needs --ray")
 
 
-def _serve_ray(args: argparse.Namespace, cfg) -> int:
+def _serve_ray(args: argparse.Namespace, cfg, options) -> int:
     """Target and draft as Ray actors in each replica's placement group, the API as a Ray Serve app."""
     from spec_runtime.launcher import StartupError
     from spec_runtime.ray import PlacementError
@@ -167,11 +164,10 @@ def _serve_ray(args: argparse.Namespace, cfg) -> int:
 
     try:
         return run_ray_server(
-            cfg, host=args.host, port=args.port, address=args.ray_address, placement=args.ray_placement or "pack",
-            gpus_per_actor=args.ray_gpus_per_actor, cpus_per_actor=args.ray_cpus_per_actor,
-            num_replicas=args.num_replicas or 1, max_replicas=args.max_replicas,
-            placement_timeout_s=args.ray_placement_timeout_s or 60.0, api_key=args.api_key,
-            served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes)
+            cfg, options, host=args.host, port=args.port, address=args.ray_address,
+            placement=args.ray_placement or "pack", gpus_per_actor=args.ray_gpus_per_actor,
+            cpus_per_actor=args.ray_cpus_per_actor, num_replicas=args.num_replicas or 1,
+            max_replicas=args.max_replicas, placement_timeout_s=args.ray_placement_timeout_s or 60.0)
     except PlacementError as e:
         print(f"spec-runtime: placement failed: {e}", file=sys.stderr)
         return 1
@@ -190,10 +186,9 @@ def _serve(args: argparse.Namespace) -> int:
     if args.api_key is None and os.environ.get("SPEC_RUNTIME_API_KEY"):
         args.api_key = os.environ["SPEC_RUNTIME_API_KEY"]
     errors = []
+    cfg = None
     if not 0 <= args.port <= 65535:
         errors.append(f"--port must be in [0, 65535], got {args.port}")
-    if args.max_body_bytes is not None and args.max_body_bytes < 1:
-        errors.append(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
     try:
         _check_ray_flags(args)
     except ValueError as e:
@@ -202,35 +197,22 @@ def _serve(args: argparse.Namespace) -> int:
         cfg, _ = _checked_config(args, local=not args.ray)
     except ConfigErrors as e:
         errors = e.errors + errors
-    chat = None
-    try:
-        chat = _sub_config(args, "chat")
-    except ValueError as e:  # "field_name ...": name the flag
-        name, _, rest = str(e).partition(" ")
-        errors.append(f"--{name.replace('_', '-')} {rest}")
-    defaults = {}
-    if not errors:
-        defaults, why = _generation_defaults(args, cfg)
-        errors += why
-    if not errors and args.ray and cfg.target.tensor_parallel_size > 1:
-        errors.append("--tensor-parallel-size > 1 does not run under Ray (one bundle per rank is not "
-                      "placed yet); serve it without --ray")
+    options = None
+    if cfg is not None:
+        try:
+            options = _app_options(args, cfg)
+        except ConfigErrors as e:
+            errors += e.errors
     if errors:
         raise ConfigErrors(errors)
     from spec_runtime.launcher import StartupError
     from spec_runtime.server.serve import run_server
 
     if args.ray:
-        return _serve_ray(args, cfg)
-    if args.served_model_name is None and "target" in getattr(args, "hf_ids", {}):
-        args.served_model_name = args.hf_ids["target"]  # as vLLM names it: the id given, not the cache path
+        return _serve_ray(args, cfg, options)
     try:
-        return run_server(cfg, host=args.host, port=args.port, api_key=args.api_key,
-                          served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
-                          log_level=args.uvicorn_log_level or "warning",
-                          on_target_death=args.on_target_death or "exit", http=_http_config(args),
-                          metrics_prefix=args.metrics_prefix or "spec_runtime", generation_defaults=defaults,
-                          chat=chat)
+        return run_server(cfg, options, host=args.host, port=args.port, log_level=args.uvicorn_log_level or "warning",
+                          on_target_death=args.on_target_death or "exit")
     except StartupError as e:
         print(f"spec-runtime: start-up failed: {e}", file=sys.stderr)
         return 1
@@ -239,67 +221,23 @@ def _serve(args: argparse.Namespace) -> int:
         return 1
 
 
-def _generation_defaults(args: argparse.Namespace, cfg) -> tuple[dict, list[str]]:
-    """(the sampling defaults --generation-config gives, [error lines]); says on stderr
-    which defaults apply, so none is applied silently."""
-    from spec_runtime.server.generation_config import load_generation_defaults
+def _app_options(args: argparse.Namespace, cfg):
+    """The HTTP app's options from the flags (ConfigErrors naming each bad one). The
+    model's generation_config.json is read here where the target is a directory on this
+    host; else (a Ray cluster's path) each replica reads it. Says on stderr which request
+    defaults apply, so none is applied silently."""
+    from spec_runtime.server.app_options import app_options_from_args
 
-    mode = args.generation_config or "auto"
-    try:
-        defaults = load_generation_defaults(mode, cfg.target.path)
-    except ValueError as e:
-        return {}, [str(e)]
-    if defaults and args.ray:
-        return {}, [f"--generation-config auto: the model's generation_config.json sets {defaults}, and Ray Serve "
-                    f"replicas do not apply them; pass --generation-config none (or vllm) to serve with the API's "
-                    f"own defaults"]
-    if defaults:
+    path = cfg.target.path
+    local = os.path.isdir(path) or not args.ray
+    # As vLLM names the model: the Hugging Face id given, not its cache path.
+    name = getattr(args, "hf_ids", {}).get("target")
+    options = app_options_from_args(args, path if local else None, served_model_name=name)
+    if options.generation_defaults:
         print(f"spec-runtime: request defaults from the model's generation_config.json: "
-              f"{', '.join(f'{k}={v}' for k, v in defaults.items())} (a request's own value wins; "
-              f"--generation-config none turns them off)", file=sys.stderr)
-    return defaults, []
-
-
-def _http_config(args: argparse.Namespace):
-    from spec_runtime.server.http_limits import HTTPConfig
-
-    given = {name[len("http."):]: v for name, v in vars(args).items() if name.startswith("http.")}
-    return HTTPConfig(**given)
-
-
-def _sub_config(args: argparse.Namespace, prefix: str):
-    """The serve-only config of the flags `prefix.*` (chat: ChatConfig)."""
-    from spec_runtime.server.chat_config import ChatConfig
-
-    given = {name[len(prefix) + 1:]: v for name, v in vars(args).items() if name.startswith(prefix + ".")}
-    return ChatConfig(**given)
-
-
-def _add_chat_flags(parser: argparse.ArgumentParser) -> None:
-    import typing
-
-    from spec_runtime.cli_flags import _add_field
-    from spec_runtime.server.chat_config import ChatConfig
-
-    g = parser.add_argument_group("chat")
-    hints = typing.get_type_hints(ChatConfig)
-    for f in dataclasses.fields(ChatConfig):
-        _add_field(g, f"--{f.name.replace('_', '-')}", f"chat.{f.name}", hints[f.name], f.metadata.get("help", ""),
-                   str(f.default), argparse.SUPPRESS)
-
-
-def _add_http_flags(parser: argparse.ArgumentParser) -> None:
-    import typing
-
-    from spec_runtime.cli_flags import _add_field
-    from spec_runtime.server.http_limits import HTTPConfig
-
-    g = parser.add_argument_group("HTTP limits")
-    hints = typing.get_type_hints(HTTPConfig)
-    for f in dataclasses.fields(HTTPConfig):
-        if f.name != "max_body_bytes":  # --max-body-bytes is a serve flag of its own
-            _add_field(g, f"--{f.name.replace('_', '-')}", f"http.{f.name}", hints[f.name],
-                       f.metadata.get("help", ""), str(f.default), argparse.SUPPRESS)
+              f"{', '.join(f'{k}={v}' for k, v in options.generation_defaults.items())} (a request's own value "
+              f"wins; --generation-config none turns them off)", file=sys.stderr)
+    return options
 
 
 def _add_serve(sub) -> None:
@@ -332,25 +270,15 @@ def _add_serve(sub) -> None:
     ray.add_argument("--ray-placement-timeout-s", type=float, default=None,
                      help="give up when the replicas' bundles cannot be reserved in this many seconds (default: 60)")
     srv.add_argument("--port", type=int, default=8000, help="port to bind; 0 picks a free one (default: 8000)")
-    srv.add_argument("--api-key", default=None,
-                     help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPEC_RUNTIME_API_KEY, else none)")
-    srv.add_argument("--served-model-name", default=None, help="model name clients send (default: the target path)")
     srv.add_argument("--speculative-config", default=None, metavar="JSON",
                      help="SpeculativeConfig fields as JSON, e.g. '{\"mode\": \"ssd\", \"k\": 4}', or vLLM's keys "
                           "(method: draft_model or ngram, model, num_speculative_tokens, prompt_lookup_max, "
                           "prompt_lookup_min); unknown keys are errors")
-    srv.add_argument("--generation-config", choices=["auto", "vllm", "none"], default=None,
-                     help="auto: the model's generation_config.json sampling values (temperature, top_p, top_k, "
-                          "repetition_penalty, min_p) are request defaults that a request's own fields override; "
-                          "vllm or none: the API's own defaults (default: auto)")
-    srv.add_argument("--metrics-prefix", choices=["spec_runtime", "vllm"], default=None,
-                     help="prefix of the /metrics names: vllm makes them vllm:..., so vLLM's dashboards and "
-                          "`vllm bench serve` read them unchanged (default: spec_runtime; not with --ray)")
     _add_config_file_flag(srv)
-    srv.add_argument("--max-body-bytes", type=int, default=None, help="larger request bodies get HTTP 413 (default: 1 MiB)")
     srv.add_argument("--uvicorn-log-level", default=None, help="uvicorn's log level (default: warning; not with --ray)")
-    _add_http_flags(srv)
-    _add_chat_flags(srv)
+    from spec_runtime.server.app_options import add_app_flags
+
+    add_app_flags(srv)
     add_config_flags(srv)
     srv.set_defaults(func=_serve)
 

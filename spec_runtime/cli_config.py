@@ -192,3 +192,16 @@ def resolve_model_ids(args: argparse.Namespace, roles: list[str]) -> tuple[dict[
         except ValueError as e:
             errors.append(str(e))
     return ids, errors
+
+
+def resolve_config_model_ids(cfg):
+    """cfg with each model given as a Hugging Face id replaced by its snapshot directory in
+    this host's cache (offline): where the models load on a Ray cluster, each node reads its
+    own cache. ValueError naming the id where it is not cached here."""
+    changes = {}
+    for role in ("target", "draft"):
+        model = getattr(cfg, role)
+        path = model.path
+        if path and path != DEFAULT_DRAFT and not path.startswith("random:") and looks_like_hf_id(path):
+            changes[role] = dataclasses.replace(model, path=resolve_hf_id(role, path))
+    return cfg.replace(**changes) if changes else cfg

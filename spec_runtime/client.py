@@ -261,15 +261,16 @@ class Client:
         ids: list[int] = []
         text: list[str] = []
         logprobs: list[float] = []
-        last = None
+        last = prompt = None
         for out in self.stream_outputs(request_id):
             ids.extend(out.new_token_ids)
             text.append(out.text_delta)
             logprobs.extend(out.logprobs)
+            prompt = prompt or out.prompt_logprobs
             last = out
         if last is None or last.stats is None:
             raise RequestFailed(f"{request_id} ended without a final output")
-        return GenerationResult("".join(text), ids, last.finish_reason, last.stats, logprobs)
+        return GenerationResult("".join(text), ids, last.finish_reason, last.stats, logprobs, prompt)
 
     def _io_main(self) -> None:
         try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from protocol.messages import RequestStats, mean_acceptance_length
+from protocol.messages import PromptLogprobs, RequestStats, mean_acceptance_length
 
 
 class RequestFailed(RuntimeError):
@@ -18,6 +18,8 @@ class GenerationResult:
     finish_reason: str | None
     stats: RequestStats
     logprobs: list[float] = field(default_factory=list)
+    # With SamplingParams.prompt_logprobs: the target's logprobs of the prompt's tokens.
+    prompt_logprobs: PromptLogprobs | None = None
 
     def stats_dict(self) -> dict:
         """The request's figures; docs/metrics.md defines each."""

@@ -13,13 +13,15 @@ from target_proc.draft_link import DraftLink
 from target_proc.worker import TargetWorker
 
 
-def build(cfg, init, *, client_secret_key: bytes | None = None, draft_public_key: bytes | None = None):
+def build(cfg, init, *, client_secret_key: bytes | None = None, draft_public_key: bytes | None = None,
+          tp_rendezvous: tuple[str, int] | None = None):
     """Load the target and open its links. The keys (Ray deployments over tcp) make the
     client ROUTER a CURVE server and the spec link a CURVE client of the draft; a CURVE
-    server may bind a non-loopback address."""
+    server may bind a non-loopback address. tp_rendezvous (host, port): where the
+    tensor-parallel ranks that a Ray deployment started join this rank 0."""
     from target_proc.model import start_tensor_parallel, target_runner
 
-    tp = start_tensor_parallel(cfg)  # None on one device
+    tp = start_tensor_parallel(cfg, tp_rendezvous)  # None on one device
     runner = target_runner(cfg, tp)
     clients = RouterChannel(ClientMessage)
     if client_secret_key is not None:

@@ -33,18 +33,28 @@ def main() -> None:
     setup_logging(role, "WARNING")  # until the config arrives
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
 
+    group, runner = join(args.rank, args.world_size, args.device, args.port,
+                         on_config=lambda cfg: setup_logging(role, cfg.log_level))
+    runner.follow()
+    group.stop()
+
+
+def join(rank: int, world_size: int, device: str, port: int, host: str = "127.0.0.1", timeout_s: float = 600.0,
+         on_config=None):
+    """Join rank 0's group at host:port, receive the runtime config, build the same runner
+    (on `device`): (group, runner), ready for runner.follow(). on_config(cfg) runs once the
+    config has arrived (logging set-up)."""
     import msgspec
 
     from protocol.codec import decode_config
     from spec_runtime.engine.parallel import TPGroup
     from target_proc.model import target_runner
 
-    group = TPGroup(args.world_size, args.rank, args.device, args.port)
+    group = TPGroup(world_size, rank, device, port, timeout_s=timeout_s, host=host)
     cfg = decode_config(msgspec.msgpack.decode(group.broadcast_bytes(None)))
-    setup_logging(role, cfg.log_level)
-    runner = target_runner(cfg, group)
-    runner.follow()
-    group.stop()
+    if on_config is not None:
+        on_config(cfg)
+    return group, target_runner(cfg, group)
 
 
 if __name__ == "__main__":

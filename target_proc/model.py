@@ -23,14 +23,20 @@ def target_runner(cfg, tp=None):
                              graph_q_lens=q_lens, tp=tp)
 
 
-def start_tensor_parallel(cfg):
+def start_tensor_parallel(cfg, rendezvous: tuple[str, int] | None = None):
     """Rank 0 of --tensor-parallel-size N > 1: start ranks 1..N-1, form the group, send
-    them the config. None for N = 1."""
+    them the config. None for N = 1. rendezvous (host, port): the ranks were started by
+    someone else (the Ray deployment, one actor per rank) and join there."""
     n = cfg.target.tensor_parallel_size
     if n == 1:
         return None
     from spec_runtime.engine.parallel import TPGroup, free_port, start_followers
 
+    if rendezvous is not None:
+        host, port = rendezvous
+        group = TPGroup(n, 0, cfg.target.device, port, timeout_s=cfg.startup_timeout_s, host=host)
+        group.broadcast_bytes(msgspec.msgpack.encode(encode_config(cfg)))
+        return group
     port = free_port()
     procs = start_followers(n, port, cfg.target.device)
     group = TPGroup(n, 0, cfg.target.device, port, timeout_s=cfg.startup_timeout_s, followers=procs)

@@ -55,7 +55,9 @@ def take_output(seq: Sequence) -> RequestOutput | None:
         top_token_ids=seq.pending_top_ids,
         top_logprobs=seq.pending_top_logprobs,
         stop_reason=seq.stop_reason if seq.finished else None,
+        prompt_logprobs=seq.prompt_logprobs,
     )
+    seq.prompt_logprobs = None
     seq.pending_token_ids = []
     seq.pending_logprobs = []
     seq.pending_top_ids = []
@@ -83,4 +85,5 @@ def merge_outputs(outs: list[RequestOutput]) -> list[RequestOutput]:
             prev.finished = prev.finished or o.finished
             prev.finish_reason = o.finish_reason or prev.finish_reason
             prev.stats = o.stats or prev.stats
+            prev.prompt_logprobs = prev.prompt_logprobs or o.prompt_logprobs
     return merged

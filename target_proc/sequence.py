@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from protocol.messages import RequestStats, SamplingParams
+from protocol.messages import PromptLogprobs, RequestStats, SamplingParams
 
 
 class IncrementalDetokenizer:
@@ -115,6 +115,8 @@ class Sequence:
     pending_logprobs: list[float] = field(default_factory=list)
     pending_top_ids: list[list[int]] = field(default_factory=list)
     pending_top_logprobs: list[list[float]] = field(default_factory=list)
+    # The prompt's logprobs (SamplingParams.prompt_logprobs), until the first output takes them.
+    prompt_logprobs: PromptLogprobs | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

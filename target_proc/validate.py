@@ -43,6 +43,8 @@ def validate_sampling(sp: SamplingParams) -> None:
         raise RequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {sp.top_logprobs}")
     if sp.top_logprobs and not sp.logprobs:
         raise RequestError("top_logprobs needs logprobs=True")
+    if sp.prompt_logprobs is not None and not 0 <= sp.prompt_logprobs <= MAX_TOP_LOGPROBS:
+        raise RequestError(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {sp.prompt_logprobs}")
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(sp, name)
         if not (math.isfinite(value) and -2.0 <= value <= 2.0):

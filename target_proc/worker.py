@@ -42,6 +42,7 @@ from spec_runtime.structured import Grammars
 from target_proc.draft_link import DraftLink
 from target_proc.no_draft import NoDraft
 from target_proc.outputs import merge_outputs, record_round, take_output
+from target_proc.prompt_logprobs import prefill_logits_mode, prompt_logprobs, split_prefill_logits
 from target_proc.sequence import IncrementalDetokenizer, Sequence, StopChecker
 from target_proc.spec_policy import SpecPolicy, WorkAheadPolicy
 from target_proc.speculation import Speculation
@@ -187,10 +188,14 @@ class TargetWorker:
         # outcome) while the target prefills.
         self.draft.admit(new)
         layout = self.runner.layout
-        items = [
-            ForwardItem(seq.token_ids, 0, layout.slot_rows(seq.slot, seq.num_tokens), "last") for seq in new
-        ]
-        logits = self._transform(self.runner.run(items), new, [1] * len(new))  # [B, V]
+        items = [ForwardItem(seq.token_ids, 0, layout.slot_rows(seq.slot, seq.num_tokens),
+                             prefill_logits_mode(seq.sampling.prompt_logprobs)) for seq in new]
+        logits, prompt_rows = split_prefill_logits(self.runner.run(items), [len(it.token_ids) if it.logits == "all"
+                                                                            else 1 for it in items])
+        for seq, rows in zip(new, prompt_rows):
+            if seq.sampling.prompt_logprobs is not None:
+                seq.prompt_logprobs = prompt_logprobs(rows, seq.prompt_token_ids, seq.sampling.prompt_logprobs)
+        logits = self._transform(logits, new, [1] * len(new))  # [B, V]
         st = self._sampling_tensors(new)
         positions = torch.tensor([s.num_tokens for s in new], dtype=torch.int64, device=logits.device)
         proc = self._logits_process(new)

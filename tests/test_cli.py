@@ -80,8 +80,9 @@ def test_serve_chat_flags_are_checked(capsys, tmp_path):
     assert "--chat-template" in err and "neither a file nor a Jinja template" in err
     assert main(["serve", "--tool-call-parser", "xml"]) == 2
     assert "--tool-call-parser must be auto, hermes or llama3_json, got 'xml'" in capsys.readouterr().err
-    assert main(["serve", "--ray", "--chat-template", "{{ messages }}"]) == 2
-    assert "--chat-template does not apply with --ray" in capsys.readouterr().err
+    # The same checks with --ray (whose replicas honour the chat flags).
+    assert main(["serve", "--ray", "--chat-template", str(tmp_path / "missing.jinja")]) == 2
+    assert "neither a file nor a Jinja template" in capsys.readouterr().err
 
 
 def test_bad_flags_load_nothing():

@@ -6,6 +6,7 @@ before any process starts; nothing here starts a model (run_server is replaced).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -37,11 +38,12 @@ def _errors(capsys, *argv: str) -> list[str]:
 
 @pytest.fixture
 def served(monkeypatch):
-    """main(["serve", ...]) up to the point where the server would start: run_server's arguments."""
+    """main(["serve", ...]) up to the point where the server would start: run_server's
+    arguments (the AppOptions' fields among them)."""
     calls = []
 
-    def fake_run_server(cfg, **kw):
-        calls.append((cfg, kw))
+    def fake_run_server(cfg, options, **kw):
+        calls.append((cfg, {**kw, **{f.name: getattr(options, f.name) for f in dataclasses.fields(options)}}))
         return 0
 
     monkeypatch.setattr("spec_runtime.server.serve.run_server", fake_run_server)
@@ -74,7 +76,7 @@ def test_vllm_aliases_set_the_same_fields():
     (["--speculative-config", '{"num_speculative_tokens": 3, "draft_tensor_parallel_size": 1}'],
      "unknown keys ['draft_tensor_parallel_size']"),
     (["--target", "NoSuchOrg/no-such-model-here"], "not in the Hugging Face cache"),
-    (["--ray", "--metrics-prefix", "vllm"], "--metrics-prefix does not apply with --ray"),
+    (["--ray", "--header-timeout-s", "5"], "--header-timeout-s does not apply with --ray"),
 ])
 def test_bad_vllm_flags_fail_before_start_one_line(argv, needle, capsys, served):
     lines = _errors(capsys, "serve", "--port", "1", *argv)

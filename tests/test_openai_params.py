@@ -119,6 +119,14 @@ def completion_logprobs(r, subs):
                                                                         lp["token_logprobs"]))
 
 
+def prompt_logprobs(r, subs):
+    assert r.status_code == 200, r.text
+    body = r.json()
+    plp = body["prompt_logprobs"] if "messages" in r.request.content.decode() else body["choices"][0]["prompt_logprobs"]
+    assert len(plp) == len(subs[0][0]) and plp[0] is None and subs[0][1].prompt_logprobs == 1
+    assert all(1 <= len(d) <= 2 and all(v["logprob"] <= 0 for v in d.values()) for d in plp[1:])
+
+
 def usage_chunk(r, subs):
     assert r.status_code == 200
     assert r.chunks[-1]["choices"] == [] and r.chunks[-1]["usage"]["completion_tokens"] == 4
@@ -205,6 +213,7 @@ EXTENSIONS = {
     "guided_choice": (["x", "y"], {}, sp_is(structured=StructuredOutputs(kind="choice", spec='["x", "y"]'))),
     "guided_grammar": ('start: "a"+', {}, sp_is(structured=StructuredOutputs(kind="grammar", spec='start: "a"+'))),
     "structured_outputs": ({"regex": "b+"}, {}, sp_is(structured=StructuredOutputs(kind="regex", spec="b+"))),
+    "prompt_logprobs": (1, {}, prompt_logprobs),
 }
 PARAMS = ([(CHAT, name) for name in CHAT_FIELDS] + [(COMPLETIONS, name) for name in COMPLETION_FIELDS]
           + [(path, name) for path in (CHAT, COMPLETIONS) for name in EXTENSIONS])
@@ -241,8 +250,7 @@ def test_field_is_honoured_or_refused_by_name(server, path, name):
 
 
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
-@pytest.mark.parametrize("name", ["use_beam_search", "prompt_logprobs",
-                                  "temprature", "best_of_n"])
+@pytest.mark.parametrize("name", ["use_beam_search", "temprature", "best_of_n"])
 def test_unknown_and_unimplemented_fields_are_refused_by_name(server, path, name):
     r, subs = post(server, path, {**BASE[path], name: 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == name and name in r.json()["error"]["message"]

@@ -99,3 +99,61 @@ def test_serve_failure_summary_keeps_the_first_line_and_the_last_error():
                                  "spec_runtime.launcher.StartupError: target actor (node 10.0.0.1, pid 7): "
                                  "FileNotFoundError: x")
     assert _summary("DEPLOY_FAILED no traceback") == "DEPLOY_FAILED no traceback"
+
+
+def _tp_config(tp: int, mode: str = "sd", device: str = "cuda"):
+    from spec_runtime.config import ModelConfig, RuntimeConfig, SpeculativeConfig
+
+    return RuntimeConfig(target=ModelConfig(path="/m/70b", device=device, tensor_parallel_size=tp),
+                         draft=ModelConfig(path="/m/1b" if mode != "ar" else "", device=device),
+                         spec=SpeculativeConfig(mode=mode))
+
+
+@pytest.mark.parametrize("tp, mode, roles", [
+    (1, "sd", ["target", "draft"]),
+    (4, "ssd", ["target", "target-rank1", "target-rank2", "target-rank3", "draft"]),
+    (2, "ar", ["target", "target-rank1"]),
+])
+def test_a_tensor_parallel_target_takes_a_bundle_per_rank_and_the_draft_the_last(tp, mode, roles):
+    from spec_runtime.ray.deploy import roles_of
+    from spec_runtime.ray.serve_app import build_application
+
+    cfg = _tp_config(tp, mode)
+    assert roles_of(cfg) == roles
+    res = ActorResources(gpus=1, cpus=2, replica_cpus=1)
+    want = [{"CPU": 1.0}] + [{"CPU": 2.0, "GPU": 1.0}] * len(roles)
+    assert replica_bundles(res, len(roles_of(cfg))) == want
+    # The Serve deployment asks Ray for exactly that group: TP=4 + draft on 5 GPUs.
+    app = build_application(cfg, gpus_per_actor=1, cpus_per_actor=2, placement="pack")
+    rep = app._bound_deployment._replica_config
+    assert rep.placement_group_bundles == want and rep.placement_group_strategy == "PACK"
+    assert sum(b.get("GPU", 0) for b in rep.placement_group_bundles) == tp + (mode != "ar")
+
+
+def test_tensor_parallel_ranks_need_whole_gpus():
+    from spec_runtime.ray.serve_app import resolve_resources
+
+    with pytest.raises(ValueError, match="a whole GPU per rank"):
+        resolve_resources(_tp_config(2), 0.5, 1.0)
+    resolve_resources(_tp_config(2, device="cpu"), 0.0, 1.0)  # gloo on the CPU: no GPU at all
+    resolve_resources(_tp_config(1), 0.5, 1.0)  # one rank may share a GPU
+
+
+def test_serve_ray_accepts_tensor_parallel(monkeypatch):
+    calls = []
+    monkeypatch.setattr("spec_runtime.ray.launch.run_ray_server", lambda cfg, options, **kw: calls.append(cfg) or 0)
+    assert main(["serve", "--ray", "-tp", "2", "--target", "random:target-8b", "--draft", "ngram",
+                 "--ray-gpus-per-actor", "1"]) == 0
+    assert calls[0].target.tensor_parallel_size == 2
+
+
+def test_rank_roles_and_their_devices():
+    import dataclasses
+
+    from spec_runtime.ray.actors import pin_device, rank_of, rank_role
+
+    assert rank_role(3) == "target-rank3" and rank_of("target-rank3") == 3
+    assert rank_of("target") is None and rank_of("draft") is None
+    cfg = _tp_config(2)
+    pinned = pin_device(cfg.replace(target=dataclasses.replace(cfg.target, device="cuda:3")), "target-rank1")
+    assert pinned.target.device == "cuda:0" and pinned.draft == cfg.draft

@@ -87,11 +87,13 @@ class TPGroup:
     """This process's place in a tensor-parallel group, and the step broadcast."""
 
     def __init__(self, size: int, rank: int, device: str, port: int, timeout_s: float = 600.0,
-                 followers: Sequence[subprocess.Popen] = (), backend: str | None = None) -> None:
+                 followers: Sequence[subprocess.Popen] = (), backend: str | None = None,
+                 host: str = "127.0.0.1") -> None:
         """followers (rank 0): the processes of ranks 1..size-1, watched from now on, so
         one that dies before joining ends this process instead of the join's wait.
         backend: default NCCL on CUDA, gloo on the CPU (gloo also carries CUDA tensors,
-        through the host, where ranks share one GPU, which NCCL refuses)."""
+        through the host, where ranks share one GPU, which NCCL refuses). host, port:
+        where rank 0 meets the others (a Ray deployment's ranks may sit on other nodes)."""
         self.size, self.rank = size, rank
         self.device = torch.device(device)
         self.followers = list(followers)
@@ -101,7 +103,8 @@ class TPGroup:
         backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", world_size=size, rank=rank,
+        addr = f"[{host}]" if ":" in host else host
+        dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", world_size=size, rank=rank,
                                 timeout=datetime.timedelta(seconds=timeout_s))
 
     @property

@@ -31,23 +31,35 @@ logger = logging.getLogger(__name__)
 ROLES = ("target", "draft")
 
 
+def rank_role(rank: int) -> str:
+    """The role of tensor-parallel rank `rank` >= 1 of the target (rank 0 is "target")."""
+    return f"target-rank{rank}"
+
+
+def rank_of(role: str) -> int | None:
+    """The tensor-parallel rank of a target rank's role; None for target and draft."""
+    prefix = "target-rank"
+    return int(role[len(prefix):]) if role.startswith(prefix) and role[len(prefix):].isdigit() else None
+
+
 def pin_device(cfg, role: str):
     """`cuda[:N]` -> `cuda:0` for this role: Ray's CUDA_VISIBLE_DEVICES shows the actor only
     the GPUs of its bundle, so the config's host-wide index (cuda:1 for the draft on a
-    two-GPU host) means nothing inside it."""
-    model = cfg.target if role == "target" else cfg.draft
+    two-GPU host) means nothing inside it. Every rank of the target is on cuda:0 of its own
+    actor."""
+    model = cfg.draft if role == "draft" else cfg.target
     if not model.device.startswith("cuda"):
         return cfg
     pinned = dataclasses.replace(model, device="cuda:0")
-    return cfg.replace(**{role: pinned})
+    return cfg.replace(**{"draft" if role == "draft" else "target": pinned})
 
 
 class RoleActor:
     """One child role (target or draft) inside a Ray actor process."""
 
     def __init__(self, role: str):
-        if role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        if role not in ROLES and rank_of(role) is None:
+            raise ValueError(f"role must be one of {ROLES} or target-rankN, got {role!r}")
         self.role = role
         self.ready: Ready | None = None
         self._thread: threading.Thread | None = None
@@ -68,17 +80,28 @@ class RoleActor:
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
         }
 
+    def free_port(self) -> int:
+        """A tcp port free on this node right now (the tensor-parallel group's rendezvous)."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
     def make_ipc_dir(self) -> str:
         """A private 0700 directory on this node for the ipc sockets of the deployment."""
         return private_ipc_dir()
 
-    def start(self, config: dict, spec_addr: str, client_addr: str, keys: dict) -> Ready:
+    def start(self, config: dict, spec_addr: str, client_addr: str, keys: dict,
+              tp_rendezvous: tuple[str, int] | None = None) -> Ready:
         """Load the model, open the links, start the main loop; return the Ready message.
 
         keys: {"client_secret", "draft_public"} for the target, {"spec_secret"} for the
         draft; empty over ipc (values are Z85 bytes, generated per deployment).
+        tp_rendezvous (target of a tensor-parallel deployment): where its other ranks join.
         """
-        cfg = pin_device(decode_config(config), self.role)
+        from spec_runtime.cli_config import resolve_config_model_ids
+
+        # A Hugging Face id loads from this node's cache.
+        cfg = pin_device(resolve_config_model_ids(decode_config(config)), self.role)
         setup_logging(self.role, cfg.log_level)
         init = Init(protocol_version=PROTOCOL_VERSION, config=encode_config(cfg), spec_addr=spec_addr,
                     client_addr=client_addr if self.role == "target" else "")
@@ -86,7 +109,7 @@ class RoleActor:
             from target_proc.__main__ import build
 
             ready, main_loop = build(cfg, init, client_secret_key=keys.get("client_secret"),
-                                     draft_public_key=keys.get("draft_public"))
+                                     draft_public_key=keys.get("draft_public"), tp_rendezvous=tp_rendezvous)
         else:
             from draft_proc.__main__ import build
 
@@ -97,6 +120,28 @@ class RoleActor:
         logger.info("%s actor ready on %s (CUDA_VISIBLE_DEVICES=%r)", self.role, ray.util.get_node_ip_address(),
                     os.environ.get("CUDA_VISIBLE_DEVICES", ""))
         return ready
+
+    def start_rank(self, config: dict, tp_rendezvous: tuple[str, int]) -> dict:
+        """Tensor-parallel rank >= 1: join rank 0 at tp_rendezvous, build the same runner
+        on this actor's device (rank 0 sends the config), then follow rank 0's forwards in
+        a thread. Returns once the runner is built: {"rank", "pid"}."""
+        from target_proc.follower import join
+
+        cfg = pin_device(decode_config(config), self.role)
+        setup_logging(self.role, cfg.log_level)
+        host, port = tp_rendezvous
+        rank = rank_of(self.role)
+        group, runner = join(rank, cfg.target.tensor_parallel_size, cfg.target.device, port, host=host,
+                             timeout_s=cfg.startup_timeout_s)
+
+        def follow() -> None:
+            runner.follow()
+            group.stop()
+
+        self._thread = threading.Thread(target=self._run, args=(follow,), name=f"{self.role}-follow", daemon=True)
+        self._thread.start()
+        logger.info("%s actor following rank 0 at %s:%d", self.role, host, port)
+        return {"rank": rank, "pid": os.getpid()}
 
     def _run(self, main_loop) -> None:
         try:

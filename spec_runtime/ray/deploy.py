@@ -7,9 +7,10 @@
     with dep.client() as client:
         print(client.generate("Hello", max_tokens=32).text)
 
-A placement group holds one bundle per role: the target's first, the draft's last
-({"GPU": gpus_per_actor, "CPU": cpus_per_actor} each), so a tensor-parallel target can
-later take one bundle per rank with the draft still last. `deploy()` makes that group
+A placement group holds one bundle per process: the target's first, then its
+tensor-parallel ranks 1..N-1 under --tensor-parallel-size N, the draft's last
+({"GPU": gpus_per_actor, "CPU": cpus_per_actor} each). The ranks meet rank 0 over
+torch.distributed (loopback when they share its node), as the launcher's do. `deploy()` makes that group
 itself: "pack" asks Ray to put the bundles on one node if it can, "spread" on different
 nodes if it can (both soft). Under Ray Serve the replica's own group, which Serve reserves
 before it starts the replica, holds the replica in bundle 0 and the roles after it
@@ -46,7 +47,7 @@ from protocol.codec import encode_config
 from protocol.transport import curve_keypair, ipc_address
 from spec_runtime.config import RuntimeConfig
 from spec_runtime.launcher import StartupError
-from spec_runtime.ray.actors import RoleActor
+from spec_runtime.ray.actors import RoleActor, rank_of, rank_role
 from spec_runtime.ray.resources import PLACEMENT_STRATEGIES, bundle, describe_nodes, unfit_reason
 
 logger = logging.getLogger(__name__)
@@ -122,13 +123,10 @@ def deploy(config: RuntimeConfig, placement: Placement = "pack", *, gpus_per_act
 
 
 def roles_of(config: RuntimeConfig) -> list[str]:
-    if config.target.tensor_parallel_size > 1:
-        raise ValueError(TP_UNDER_RAY)
-    return ["target", "draft"] if config.spec.uses_draft_process else ["target"]
-
-
-TP_UNDER_RAY = ("--tensor-parallel-size > 1 does not run under Ray: the target's ranks need one bundle each, "
-                "which the Ray deployment does not place; serve it without --ray")
+    """One actor (and bundle) each: the target (its rank 0), its ranks 1..N-1 under
+    --tensor-parallel-size N, then the draft unless mode is "ar"."""
+    ranks = [rank_role(r) for r in range(1, config.target.tensor_parallel_size)]
+    return ["target", *ranks] + (["draft"] if config.spec.uses_draft_process else [])
 
 
 def deploy_in_current_group(config: RuntimeConfig, first_bundle: int = 1) -> "RayDeployment":
@@ -191,6 +189,7 @@ class RayDeployment:
                 self.actors[role] = self._new_actor(role)
             self.where = dict(zip(roles, ray.get([a.where.remote() for a in self.actors.values()])))
             self._choose_links(roles, force_tcp)
+            self._choose_rendezvous(roles)
             self.ready = self._start_all(roles)
         except BaseException:
             self._finalizer()
@@ -215,7 +214,8 @@ class RayDeployment:
     def _choose_links(self, roles: list[str], force_tcp: bool) -> None:
         driver_node = ray.get_runtime_context().get_node_id()
         t = self.where["target"]
-        self.keys: dict[str, dict] = {"target": {}, "draft": {}}
+        self.keys: dict[str, dict] = {role: {} for role in roles}
+        self.keys.setdefault("draft", {})
         self.client_curve_server_key: bytes | None = None
         self.transports: dict[str, str] = {}
         if "draft" in roles:
@@ -251,8 +251,30 @@ class RayDeployment:
         self._ipc_dirs.append((role, path))
         return path
 
+    def _choose_rendezvous(self, roles: list[str]) -> None:
+        """Where the target's tensor-parallel ranks meet rank 0: loopback when every rank
+        landed on the target's node, else the target node's address."""
+        ranks = [r for r in roles if rank_of(r) is not None]
+        self.tp_rendezvous = None
+        if not ranks:
+            return
+        t = self.where["target"]
+        port = ray.get(self.actors["target"].free_port.remote())
+        same_node = all(self.where[r]["node_id"] == t["node_id"] for r in ranks)
+        if not same_node:
+            logger.warning("the target's tensor-parallel ranks are on %d nodes: their collectives cross the "
+                           "network (place them on one node with placement 'pack' where it fits)",
+                           len({self.where[r]["node_id"] for r in ["target", *ranks]}))
+        self.tp_rendezvous = ("127.0.0.1" if same_node else t["ip"], port)
+
     def _start_one(self, role: str):
-        return self.actors[role].start.remote(encode_config(self.cfg), self.spec_addr, self.client_addr, self.keys[role])
+        config = encode_config(self.cfg)
+        if rank_of(role) is not None:
+            return self.actors[role].start_rank.remote(config, self.tp_rendezvous)
+        if role == "target":
+            return self.actors[role].start.remote(config, self.spec_addr, self.client_addr, self.keys[role],
+                                                  self.tp_rendezvous)
+        return self.actors[role].start.remote(config, self.spec_addr, self.client_addr, self.keys[role])
 
     def _start_all(self, roles: list[str]) -> dict:
         """Start every role at once (loads overlap; the target waits for the draft's link)
@@ -267,11 +289,15 @@ class RayDeployment:
                 raise StartupError(f"{names} did not become ready within {self.cfg.startup_timeout_s:g} s")
             role = pending.pop(done[0])
             try:
-                ready[role] = ray.get(done[0])
+                got = ray.get(done[0])
             except RayError as e:
                 w = self.where[role]
                 raise StartupError(f"{role} actor (node {w['ip']}, pid {w['pid']}): {_cause(e)}") from e
-            logger.info("%s actor ready: %s", role, ready[role].model_name)
+            if rank_of(role) is not None:  # a rank of the target: it has joined rank 0 (no Ready of its own)
+                logger.info("%s actor ready", role)
+                continue
+            ready[role] = got
+            logger.info("%s actor ready: %s", role, got.model_name)
         return ready
 
     # ------------------------------------------------------------------ serving
@@ -291,9 +317,14 @@ class RayDeployment:
         return state["alive"]
 
     def _watch(self) -> None:
+        ranks = [r for r in self.actors if rank_of(r) is not None]
         while not self._stopping:
             if self._dead != "target" and not self._alive("target"):
                 self._dead = "target"
+            if self._dead != "target" and not self._stopping and not all(self._alive(r) for r in ranks):
+                # A rank's death is the target's: rank 0 would wait on it in its next collective.
+                self._dead = "target"
+                ray.kill(self.actors["target"])
             if "draft" in self.actors and self._dead is None and not self._stopping and not self._alive("draft"):
                 self._dead = "draft"
                 self._restart_draft()
@@ -324,9 +355,11 @@ class RayDeployment:
 
     def client(self, **kw):
         """A Client of this deployment; closing it shuts the deployment down."""
+        from spec_runtime.cli_config import resolve_config_model_ids
         from spec_runtime.client import Client
 
-        return Client(self.cfg, launcher=self, **kw)
+        # The tokenizer of a Hugging Face id comes from this node's cache.
+        return Client(resolve_config_model_ids(self.cfg), launcher=self, **kw)
 
     def dead_child(self) -> str | None:
         """'target' once the target is gone (final); 'draft' while a new draft is placed."""

@@ -30,6 +30,7 @@ from spec_runtime.launcher import StartupError
 from spec_runtime.ray.deploy import placement_error, roles_of
 from spec_runtime.ray.resources import PLACEMENT_STRATEGIES, replica_bundles
 from spec_runtime.ray.serve_app import build_application, resolve_resources
+from spec_runtime.server.app_options import AppOptions
 
 logger = logging.getLogger(__name__)
 
@@ -85,15 +86,17 @@ def _summary(message: str) -> str:
     return f"{first} Last error: {errors[-1]}" if errors and errors[-1] != first else first
 
 
-def run_ray_server(cfg: RuntimeConfig, *, host: str = "127.0.0.1", port: int = 8000, address: str | None = None,
-                   placement: str = "pack", gpus_per_actor: float | None = None, cpus_per_actor: float | None = None,
+def run_ray_server(cfg: RuntimeConfig, options: AppOptions | None = None, *, host: str = "127.0.0.1",
+                   port: int = 8000, address: str | None = None, placement: str = "pack",
+                   gpus_per_actor: float | None = None, cpus_per_actor: float | None = None,
                    replica_cpus: float = 1.0, num_replicas: int = 1, max_replicas: int | None = None,
-                   placement_timeout_s: float = 60.0, api_key: str | None = None,
-                   served_model_name: str | None = None, max_body_bytes: int | None = None, out=None) -> int:
-    """Serve on Ray until SIGINT/SIGTERM; returns the exit code. Raises PlacementError,
-    StartupError, or ValueError (bad arguments) before serving."""
+                   placement_timeout_s: float = 60.0, out=None) -> int:
+    """Serve on Ray until SIGINT/SIGTERM; returns the exit code. options: the HTTP app's
+    settings, the same as `spec-runtime serve` makes locally (default AppOptions()).
+    Raises PlacementError, StartupError, or ValueError (bad arguments) before serving."""
     from spec_runtime.server.app import model_name_of
 
+    options = options or AppOptions()
     out = out or sys.stdout
     if port <= 0:
         raise ValueError("--port must be given with --ray (Serve's proxy binds a fixed port)")
@@ -118,16 +121,15 @@ def run_ray_server(cfg: RuntimeConfig, *, host: str = "127.0.0.1", port: int = 8
             signal.signal(sig, lambda *_: stop.set())
     serve.start(http_options={"host": host, "port": port})
     try:
-        app = build_application(cfg, placement=placement, gpus_per_actor=res.gpus, cpus_per_actor=res.cpus,
-                                replica_cpus=res.replica_cpus, num_replicas=num_replicas, max_replicas=max_replicas,
-                                api_key=api_key, served_model_name=served_model_name, max_body_bytes=max_body_bytes)
+        app = build_application(cfg, options, placement=placement, gpus_per_actor=res.gpus, cpus_per_actor=res.cpus,
+                                replica_cpus=res.replica_cpus, num_replicas=num_replicas, max_replicas=max_replicas)
         serve._run(app, _blocking=False, name=APP_NAME, route_prefix="/")
         if not _wait_running(cfg.startup_timeout_s + placement_timeout_s, stop):
             logger.warning("interrupted while the application was starting")
             return 130
         shown = f"[{host}]" if ":" in host else host
         replicas = f"{num_replicas}..{max_replicas}" if max_replicas is not None else str(num_replicas)
-        out.write(f"spec-runtime: serving {model_name_of(cfg, served_model_name)} on http://{shown}:{port} "
+        out.write(f"spec-runtime: serving {model_name_of(cfg, options.served_model_name)} on http://{shown}:{port} "
                   f"(Ray Serve, {replicas} replica(s), {res.gpus:g} GPU and {res.cpus:g} CPU per actor)\n")
         out.flush()
         stop.wait()

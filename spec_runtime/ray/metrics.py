@@ -7,7 +7,8 @@ and the metrics below, which Ray's metrics agent on each node exports for Promet
 scrape, one series per worker process: sum them (`sum without (WorkerId, ...)`). Names,
 help and labels are those of spec_runtime.server.metrics, with Ray's `ray_` prefix and
 `_` for `:` (Ray's exporter drops names with a colon): `spec_runtime:request_success_total`
-on /metrics is `ray_spec_runtime_request_success_total` in Ray's.
+on /metrics is `ray_spec_runtime_request_success_total` in Ray's (with --metrics-prefix
+vllm, `vllm:request_success_total` and `ray_vllm_request_success_total`).
 """
 
 from __future__ import annotations
@@ -26,13 +27,12 @@ from spec_runtime.server.metrics import (
     length_buckets,
 )
 
-P = PREFIXES["spec_runtime"].replace(":", "_")
-
-
 class RayMetrics:
-    """ray.util.metrics twins of ServerMetrics; fed by it (ServerMetrics(mirror=...))."""
+    """ray.util.metrics twins of ServerMetrics; fed by it (ServerMetrics(mirror=...)).
+    prefix: as ServerMetrics' ("vllm": `vllm:x` on /metrics is `ray_vllm_x` in Ray's)."""
 
-    def __init__(self, model_name: str, k: int, max_model_len: int = 2048):
+    def __init__(self, model_name: str, k: int, max_model_len: int = 2048, prefix: str = "spec_runtime"):
+        P = PREFIXES[prefix].replace(":", "_")
         self._tags = {"model_name": model_name}
         lbl = ("model_name",)
         buckets = {"latency": list(_LATENCY_BUCKETS), "length": list(length_buckets(max_model_len))}

@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
 from spec_runtime.config import RuntimeConfig
+from spec_runtime.server.app_options import AppOptions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +46,8 @@ class ModelServeConfig:
     replica_cpus: float = 1.0
     num_replicas: int = 1
     max_replicas: int | None = None
-    api_key: str | None = None
+    # The HTTP app's settings, as `spec-runtime serve` has them (served_model_name is model_name).
+    app: AppOptions = dataclasses.field(default_factory=AppOptions)
 
     def __post_init__(self):
         if not self.model_name:
@@ -135,7 +137,7 @@ def _deployment_name(model_name: str) -> str:
     return "SpecRuntimeServer-" + re.sub(r"[^A-Za-z0-9_.-]", "_", model_name)
 
 
-def build_openai_app(configs: list[ModelServeConfig], *, max_body_bytes: int | None = None):
+def build_openai_app(configs: list[ModelServeConfig]):
     """A bound Serve application: one model deployment (RoutedModelServer) per model and the
     router in front of them (for `serve.run`)."""
     from spec_runtime.ray.serve_app import build_application
@@ -146,8 +148,8 @@ def build_openai_app(configs: list[ModelServeConfig], *, max_body_bytes: int | N
     models = {}
     for c in configs:
         models[c.model_name] = build_application(
-            c.runtime, placement=c.placement, gpus_per_actor=c.gpus_per_actor, cpus_per_actor=c.cpus_per_actor,
-            replica_cpus=c.replica_cpus, num_replicas=c.num_replicas, max_replicas=c.max_replicas,
-            api_key=c.api_key, served_model_name=c.model_name, max_body_bytes=max_body_bytes,
-            name=_deployment_name(c.model_name), ingress=False)
+            c.runtime, dataclasses.replace(c.app, served_model_name=c.model_name), placement=c.placement,
+            gpus_per_actor=c.gpus_per_actor, cpus_per_actor=c.cpus_per_actor, replica_cpus=c.replica_cpus,
+            num_replicas=c.num_replicas, max_replicas=c.max_replicas, name=_deployment_name(c.model_name),
+            ingress=False)
     return OpenAIRouter.bind(models)

@@ -22,8 +22,9 @@ which Ray's metrics agents export for the cluster's Prometheus: those are the su
         draft=/models/llama-1b mode=ssd target_device=cuda draft_device=cuda placement=spread
 
 Keys of `app_builder` are the flags of `spec-runtime serve` without the dashes (dashes as
-underscores), plus placement, gpus_per_actor, cpus_per_actor, replica_cpus, num_replicas,
-max_replicas, api_key, served_model_name, max_body_bytes.
+underscores: the model and speculation flags, api_key, served_model_name, max_body_bytes,
+metrics_prefix, generation_config, chat_template, tool_call_parser, the HTTP limits),
+plus placement, gpus_per_actor, cpus_per_actor, replica_cpus, num_replicas, max_replicas.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from protocol.codec import decode_config, encode_config
 from spec_runtime.config import RuntimeConfig
 from spec_runtime.ray.deploy import deploy_in_current_group, roles_of
 from spec_runtime.ray.resources import PLACEMENT_STRATEGIES, ActorResources, replica_bundles, resolve
+from spec_runtime.server.app_options import AppOptions
 
 logger = logging.getLogger(__name__)
 
@@ -49,32 +51,35 @@ class _ModelServer:
     """One replica: a RayDeployment in the replica's placement group, an AsyncClient of it,
     and the FastAPI app (as the Serve app's HTTP ingress, or called by the router)."""
 
-    def __init__(self, config: dict, api_key: str | None = None, served_model_name: str | None = None,
-                 max_body_bytes: int | None = None):
+    def __init__(self, config: dict, options: dict | None = None):
+        from spec_runtime.cli_config import resolve_config_model_ids
         from spec_runtime.ray.metrics import RayMetrics
         from spec_runtime.server.app import model_name_of
+        from spec_runtime.server.app_options import AppOptions
         from spec_runtime.server.async_client import AsyncClient
         from spec_runtime.server.metrics import ServerMetrics
 
         cfg = decode_config(config)
+        self._options = AppOptions.from_dict(options) if options is not None else AppOptions()
         self._deployment = deploy_in_current_group(cfg)
         self._client = AsyncClient(client=self._deployment.client())
-        self._api_key, self._served_model_name, self._max_body_bytes = api_key, served_model_name, max_body_bytes
-        name = model_name_of(cfg, served_model_name)
+        # A Hugging Face id is read from this node's cache (the actors read their own).
+        self._model_path = resolve_config_model_ids(cfg).target.path
+        name = model_name_of(cfg, self._options.served_model_name)
         k = cfg.spec.k if cfg.spec.mode != "ar" else 0
         replica_id = serve.get_replica_context().replica_id.unique_id
-        self._metrics = ServerMetrics(name, k, mirror=RayMetrics(name, k), replica_id=replica_id)
+        prefix = self._options.metrics_prefix
+        self._metrics = ServerMetrics(name, k, mirror=RayMetrics(name, k, prefix=prefix), replica_id=replica_id,
+                                      prefix=prefix)
         self._app = None
         self._stop = threading.Event()
         threading.Thread(target=self._refresh_gauges, name="metrics", daemon=True).start()
 
     def __serve_build_asgi_app__(self):
         if self._app is None:
-            from spec_runtime.server.app import DEFAULT_MAX_BODY_BYTES, build_app
+            from spec_runtime.server.app import build_app
 
-            self._app = build_app(self._client, served_model_name=self._served_model_name, api_key=self._api_key,
-                                  max_body_bytes=self._max_body_bytes or DEFAULT_MAX_BODY_BYTES,
-                                  metrics=self._metrics)
+            self._app = build_app(self._client, metrics=self._metrics, **self._options.app_kwargs(self._model_path))
         return self._app
 
     async def handle_request(self, request: dict):
@@ -132,21 +137,27 @@ def resolve_resources(cfg: RuntimeConfig, gpus_per_actor: float | None, cpus_per
     else:
         cluster = {}
     res, warnings = resolve(gpus_per_actor, cpus_per_actor, cluster, len(roles_of(cfg)), replica_cpus)
-    on_cuda = [m.device for m in (cfg.target, cfg.draft)[:len(roles_of(cfg))] if m.device.startswith("cuda")]
+    models = [cfg.target] + ([cfg.draft] if cfg.spec.uses_draft_process else [])
+    on_cuda = [m.device for m in models if m.device.startswith("cuda")]
     if res.gpus == 0 and on_cuda:
         raise ValueError(f"the actors get 0 GPUs but a model's device is {on_cuda[0]!r}: give "
                          "--ray-gpus-per-actor 1 (a GPU per actor), or --target-device cpu --draft-device cpu")
+    if cfg.target.tensor_parallel_size > 1 and cfg.target.device.startswith("cuda") and res.gpus != int(res.gpus):
+        raise ValueError(f"a tensor-parallel target needs a whole GPU per rank (NCCL refuses two ranks on one "
+                         f"GPU): --ray-gpus-per-actor must be whole, got {res.gpus:g}")
     return res, warnings
 
 
-def build_application(cfg: RuntimeConfig, *, placement: str = "pack", gpus_per_actor: float | None = None,
-                      cpus_per_actor: float | None = None, replica_cpus: float = 1.0, num_replicas: int = 1,
-                      max_replicas: int | None = None, api_key: str | None = None,
-                      served_model_name: str | None = None, max_body_bytes: int | None = None,
+def build_application(cfg: RuntimeConfig, options: AppOptions | None = None, *, placement: str = "pack",
+                      gpus_per_actor: float | None = None, cpus_per_actor: float | None = None,
+                      replica_cpus: float = 1.0, num_replicas: int = 1, max_replicas: int | None = None,
                       name: str = "SpecRuntimeServer", ingress: bool = True):
-    """A bound Serve application (for `serve.run`). gpus_per_actor / cpus_per_actor None:
-    "auto" (resolve_resources). max_replicas: autoscale between num_replicas and it.
+    """A bound Serve application (for `serve.run`). options: the HTTP app's settings, as
+    for `spec-runtime serve` (default AppOptions()); its shutdown_timeout_s is Serve's
+    graceful_shutdown_timeout_s. gpus_per_actor / cpus_per_actor None: "auto"
+    (resolve_resources). max_replicas: autoscale between num_replicas and it.
     ingress False: the deployment answers spec_runtime.ray.router, not HTTP."""
+    options = (options or AppOptions()).portable()
     if placement not in PLACEMENT_STRATEGIES:
         raise ValueError(f"placement must be 'pack' or 'spread', got {placement!r}")
     if num_replicas < 1 or (max_replicas is not None and max_replicas < num_replicas):
@@ -160,29 +171,36 @@ def build_application(cfg: RuntimeConfig, *, placement: str = "pack", gpus_per_a
     return deployment.options(
         name=name, ray_actor_options={"num_cpus": res.replica_cpus},
         placement_group_bundles=replica_bundles(res, len(roles_of(cfg))),
-        placement_group_strategy=PLACEMENT_STRATEGIES[placement], **scaling,
-    ).bind(encode_config(cfg), api_key, served_model_name, max_body_bytes)
+        placement_group_strategy=PLACEMENT_STRATEGIES[placement],
+        graceful_shutdown_timeout_s=options.http.shutdown_timeout_s, **scaling,
+    ).bind(encode_config(cfg), options.to_dict())
 
 
 _DEPLOY_KEYS = {"placement": str, "gpus_per_actor": float, "cpus_per_actor": float, "replica_cpus": float,
-                "num_replicas": int, "max_replicas": int, "max_body_bytes": int}
-_APP_KEYS = ("api_key", "served_model_name")
+                "num_replicas": int, "max_replicas": int}
 
 
 def app_builder(args: dict[str, str]):
     """`serve run spec_runtime.ray.serve_app:app_builder key=value ...` (see the module doc)."""
-    from spec_runtime.cli_flags import add_config_flags, config_from_args
+    from spec_runtime.cli_flags import ConfigErrors, add_config_flags, config_from_args
+    from spec_runtime.server.app_options import PROXY_HTTP_FIELDS, add_app_flags, app_options_from_args
 
     args = dict(args)
     kwargs = {k: conv(args.pop(k)) for k, conv in _DEPLOY_KEYS.items() if k in args}
-    kwargs.update({k: args.pop(k) for k in _APP_KEYS if k in args})
+    for key, why in PROXY_HTTP_FIELDS.items():
+        if key in args:
+            raise ValueError(f"app_builder: {key} does not apply under Ray Serve: {why}")
     parser = argparse.ArgumentParser(prog="app_builder", exit_on_error=False)
+    add_app_flags(parser)
     add_config_flags(parser)
     argv = []
     for key, value in args.items():
         argv += [f"--{key.replace('_', '-')}", str(value)]
     try:
-        cfg = config_from_args(parser.parse_args(argv))
-    except (argparse.ArgumentError, SystemExit) as e:
+        ns = parser.parse_args(argv)
+        cfg = config_from_args(ns)
+        # generation_config.json is read by each replica, where the model is.
+        options = app_options_from_args(ns, None)
+    except (argparse.ArgumentError, SystemExit, ConfigErrors) as e:
         raise ValueError(f"bad app_builder arguments {sorted(args)}: {e}") from None
-    return build_application(cfg, **kwargs)
+    return build_application(cfg, options, **kwargs)

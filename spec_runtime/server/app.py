@@ -160,17 +160,23 @@ class _Server:
                         raise APIError(400, f"{name}: token id {t} is outside [0, {self.vocab_size})", param=name)
             sps.append(sp)
         rids = ResponseIds(chat, self.model)
-        n, num_top = req.num_choices, req.num_top_logprobs()
-        tokenizer = self._tokenizer("logprobs") if num_top is not None else None
+        n, num_top, num_prompt_top = req.num_choices, req.num_top_logprobs(), req.num_prompt_logprobs()
+        tokenizer = (self._tokenizer("logprobs" if num_top is not None else "prompt_logprobs")
+                     if num_top is not None or num_prompt_top is not None else None)
         flights: list[InFlight] = []
         choices: list[Choice] = []
         try:
             for p, (ids, sp) in enumerate(zip(prompts, sps)):
                 for j in range(n):  # n samples of a prompt: seeds seed, seed + 1, ... when given
                     sp_j = sp if sp.seed is None or j == 0 else msgspec.structs.replace(sp, seed=sp.seed + j)
+                    if j and num_prompt_top is not None and not req.stream:  # a whole response: computed once
+                        sp_j = msgspec.structs.replace(sp_j, prompt_logprobs=None)
                     flights.append(InFlight(self, self.client.submit(ids, sp_j), Tracker(self.metrics)))
                     choices.append(Choice(p * n + j, chat, tokenizer, num_top=num_top, echo=echoes[p],
-                                          return_token_ids=req.return_token_ids, tools=tools, parser=parser))
+                                          return_token_ids=req.return_token_ids, tools=tools, parser=parser,
+                                          prompt_ids=ids if num_prompt_top is not None else None,
+                                          echo_logprobs=not chat and bool(req.echo), prompt_top=req.prompt_logprobs,
+                                          first_sample=choices[p * n] if j else None))
         except ValueError as e:  # what the client's own checks refuse
             for f in flights:
                 f.end()
@@ -270,6 +276,8 @@ class _Server:
             raise _engine_error(e) from None
         body = rids.head(chunk=False)
         body["choices"] = [c.whole() for c in choices]
+        if choices[0].chat and choices[0].prompt_top is not None:  # vLLM: chat's are the response's
+            body["prompt_logprobs"] = choices[0].vllm_prompt_logprobs()
         body["usage"] = self._usage(num_prompt, choices)
         return JSONResponse(body)
 

@@ -190,15 +190,17 @@ async def _collect(req: AsyncRequest) -> GenerationResult:
     ids: list[int] = []
     text: list[str] = []
     logprobs: list[float] = []
+    prompt = None
     try:
         async for out in req:
             ids.extend(out.new_token_ids)
             text.append(out.text_delta)
             logprobs.extend(out.logprobs)
+            prompt = prompt or out.prompt_logprobs
     except asyncio.CancelledError:
         req.abort()
         raise
     final = req.final
     if final is None or final.stats is None:
         raise RequestFailed(f"{req.request_id} ended without a final output")
-    return GenerationResult("".join(text), ids, final.finish_reason, final.stats, logprobs)
+    return GenerationResult("".join(text), ids, final.finish_reason, final.stats, logprobs, prompt)

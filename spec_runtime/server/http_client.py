@@ -15,7 +15,7 @@ from typing import AsyncIterator, Iterator
 
 import httpx
 
-from protocol.messages import EngineStats, RequestOutput, RequestStats, SamplingParams
+from protocol.messages import EngineStats, PromptLogprobs, RequestOutput, RequestStats, SamplingParams
 from spec_runtime.results import GenerationResult, RequestFailed
 from spec_runtime.server.openai_responses import stats_from_usage
 
@@ -61,6 +61,8 @@ def _body(model: str, prompt, sp: SamplingParams, chat: bool, stream: bool) -> t
             body.update(logprobs=True, top_logprobs=sp.top_logprobs)
         else:
             body["logprobs"] = sp.top_logprobs
+    if sp.prompt_logprobs is not None:
+        body["prompt_logprobs"] = sp.prompt_logprobs  # the server refuses it when streaming, as vLLM does
     if stream:
         body["stream_options"] = {"include_usage": True}
     return path, body
@@ -81,11 +83,29 @@ def _logprobs(choice: dict) -> list[float]:
     return list(lp.get("token_logprobs") or [])
 
 
-def _result(body: dict) -> GenerationResult:
+def _prompt_logprobs(entries: list | None, num_top: int | None) -> PromptLogprobs | None:
+    """PromptLogprobs from vLLM's prompt_logprobs list (None, then per token a dict whose
+    first entry is the prompt's own token, with ranks for every entry)."""
+    if entries is None or num_top is None:
+        return None
+    out = PromptLogprobs()
+    for d in entries[1:]:
+        own = next(iter(d.values()))
+        out.logprobs.append(own["logprob"])
+        out.ranks.append(own["rank"])
+        if num_top:
+            top = sorted(((v["rank"], int(k), v["logprob"]) for k, v in d.items() if v["rank"] <= num_top))
+            out.top_token_ids.append([t for _, t, _ in top])
+            out.top_logprobs.append([lp for _, _, lp in top])
+    return out
+
+
+def _result(body: dict, sp: SamplingParams) -> GenerationResult:
     c = body["choices"][0]
     text = c["message"]["content"] if "message" in c else c["text"]
+    plp = body.get("prompt_logprobs", c.get("prompt_logprobs"))  # chat: the response's; completions: the choice's
     return GenerationResult(text or "", list(c.get("token_ids") or []), c.get("finish_reason"), _stats(body),
-                            _logprobs(c))
+                            _logprobs(c), _prompt_logprobs(plp, sp.prompt_logprobs))
 
 
 def _error(status: int, raw: bytes) -> ServerError:
@@ -163,8 +183,9 @@ class HTTPClient:
         return r.json()
 
     def generate(self, prompt, sampling: SamplingParams | None = None, *, chat: bool = False, **kw) -> GenerationResult:
-        path, body = _body(self.model, prompt, sampling or SamplingParams(**kw), chat, stream=False)
-        return _result(self._post(path, body))
+        sp = sampling or SamplingParams(**kw)
+        path, body = _body(self.model, prompt, sp, chat, stream=False)
+        return _result(self._post(path, body), sp)
 
     def chat(self, messages: list[dict], sampling: SamplingParams | None = None, **kw) -> GenerationResult:
         return self.generate(messages, sampling, chat=True, **kw)
@@ -225,11 +246,12 @@ class AsyncHTTPClient:
 
     async def generate(self, prompt, sampling: SamplingParams | None = None, *, chat: bool = False,
                        **kw) -> GenerationResult:
-        path, body = _body(await self.model(), prompt, sampling or SamplingParams(**kw), chat, stream=False)
+        sp = sampling or SamplingParams(**kw)
+        path, body = _body(await self.model(), prompt, sp, chat, stream=False)
         r = await self._http.post(path, json=body)
         if r.status_code != 200:
             raise _error(r.status_code, r.content)
-        return _result(r.json())
+        return _result(r.json(), sp)
 
     async def chat(self, messages: list[dict], sampling: SamplingParams | None = None, **kw) -> GenerationResult:
         return await self.generate(messages, sampling, chat=True, **kw)

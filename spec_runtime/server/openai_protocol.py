@@ -13,6 +13,8 @@ Extensions (vLLM's names; the openai SDK sends them via `extra_body`):
   - top_k: int (0 = off), min_p, min_tokens, repetition_penalty
   - stop_token_ids: [int], ignore_eos, skip_special_tokens, include_stop_str_in_output
   - return_token_ids: bool  add `token_ids` to each choice / chunk
+  - prompt_logprobs: int    the prompt tokens' logprobs with this many alternatives, as
+    vLLM returns them (completions: in each choice; chat: in the response); not streamed
   - chat only: echo, add_generation_prompt, continue_final_message, chat_template_kwargs
   - structured outputs: structured_outputs, guided_json, guided_regex, guided_choice,
     guided_grammar, guided_decoding_backend (checked by openai_structured); chat's tools
@@ -59,7 +61,6 @@ REFUSED_FIELDS = {
 # vLLM request fields that are refused by name with their reason (any other unknown
 # field gets the generic "unsupported parameter" 400).
 _VLLM_REFUSED = {
-    "prompt_logprobs": "prompt_logprobs is not supported",
     "use_beam_search": "beam search is not supported", "chat_template": "a per-request chat_template is not supported",
 }
 
@@ -108,6 +109,7 @@ class _Common(_Strict):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
+    prompt_logprobs: int | None = None
     # Structured outputs (openai_structured reads and checks them)
     response_format: dict[str, Any] | None = None
     structured_outputs: Any = None
@@ -120,8 +122,15 @@ class _Common(_Strict):
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(param, why) for fields set to something this runtime does not implement."""
-        return [(name, why) for name, why in REFUSED_FIELDS.items()
-                if name in type(self).model_fields and getattr(self, name) not in (None, False, "", [])]
+        out = [(name, why) for name, why in REFUSED_FIELDS.items()
+               if name in type(self).model_fields and getattr(self, name) not in (None, False, "", [])]
+        if self.prompt_logprobs is not None and self.stream:
+            out.append(("prompt_logprobs", "prompt_logprobs are not available when stream=true (as in vLLM)"))
+        return out
+
+    def num_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt token the engine computes (None: no prompt logprobs)."""
+        return self.prompt_logprobs
 
     @property
     def num_choices(self) -> int:
@@ -144,9 +153,14 @@ class CompletionRequest(_Common):
         out = super().unsupported()
         if self.best_of is not None and self.best_of != self.num_choices:
             out.append(("best_of", "best_of must equal n (ranking extra samples is not supported)"))
-        if self.echo and self.logprobs is not None:
-            out.append(("echo", "echo with logprobs is not supported (it needs the prompt's logprobs)"))
         return out
+
+    def num_prompt_logprobs(self) -> int | None:
+        """echo with logprobs lists the prompt's tokens first, with their logprobs (vLLM
+        takes the prompt's alternatives from prompt_logprobs when given, else logprobs)."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
     def num_top_logprobs(self) -> int | None:
         """None: no logprobs; else how many alternatives per token."""
@@ -297,6 +311,9 @@ def parse_request(cls: type[_Common], body: Any) -> _Common:
     if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
         param = "top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs"
         raise APIError(400, f"{param} must be in [0, {MAX_TOP_LOGPROBS}], got {top}", param=param)
+    if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= MAX_TOP_LOGPROBS:
+        raise APIError(400, f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.prompt_logprobs}",
+                       param="prompt_logprobs")
     if not 1 <= req.num_choices <= MAX_N:
         raise APIError(400, f"n must be in [1, {MAX_N}], got {req.n}", param="n")
     return req
@@ -343,6 +360,7 @@ def to_sampling(req: _Common, num_prompt_tokens: int, max_model_len: int, *,
         min_p=given(req.min_p, 0.0), min_tokens=req.min_tokens, logit_bias=bias,
         skip_special_tokens=req.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output, structured=structured,
+        prompt_logprobs=req.num_prompt_logprobs(),
     )
     try:
         validate_sampling(sp)

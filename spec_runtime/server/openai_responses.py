@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from protocol.messages import RequestOutput, RequestStats, add_totals, mean_acceptance_length
+from protocol.messages import PromptLogprobs, RequestOutput, RequestStats, add_totals, mean_acceptance_length
 from spec_runtime.server.tool_calls import ToolRequest, call_body, safe_content_len
 
 # JSON has no -inf; vLLM reports logprobs below this as this.
@@ -106,12 +106,26 @@ class Choice:
     assistant message being continued). tools, parser: a chat request's tools and the
     parser of its calls; text that may be part of a call is held back while streaming,
     and the calls go out with the final chunk.
+
+    Prompt logprobs (the engine's PromptLogprobs, on a request's first output; a whole
+    response's later samples of a prompt read its first sample's, `first_sample`): with
+    echo_logprobs (completions' echo with logprobs) the prompt's tokens lead the choice's
+    `logprobs`, the first without a logprob; with prompt_top (vLLM's prompt_logprobs) the
+    choice carries vLLM's `prompt_logprobs` list. Both need prompt_ids.
     """
 
     def __init__(self, index: int, chat: bool, tokenizer, *, num_top: int | None = None, echo: str = "",
-                 return_token_ids: bool = False, tools: ToolRequest | None = None, parser: str | None = None):
+                 return_token_ids: bool = False, tools: ToolRequest | None = None, parser: str | None = None,
+                 prompt_ids: list[int] | None = None, echo_logprobs: bool = False, prompt_top: int | None = None,
+                 first_sample: "Choice | None" = None):
         self.index, self.chat, self.tokenizer = index, chat, tokenizer
         self.num_top, self.echo, self.return_token_ids = num_top, echo, return_token_ids
+        self.prompt_ids = prompt_ids
+        self.prompt_top = prompt_top
+        self._prompt_lp: PromptLogprobs | None = None
+        self.first_sample = first_sample
+        # Completions' echo with logprobs: the prompt's token strings, listed first.
+        self.prompt_tokens = [self._token(t) for t in prompt_ids] if echo_logprobs and num_top is not None else None
         self.tools = tools if tools is not None and tools.choice != "none" else None
         self.parser = parser
         self.raw = ""  # generated text (tools): what the parser reads
@@ -120,7 +134,8 @@ class Choice:
         self.text: list[str] = []
         self.token_ids: list[int] = []
         self.logprobs: list = []  # chat: content entries; completions: one dict per token
-        self.offset = len(echo)  # completions' text_offset of the next token
+        # completions' text_offset of the next token (after the echoed prompt's tokens)
+        self.offset = len(echo) if self.prompt_tokens is None else sum(map(len, self.prompt_tokens))
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.started = False
@@ -151,6 +166,49 @@ class Choice:
                 self.offset += len(tok)
         return entries
 
+    @property
+    def prompt_lp(self) -> PromptLogprobs | None:
+        if self._prompt_lp is None and self.first_sample is not None:
+            return self.first_sample.prompt_lp
+        return self._prompt_lp
+
+    def _prompt_entries(self) -> list:
+        """Completions' logprob entries of the echoed prompt: the first token has none."""
+        plp = self.prompt_lp
+        if self.prompt_tokens is None or plp is None:
+            return []
+        entries, offset = [], 0
+        for i, tok in enumerate(self.prompt_tokens):
+            if i == 0:
+                entries.append({"token": tok, "logprob": None, "top": None, "offset": 0})
+            else:
+                lp = max(plp.logprobs[i - 1], _MIN_LOGPROB)
+                top = {tok: lp}
+                if plp.top_token_ids:
+                    for a, b in zip(plp.top_token_ids[i - 1][: self.num_top], plp.top_logprobs[i - 1]):
+                        top.setdefault(self._token(a), max(b, _MIN_LOGPROB))
+                entries.append({"token": tok, "logprob": lp, "top": top, "offset": offset})
+            offset += len(tok)
+        return entries
+
+    def vllm_prompt_logprobs(self) -> list | None:
+        """vLLM's prompt_logprobs: None for the first prompt token, then for each token a
+        dict of token id -> {logprob, rank, decoded_token}: the token itself first, then the
+        prompt_top most likely ones (ranks 1..prompt_top)."""
+        plp = self.prompt_lp
+        if self.prompt_top is None or plp is None:
+            return None
+        out: list = [None]
+        for i, tid in enumerate(self.prompt_ids[1:]):
+            d = {tid: {"logprob": max(plp.logprobs[i], _MIN_LOGPROB), "rank": plp.ranks[i],
+                       "decoded_token": self._token(tid)}}
+            if plp.top_token_ids:
+                alts = zip(plp.top_token_ids[i][: self.prompt_top], plp.top_logprobs[i])
+                for rank, (a, b) in enumerate(alts, start=1):
+                    d.setdefault(a, {"logprob": max(b, _MIN_LOGPROB), "rank": rank, "decoded_token": self._token(a)})
+            out.append({str(k): v for k, v in d.items()})
+        return out
+
     def _logprobs_body(self, entries: list) -> dict | None:
         if self.num_top is None:
             return None
@@ -161,8 +219,12 @@ class Choice:
 
     def add(self, out: RequestOutput) -> dict:
         """Record one output; return its streamed choice."""
+        if out.prompt_logprobs is not None:
+            self._prompt_lp = out.prompt_logprobs
         entries = self._logprobs(out)
         self.logprobs += entries
+        if not self.started:
+            entries = self._prompt_entries() + entries
         self.token_ids += out.new_token_ids
         text = out.text_delta if self.tools is None else self._tool_text(out)
         if not self.started:
@@ -218,4 +280,6 @@ class Choice:
                 c["message"].update(content=text or None, tool_calls=self.tool_calls)
         else:
             c["text"] = text
-        return self._tail(c, self._logprobs_body(self.logprobs), self.token_ids, True)
+            if self.prompt_top is not None:
+                c["prompt_logprobs"] = self.vllm_prompt_logprobs()
+        return self._tail(c, self._logprobs_body(self._prompt_entries() + self.logprobs), self.token_ids, True)

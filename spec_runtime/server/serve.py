@@ -24,6 +24,7 @@ import asyncio
 import uvicorn
 
 from spec_runtime.config import RuntimeConfig
+from spec_runtime.server.app_options import AppOptions
 from spec_runtime.server.http_limits import HTTPConfig, limited_h11_protocol
 
 logger = logging.getLogger(__name__)
@@ -88,16 +89,14 @@ def _exit_when_target_dies(client, server, died: threading.Event) -> None:
         time.sleep(0.2)
 
 
-def run_server(cfg: RuntimeConfig, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-               served_model_name: str | None = None, max_body_bytes: int | None = None,
-               log_level: str = "warning", out=None, on_target_death: str = "exit",
-               http: HTTPConfig | None = None, metrics_prefix: str = "spec_runtime",
-               generation_defaults: dict | None = None, chat=None) -> int:
+def run_server(cfg: RuntimeConfig, options: AppOptions | None = None, *, host: str = "127.0.0.1", port: int = 8000,
+               log_level: str = "warning", out=None, on_target_death: str = "exit") -> int:
     """Serve until interrupted (SIGINT/SIGTERM); shuts the runtime down on the way out.
 
+    options: the app's settings (name, key, HTTP limits, metrics prefix, request
+    defaults, chat), as `serve`'s flags make them (default AppOptions()).
     on_target_death: "exit" stops serving and returns 1 once the target process has died
     (so a supervisor can restart the server); "stay" keeps answering, /health with 503.
-    chat: the ChatConfig (chat template override, tool-call parser).
     Returns the process exit code.
     """
     if on_target_death not in ("exit", "stay"):
@@ -105,7 +104,8 @@ def run_server(cfg: RuntimeConfig, *, host: str = "127.0.0.1", port: int = 8000,
     from spec_runtime.server.app import build_app
     from spec_runtime.server.async_client import AsyncClient
 
-    http = http or HTTPConfig()
+    options = options or AppOptions()
+    http = options.http
 
     out = out or sys.stdout
     sock = _bind(host, port)  # bind before the slow model load, so a busy port fails fast
@@ -117,9 +117,7 @@ def run_server(cfg: RuntimeConfig, *, host: str = "127.0.0.1", port: int = 8000,
     client = None
     try:
         client = AsyncClient(cfg)
-        app = build_app(client, served_model_name=served_model_name, api_key=api_key,
-                        max_body_bytes=max_body_bytes, http=http, metrics_prefix=metrics_prefix,
-                        generation_defaults=generation_defaults, chat=chat)
+        app = build_app(client, **options.app_kwargs(cfg.target.path))
         name = app.state.server.model
         bound_host, bound_port = sock.getsockname()[:2]
         shown = f"[{bound_host}]" if ":" in bound_host else bound_host
