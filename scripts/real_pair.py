@@ -247,29 +247,38 @@ def main(argv=None) -> int:
         return 2
     prompts, source = held_out_prompts(args)
     print(f"{len(prompts)} prompts: {source}; draft {draft}", file=sys.stderr, flush=True)
-    runs, greedy = [], None
-    ar_rows, greedy = run_mode(args, "ar", 1, prompts)
-    runs += ar_rows
-    for k in args.ks:
-        runs += run_mode(args, "sd", k, prompts)[0]
-    for f in args.fan_outs:
-        runs += run_mode(args, "ssd", args.ssd_k, prompts, fan_out=f)[0]
     device = args.target_device if args.target_device == args.draft_device else \
         f"{args.target_device}+{args.draft_device}"
-    report = {
-        "target": model_name(args.target), "draft": draft, "device": device, "machine": platform.node(),
-        "cpu_count": os.cpu_count(), "load_average": os.getloadavg(), "prompts": source,
-        "num_prompts": len(prompts), "max_tokens": args.max_tokens, "batch_size": 1, "chat_template": True,
-        "temperatures": list(args.temperatures), "ks": list(args.ks), "ssd_k": args.ssd_k,
-        "fan_outs": list(args.fan_outs), "spec_policy": "always", "ssd_work_ahead": "always", "runs": runs,
-    }
-    if not args.no_ranks:
-        report["rank_distribution"] = rank_distribution(args, *greedy)
     out = args.out or os.path.join("bench", "results", f"real_pair_{model_name(args.target).lower()}_"
                                    f"{device.replace(':', '')}_{datetime.date.today().isoformat()}.json")
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(report, f, indent=1)
+    report = {
+        "target": model_name(args.target), "draft": draft, "device": device, "machine": platform.node(),
+        "cpu_count": os.cpu_count(), "prompts": source, "num_prompts": len(prompts), "max_tokens": args.max_tokens,
+        "batch_size": 1, "chat_template": True, "temperatures": list(args.temperatures), "ks": list(args.ks),
+        "ssd_k": args.ssd_k, "fan_outs": list(args.fan_outs), "spec_policy": "always", "ssd_work_ahead": "always",
+        "complete": False, "runs": [],
+    }
+
+    def save() -> None:  # after every runtime, so a long run that stops early keeps what it measured
+        report["load_average"] = os.getloadavg()
+        with open(out, "w") as f:
+            json.dump(report, f, indent=1)
+
+    ar_rows, greedy = run_mode(args, "ar", 1, prompts)
+    report["runs"] += ar_rows
+    save()
+    if not args.no_ranks:
+        report["rank_distribution"] = rank_distribution(args, *greedy)
+        save()
+    for k in args.ks:
+        report["runs"] += run_mode(args, "sd", k, prompts)[0]
+        save()
+    for f in args.fan_outs:
+        report["runs"] += run_mode(args, "ssd", args.ssd_k, prompts, fan_out=f)[0]
+        save()
+    report["complete"] = True
+    save()
     print_table(report)
     print(f"\nwritten to {out}")
     return 0
