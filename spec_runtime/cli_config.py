@@ -202,6 +202,6 @@ def resolve_config_model_ids(cfg):
     for role in ("target", "draft"):
         model = getattr(cfg, role)
         path = model.path
-        if path and path != DEFAULT_DRAFT and not path.startswith("random:") and looks_like_hf_id(path):
+        if path and path != NGRAM_DRAFT and not path.startswith("random:") and looks_like_hf_id(path):
             changes[role] = dataclasses.replace(model, path=resolve_hf_id(role, path))
     return cfg.replace(**changes) if changes else cfg

@@ -52,7 +52,7 @@ def test_help_texts_say_what_the_flags_do():
     (["--top-k", "-1"], ["--top-k must be in"]),
     (["--max-tokens", "0"], ["--max-tokens must be >= 1"]),
     (["--k", "0"], ["--k must be in [1, 32]"]),
-    (["--mode", "ssd"], ["--mode ssd needs a draft model"]),
+    (["--mode", "ssd", "--draft", "ngram"], ["--mode ssd needs a draft model"]),
     (["--fan-out", "1,2"], ["--fan-out needs K+1"]),
     (["--target", "/does/not/exist"], ["--target /does/not/exist: no such file or directory"]),
     (["--k", "0", "--top-p", "0", "--max-model-len", "8", "--log-level", "LOUD"],
