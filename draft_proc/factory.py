@@ -31,7 +31,7 @@ def make_speculators(cfg):
     # limit, up to tree_budget branches), the two-token catch-up after an outcome, the
     # K+1-token SSD glue, and the shared-prefix tree steps.
     max_batch = max(num_slots, spec.tree_budget) if spec.mode == "ssd" else num_slots
-    runner = ModelRunner.build(cfg.draft, kernels=cfg.kernels, num_slots=num_slots, max_model_len=max_len,
+    runner = ModelRunner.build(cfg.draft_model, kernels=cfg.kernels, num_slots=num_slots, max_model_len=max_len,
                                num_scratch_rows=scratch, max_batch_size=max_batch, graph_q_lens=(1, 2, spec.k + 1),
                                tree_shapes=shapes, tree_local_rows=local_rows)
     transform = None

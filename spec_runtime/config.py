@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -19,8 +20,16 @@ from typing import Any, Literal
 Mode = Literal["ar", "sd", "ssd"]
 Backup = Literal["jit", "ngram", "none"]
 
-# The draft the embedded default uses when --draft is not given (see README).
-DEFAULT_DRAFT = "ngram"
+# --draft's name for prompt lookup (the n-gram speculator: no draft model).
+NGRAM_DRAFT = "ngram"
+# The distilled draft of the embedded SmolLM2-135M-Instruct, shipped with the package
+# (docs/distill.md): the draft when neither --target nor --draft is given.
+SHIPPED_DRAFT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "smollm2-draft.gguf")
+
+
+def shipped_draft_path() -> str:
+    """The shipped SmolLM2 draft's path, or "" when this installation lacks the file."""
+    return SHIPPED_DRAFT if os.path.isfile(SHIPPED_DRAFT) else ""
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
@@ -184,16 +193,32 @@ class RuntimeConfig:
             raise ValueError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")
         if not isinstance(logging.getLevelName(self.log_level.upper()), int):
             raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
-        if self.spec.mode == "ssd" and self.draft_name == "ngram":
+        if self.spec.mode == "ssd" and self.draft_name == NGRAM_DRAFT:
             raise ValueError("mode ssd needs a draft model (--draft PATH); the n-gram speculator has no tree to build")
         if self.draft.tensor_parallel_size != 1:
             raise ValueError("the draft runs on one device: draft tensor_parallel_size must be 1 "
                              f"(got {self.draft.tensor_parallel_size}); put it on its own GPU with --draft-device")
 
     @property
+    def draft_path(self) -> str:
+        """The draft model's path, "" for the n-gram speculator. --draft as given; not
+        given, the shipped distilled draft when the target is the embedded SmolLM2 (and
+        the installation has it), else the n-gram speculator."""
+        if self.draft.path == NGRAM_DRAFT:
+            return ""
+        if self.draft.path or self.target.path:
+            return self.draft.path
+        return shipped_draft_path()
+
+    @property
     def draft_name(self) -> str:
-        """The draft model path, or "ngram"."""
-        return self.draft.path or DEFAULT_DRAFT
+        """The draft model's path, or "ngram"."""
+        return self.draft_path or NGRAM_DRAFT
+
+    @property
+    def draft_model(self) -> ModelConfig:
+        """The draft's ModelConfig with the path it loads (draft_path)."""
+        return dataclasses.replace(self.draft, path=self.draft_path)
 
     def replace(self, **changes) -> "RuntimeConfig":
         return dataclasses.replace(self, **changes)

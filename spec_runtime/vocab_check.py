@@ -40,8 +40,8 @@ def vocabulary_mismatch(cfg: RuntimeConfig, target: Ready, draft: Ready) -> str 
     """Why this draft cannot serve this target, or None when they agree."""
     if cfg.draft_name == "ngram":
         return None  # it proposes ids from the sequence itself
-    t_fp, d_fp = tokenizer_fingerprint(cfg.target.path), tokenizer_fingerprint(cfg.draft.path)
-    names = f"draft {cfg.draft.path!r} ({draft.vocab_size} token ids), target {cfg.target.path or 'default'!r} " \
+    t_fp, d_fp = tokenizer_fingerprint(cfg.target.path), tokenizer_fingerprint(cfg.draft_path)
+    names = f"draft {cfg.draft_path!r} ({draft.vocab_size} token ids), target {cfg.target.path or 'default'!r} " \
             f"({target.vocab_size} token ids)"
     if t_fp is not None and d_fp is not None and t_fp != d_fp:
         return f"the draft and the target have different tokenizers: {names}. Use a draft of the target's model family."

@@ -13,7 +13,7 @@ from protocol.messages import RequestStats, SamplingParams
 from spec_runtime.cli import _cap_max_tokens, _summary, build_parser, main
 from spec_runtime.cli_flags import ConfigErrors
 from spec_runtime.client import GenerationResult
-from spec_runtime.config import RuntimeConfig, SpeculativeConfig
+from spec_runtime.config import ModelConfig, RuntimeConfig, SpeculativeConfig
 
 
 def _subparser(name: str) -> argparse.ArgumentParser:
@@ -37,7 +37,8 @@ def _help(command: str, flag: str) -> str:
 
 
 def test_help_texts_say_what_the_flags_do():
-    assert "ngram" in _help("generate", "--draft") and "(default: ngram)" in _help("generate", "--draft")
+    draft = _help("generate", "--draft")
+    assert '"ngram"' in draft and "smollm2-draft.gguf" in draft and "else ngram)" in draft
     assert "SmolLM2" in _help("generate", "--target")
     assert "BENCH.md" not in _help("generate", "--synthetic-acceptance")
     assert "SpecResponse" not in _help("generate", "--draft-top-k")
@@ -51,7 +52,7 @@ def test_help_texts_say_what_the_flags_do():
     (["--top-k", "-1"], ["--top-k must be in"]),
     (["--max-tokens", "0"], ["--max-tokens must be >= 1"]),
     (["--k", "0"], ["--k must be in [1, 32]"]),
-    (["--mode", "ssd"], ["--mode ssd needs a draft model"]),
+    (["--mode", "ssd", "--draft", "ngram"], ["--mode ssd needs a draft model"]),
     (["--fan-out", "1,2"], ["--fan-out needs K+1"]),
     (["--target", "/does/not/exist"], ["--target /does/not/exist: no such file or directory"]),
     (["--k", "0", "--top-p", "0", "--max-model-len", "8", "--log-level", "LOUD"],
@@ -116,7 +117,7 @@ def test_summary_line_and_acceptance_length():
     st = GenerationResult("", [], "length", stats).stats_dict()
     assert st["num_drafts"] == 3
     assert st["mean_acceptance_length"] == pytest.approx(1 + 4 / 3, abs=1e-4)  # 1 + accepted / drafts
-    line = _summary(RuntimeConfig(), st, "length")
+    line = _summary(RuntimeConfig(draft=ModelConfig(path="ngram")), st, "length")
     assert line.startswith("[sd, draft ngram, K=4] 9 tokens") and "acceptance length 2.33" in line
     ar = _summary(RuntimeConfig(spec=SpeculativeConfig(mode="ar")), st, "stop")
     assert ar.startswith("[ar] 9 tokens") and "K=" not in ar

@@ -92,9 +92,9 @@ def test_argparse_refuses_bad_choices(capsys):
         assert argv[0] in capsys.readouterr().err
 
 
-def test_draft_help_says_empty_means_ngram():
+def test_draft_help_names_ngram_and_the_default():
     h = next(a.help for a in _subparsers()["serve"]._actions if "--draft" in a.option_strings)
-    assert '"ngram"' in h and '"" means the same' in h
+    assert '"ngram"' in h and "shipped with spec-runtime" in h
 
 
 # ---------------------------------------------------------------- --speculative-config

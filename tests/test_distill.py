@@ -54,11 +54,12 @@ def distilled(tmp_path_factory):
     target = learnable_target(root / "target")
     prompts = prompts_file(root / "prompts.txt", 96)
     out = str(root / "draft")
+    gguf = str(root / "draft.gguf")
     rc = cli.main(["distill", target, "--out", out, "--prompts", prompts, "--steps", "40", "--eval-every", "20",
-                   "--save-every", "20", *FAST])
+                   "--save-every", "20", "--gguf", gguf, *FAST])
     assert rc == 0
     with open(os.path.join(out, "distill.json")) as f:
-        return {"target": target, "draft": out, "summary": json.load(f)}
+        return {"target": target, "draft": out, "gguf": gguf, "summary": json.load(f)}
 
 
 def test_training_raises_held_out_acceptance_and_lowers_kl(distilled):
@@ -96,6 +97,15 @@ def test_draft_loads_with_draft_flag_and_sd_greedy_equals_ar(distilled, capsys):
     assert sd["token_ids"] == ar["token_ids"]
     assert sd["stats"]["num_draft_tokens"] > 0
     assert sd["stats"]["num_accepted_tokens"] > 0  # the distilled draft is right some of the time
+
+
+def test_gguf_draft_loads_with_draft_flag_and_sd_greedy_equals_ar(distilled, capsys):
+    assert distilled["summary"]["gguf"]["tensor_types"] == {"Q8_0": 8, "F32": 3}  # 1 layer, tied head
+    ar = _generate_json(capsys, distilled["target"], "ar")
+    sd = _generate_json(capsys, distilled["target"], "sd", distilled["gguf"])
+    assert sd["draft"] == distilled["gguf"]
+    assert sd["token_ids"] == ar["token_ids"]
+    assert sd["stats"]["num_accepted_tokens"] > 0
 
 
 def test_ssd_greedy_equals_ar(distilled, ar_reference):

@@ -36,6 +36,9 @@ _HELP = {
     "device": "cuda, cuda:N or cpu (default: cuda if available)",
     "seed": "seed of initialisation, sampling and data order",
     "resume": "continue the run in --out from its teacher data and last checkpoint",
+    "gguf": "also write the draft as this .gguf file, with the target's tokenizer (see export-gguf)",
+    "gguf_type": "tensor type of the --gguf file's matrices: q8_0 or q5_1 (F16 where a row is not a multiple "
+                 "of 32 long), f16 or f32; norms are always F32",
 }
 
 
@@ -95,4 +98,38 @@ def run_from_args(args: argparse.Namespace) -> int:
     except FileNotFoundError as e:
         raise ValueError(str(e)) from None
     print(json.dumps({k: v for k, v in summary.items() if k not in ("history", "settings")}))
+    return 0
+
+
+def add_export_parser(sub) -> None:
+    p = sub.add_parser("export-gguf", help="write a draft directory as one quantized GGUF file",
+                       description="Write a draft's Hugging Face directory (llama family) as one GGUF file, in "
+                                   "llama.cpp's names and layout, that `--draft FILE` loads: Q8_0 matrices by default, the target's "
+                                   "tokenizer (copied from its GGUF when it is one).")
+    p.add_argument("draft_dir", metavar="DRAFT_DIR", help="the draft directory (`spec-runtime distill --out DIR`)")
+    p.add_argument("--out", required=True, metavar="FILE.gguf", help="the file to write")
+    p.add_argument("--gguf-type", default="q8_0", help=f"{_HELP['gguf_type']} (default: 'q8_0')")
+    p.add_argument("--target", default=None, metavar="TARGET",
+                   help="the draft's target, whose tokenizer the file carries: a .gguf file's tokenizer keys are "
+                        "copied, a directory means the draft directory's own tokenizer (default: the target named "
+                        "in DRAFT_DIR/distill.json, \"\" there being the embedded SmolLM2 GGUF)")
+    p.set_defaults(func=export_from_args)
+
+
+def export_from_args(args: argparse.Namespace) -> int:
+    from spec_runtime.distill.export import export_gguf
+    from spec_runtime.models.loader import default_model_path
+
+    if not args.out.endswith(".gguf"):
+        raise ValueError(f"--out must name a .gguf file, got {args.out!r}")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    target = args.target
+    if target == "":
+        target = default_model_path()
+    try:
+        result = export_gguf(args.draft_dir, args.out, args.gguf_type, tokenizer_from=target or "")
+    except FileNotFoundError as e:
+        raise ValueError(str(e)) from None
+    print(json.dumps({"path": result.path, "bytes": result.num_bytes, "tensor_types": result.tensor_types,
+                      "tokenizer_from": result.tokenizer_source}))
     return 0

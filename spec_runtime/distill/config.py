@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
+# Kept here (not imported from export.py) so the CLI's flags import no numpy or gguf.
+GGUF_TYPES = ("q8_0", "q5_1", "f16", "f32")
+
 # Fields that fix the draft's shape or its training data: a resumed run must not change them.
 RESUME_FIXED = ("target", "num_layers", "hidden_size", "intermediate_size", "top_k_logits", "max_new_tokens",
                 "samples_per_prompt", "gen_temperature", "prompts", "self_prompts", "held_out_fraction", "seed")
@@ -38,6 +41,9 @@ class DistillConfig:
     device: str = ""  # "" = cuda if available, else cpu
     seed: int = 0
     resume: bool = False
+    # Also write the draft as one GGUF file (spec_runtime.distill.export); "" = do not.
+    gguf: str = ""
+    gguf_type: str = "q8_0"
 
     def __post_init__(self) -> None:
         if not self.out:
@@ -55,6 +61,10 @@ class DistillConfig:
             raise ValueError(f"held_out_fraction must be in (0, 1), got {self.held_out_fraction}")
         if self.gen_temperature <= 0.0:
             raise ValueError(f"gen_temperature must be > 0, got {self.gen_temperature}")
+        if self.gguf_type not in GGUF_TYPES:
+            raise ValueError(f"gguf_type must be one of {', '.join(GGUF_TYPES)}, got {self.gguf_type!r}")
+        if self.gguf and not self.gguf.endswith(".gguf"):
+            raise ValueError(f"gguf must name a .gguf file, got {self.gguf!r}")
         if self.lr <= 0.0 or self.weight_decay < 0.0:
             raise ValueError(f"lr must be > 0 and weight_decay >= 0, got {self.lr}, {self.weight_decay}")
 

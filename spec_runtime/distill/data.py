@@ -185,10 +185,15 @@ def _sample_numbers(samples: list[TeacherSample]):
         yield j, s
 
 
+def held_out_indices(num_prompts: int, fraction: float) -> list[int]:
+    """The prompts never trained on: every round(1/fraction)-th, from the middle of the first stride."""
+    every = max(2, round(1 / fraction))
+    return [i for i in range(num_prompts) if i % every == every // 2] or [0]
+
+
 def split_held_out(samples: list[TeacherSample], num_prompts: int, fraction: float):
     """(train, held_out) split by prompt, so no held-out prompt is trained on."""
-    every = max(2, round(1 / fraction))
-    held = {i for i in range(num_prompts) if i % every == every // 2} or {0}
+    held = set(held_out_indices(num_prompts, fraction))
     train = [s for s in samples if s.prompt_index not in held]
     test = [s for s in samples if s.prompt_index in held]
     if not train or not test:

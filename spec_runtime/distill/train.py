@@ -289,6 +289,12 @@ def distill(cfg: DistillConfig) -> dict:
         "held_out_rank_distribution": list(final.rank_distribution),
         "history": history, "settings": cfg.to_dict(),
     }
+    if cfg.gguf:
+        from spec_runtime.distill.export import export_gguf
+        from spec_runtime.models.loader import default_model_path
+
+        exported = export_gguf(cfg.out, cfg.gguf, cfg.gguf_type, tokenizer_from=cfg.target or default_model_path())
+        summary["gguf"] = {"path": exported.path, "bytes": exported.num_bytes, "tensor_types": exported.tensor_types}
     with open(os.path.join(cfg.out, "distill.json"), "w") as f:
         json.dump(summary, f, indent=1)
     logger.info("draft written to %s: held-out acceptance %.3f (untrained %.3f)", cfg.out,
