@@ -41,9 +41,10 @@ from spec_runtime.logits_process import LogitsProcess, token_logprobs
 from spec_runtime.sampling import SamplingTensors, rejection_sample
 from spec_runtime.structured import Grammars
 from target_proc.draft_link import DraftLink
+from target_proc.kv_schedule import KVScheduler
 from target_proc.no_draft import NoDraft
 from target_proc.outputs import merge_outputs, record_round, take_output
-from target_proc.prompt_logprobs import prefill_logits_mode, prompt_logprobs, split_prefill_logits
+from target_proc.prompt_logprobs import prompt_logprobs, split_prefill_logits
 from target_proc.sequence import IncrementalDetokenizer, Sequence, StopChecker
 from target_proc.spec_policy import SpecPolicy, WorkAheadPolicy
 from target_proc.speculation import Speculation
@@ -70,8 +71,7 @@ class TargetWorker:
         self.grammars = Grammars(runner.tokenizer, runner.vocab_size, runner.eos_token_ids)
         layout = runner.layout
         self.kv = KVBlocks(layout.num_blocks, layout.block_size, cfg.sched.enable_prefix_caching)
-        self.max_num_seqs = cfg.sched.max_batch_size
-        self.num_preemptions = 0
+        self.sched = KVScheduler(self.kv, self.k, self.max_model_len, cfg.sched.max_batch_size)
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}
         self.by_request: dict[tuple[bytes, str], Sequence] = {}
@@ -139,7 +139,7 @@ class TargetWorker:
             if key in self.by_request:
                 raise RequestError(f"request_id {req.request_id!r} is already in flight")
             prompt = validate_request(req, self.runner.vocab_size, self.max_model_len)
-            self._check_fits(len(prompt), req.sampling.max_tokens)
+            self.sched.check_fits(len(prompt), req.sampling.max_tokens)
         except RequestError as e:
             self.clients.send_to(ident, ErrorReply(code="bad_request", message=str(e), request_id=req.request_id))
             return
@@ -167,20 +167,6 @@ class TargetWorker:
         self.by_request[key] = seq
         self.waiting.append(seq)
 
-    def _rows_needed(self, num_tokens: int) -> int:
-        """KV rows a sequence of num_tokens tokens needs for its next forward: a verify
-        writes [x_n, d_1..d_K] at positions n - 1 .. n - 1 + K (padded to K + 1 tokens)."""
-        return min(num_tokens + self.k, self.max_model_len)
-
-    def _check_fits(self, num_prompt: int, max_tokens: int) -> None:
-        """Refuse a request that could not run even alone in the KV pool."""
-        need = self._rows_needed(num_prompt + max_tokens - 1)
-        if self.kv.blocks_for(need) > self.kv.num_blocks:
-            raise RequestError(
-                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) needs {need} KV cache rows, more than the "
-                f"KV cache holds ({self.kv.num_blocks} blocks of {self.kv.block_size} = {self.kv.num_rows} rows); "
-                "send a shorter prompt or fewer max_tokens")
-
     def on_abort(self, ident: bytes, request_id: str) -> None:
         seq = self.by_request.get((ident, request_id))
         if seq is None:
@@ -194,50 +180,20 @@ class TargetWorker:
     # ------------------------------------------------------------------ admission
 
     def admit(self) -> None:
-        """Give waiting requests KV blocks and prefill them, oldest first: a new request
-        samples its first token; a preempted one recomputes its KV and decodes on. A
-        request waits while the pool cannot hold it, and the prefills of one step hold
-        at most max_model_len tokens (the size the GPU memory was measured with)."""
-        new: list[Sequence] = []
-        items: list[ForwardItem] = []
-        resumed: list[ForwardItem] = []
-        num_prefill = 0
-        while self.waiting and len(self.running) + len(new) < self.max_num_seqs:
-            seq = self.waiting[0]
-            todo = seq.num_tokens - 1 if seq.preempted else seq.num_tokens  # positions to hold K/V
-            if num_prefill and num_prefill + todo > self.max_model_len:
-                break
-            # Leave a block per running sequence, so admitting does not preempt at once.
-            # Prompt logprobs need every prompt position's logits: no cached prefix for them.
-            num_cached = self.kv.admit(seq.seq_id, seq.token_ids, self._rows_needed(seq.num_tokens),
-                                       0 if seq.preempted else seq.num_tokens, headroom=len(self.running),
-                                       use_cache=seq.preempted or seq.sampling.prompt_logprobs is None)
-            if num_cached is None:
-                break  # blocks free up as running sequences finish
-            self.waiting.popleft()
-            num_prefill += todo - num_cached
-            rows = self.kv.rows(seq.seq_id, todo)
-            if seq.preempted:
-                seq.preempted = False
-                self.running[seq.seq_id] = seq  # its draft state re-syncs in the next collect
-                if num_cached < todo:
-                    resumed.append(ForwardItem(seq.token_ids[num_cached:todo], num_cached, rows, "none"))
-                continue
-            seq.stats.queue_s = time.monotonic() - seq.arrival_s
-            seq.stats.num_cached_tokens = num_cached
-            new.append(seq)
-            items.append(ForwardItem(seq.token_ids[num_cached:], num_cached, rows,
-                                     prefill_logits_mode(seq.sampling.prompt_logprobs)))
+        """Prefill the waiting requests the KV pool can take (kv_schedule.py) and sample
+        the first token of the new ones; preempted ones recompute their KV only."""
+        adm = self.sched.admit(self.waiting, self.running)
+        new = adm.new
         if not new:
-            if resumed:
-                self.runner.run(resumed)
+            if adm.items:
+                self.runner.run(adm.items)
             return
         # Tell the draft first: it prefills (and, in SSD mode, works ahead for the first
         # outcome) while the target prefills.
         self.draft.admit(new)
-        # Logits rows: per new item, 1 ("last") or one per token ("all"); resumed items have none.
-        logits, prompt_rows = split_prefill_logits(self.runner.run(items + resumed),
-                                                   [len(it.token_ids) if it.logits == "all" else 1 for it in items])
+        # Logits rows: per new item (they come first), 1 ("last") or one per token ("all").
+        logits, prompt_rows = split_prefill_logits(
+            self.runner.run(adm.items), [len(it.token_ids) if it.logits == "all" else 1 for it in adm.items[:len(new)]])
         for seq, rows in zip(new, prompt_rows):
             if seq.sampling.prompt_logprobs is not None:
                 seq.prompt_logprobs = prompt_logprobs(rows, seq.prompt_token_ids, seq.sampling.prompt_logprobs)
@@ -259,13 +215,12 @@ class TargetWorker:
         logprobs = self._logprobs(new, logits[:, None, :], res.output_token_ids[:, :1])
         now = time.monotonic()
         for i, (seq, tok) in enumerate(zip(new, tokens)):
-            self.running[seq.seq_id] = seq
             seq.stats.num_rounds += 1
             seq.stats.ttft_s = now - seq.arrival_s
             if self.stop_checker.append(seq, tok, *_at(logprobs, i, 0)) or self._grammar_commit(seq, [tok]):
                 self.finish(seq)
             else:
-                self.kv.commit(seq.seq_id, seq.token_ids, seq.num_tokens - 1)
+                self.sched.commit(seq)
         self.draft.send_first_tokens(new)
         self._emit(new)
 
@@ -274,7 +229,9 @@ class TargetWorker:
     def step(self) -> None:
         """One round over every running sequence (the module docstring's steps 1 to 5)."""
         self.step_id += 1
-        seqs = self._reserve_rows()
+        for seq in self.sched.reserve(self.running, self.waiting):
+            self.draft.preempt(seq.seq_id)  # re-synced when it runs again
+        seqs = list(self.running.values())
         if not seqs:
             return
         t0 = time.perf_counter()
@@ -299,28 +256,6 @@ class TargetWorker:
         self._record_step(len(seqs), speculate, bool(specs), sum(n + 1 for n in num_accepted), t0, work_ahead)
         self._emit(seqs)
 
-    def _reserve_rows(self) -> list[Sequence]:
-        """Blocks for every running sequence's next forward, oldest first; when the pool
-        runs out, the most recently admitted sequence is preempted (its blocks freed, its
-        KV recomputed when it is admitted again). Returns the sequences that run."""
-        for seq in list(self.running.values()):
-            while seq.seq_id in self.running and not self.kv.grow(seq.seq_id, self._rows_needed(seq.num_tokens)):
-                self._preempt(next(reversed(self.running.values())))
-        return list(self.running.values())
-
-    def _preempt(self, seq: Sequence) -> None:
-        """Free seq's KV blocks (its full ones stay in the prefix cache) and put it first
-        in the queue; the draft forgets it and is re-synced when it runs again."""
-        logger.info("preempting request %s (%d tokens): the KV cache is full", seq.request_id, seq.num_tokens)
-        self.kv.commit(seq.seq_id, seq.token_ids, seq.num_tokens - 1)
-        self.kv.free(seq.seq_id)
-        del self.running[seq.seq_id]
-        self.draft.preempt(seq.seq_id)
-        seq.preempted = True
-        seq.stats.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.appendleft(seq)
-
     def _accept(self, seqs, specs, num_draft, num_accepted, out_tokens, logprobs, speculate: bool) -> None:
         """Count each round, then append its accepted tokens and the recovery or bonus
         token one by one, so a stop inside the chunk cuts it there."""
@@ -338,7 +273,7 @@ class TargetWorker:
             if seq.finished:
                 self.finish(seq)
             else:
-                self.kv.commit(seq.seq_id, seq.token_ids, seq.num_tokens - 1)
+                self.sched.commit(seq)
 
     def _record_step(self, batch: int, speculate: bool, speculated: bool, num_tokens: int, t0: float,
                      work_ahead: bool) -> None:
@@ -440,8 +375,7 @@ class TargetWorker:
         """Free the KV blocks and the draft's state; the final output goes out with this step's."""
         self.running.pop(seq.seq_id, None)
         self.by_request.pop((seq.client, seq.request_id), None)
-        self.kv.commit(seq.seq_id, seq.token_ids, seq.num_tokens - 1)
-        self.kv.free(seq.seq_id)
+        self.sched.release(seq)
         self.draft.finish(seq.seq_id)
         seq.stats.num_generated_tokens = seq.num_generated
         seq.stats.e2e_s = time.monotonic() - seq.arrival_s
@@ -465,7 +399,7 @@ class TargetWorker:
         return EngineStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
-            num_free_slots=self.max_num_seqs - len(self.running),
+            num_free_slots=self.sched.max_num_seqs - len(self.running),
             mode=self.cfg.spec.mode,
             totals=self.totals,
             num_plain_steps=self.policy.num_plain_steps,
@@ -475,7 +409,7 @@ class TargetWorker:
             **self.timing,
             num_kv_blocks=self.kv.num_blocks,
             num_free_kv_blocks=self.kv.num_free_blocks,
-            num_preemptions=self.num_preemptions,
+            num_preemptions=self.sched.num_preemptions,
             prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits,
         )
