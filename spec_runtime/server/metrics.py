@@ -21,7 +21,7 @@ Latency definitions (server side, from request arrival, unless said otherwise):
         token a round accepted, so this is a per-round latency, not per token;
   TPOT  (e2e - TTFT) / (completion tokens - 1), one sample per request;
   e2e   final chunk;
-  queue, prefill, decode, inference: measured in target_proc (arrival there -> KV slot
+  queue, prefill, decode, inference: measured in target_proc (arrival there -> KV blocks
         -> first token -> last token; inference = prefill + decode).
 """
 
@@ -93,8 +93,8 @@ HISTOGRAMS = (
     ("itl", "inter_token_latency_seconds", "Gap between output chunks (one chunk per round).", "latency"),
     ("tpot", "time_per_output_token_seconds", "(e2e - TTFT) / (tokens - 1) per request.", "latency"),
     ("e2e", "e2e_request_latency_seconds", "End-to-end request latency.", "latency"),
-    ("queue_time", "request_queue_time_seconds", "Time a request waited in target_proc for a KV slot.", "latency"),
-    ("prefill_time", "request_prefill_time_seconds", "From a request's KV slot to its first token (the prefill).",
+    ("queue_time", "request_queue_time_seconds", "Time a request waited in target_proc for KV blocks.", "latency"),
+    ("prefill_time", "request_prefill_time_seconds", "From a request's KV blocks to its first token (the prefill).",
      "latency"),
     ("decode_time", "request_decode_time_seconds", "From a request's first token to its last.", "latency"),
     ("inference_time", "request_inference_time_seconds", "Prefill plus decode time of a request.", "latency"),
@@ -144,7 +144,7 @@ def finished_observations(stats: RequestStats, finish_reason: str | None, ttft_s
         if num_completion > 1:
             obs.append(("tpot", (e2e_s - ttft_s) / (num_completion - 1)))
     obs.append(("e2e", e2e_s))
-    if stats.ttft_s > 0 and stats.e2e_s > 0:  # the engine's timings of a request that got a KV slot and a token
+    if stats.ttft_s > 0 and stats.e2e_s > 0:  # the engine's timings of a request that got KV blocks and a token
         obs += [("queue_time", stats.queue_s), ("prefill_time", max(0.0, stats.ttft_s - stats.queue_s)),
                 ("decode_time", max(0.0, stats.e2e_s - stats.ttft_s)),
                 ("inference_time", max(0.0, stats.e2e_s - stats.queue_s))]
