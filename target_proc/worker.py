@@ -299,9 +299,10 @@ class TargetWorker:
         for seq in seqs:
             spec = specs.get(seq.seq_id)
             n = seq.num_tokens
-            # Never verify past the context or past max_tokens (the last token is free).
+            # Never verify more than K (the KV rows reserved), past the context or past
+            # max_tokens (the last token is free).
             m = 0 if spec is None else len(spec.draft_token_ids)
-            m = max(0, min(m, self.max_model_len - n, seq.sampling.max_tokens - seq.num_generated - 1))
+            m = max(0, min(m, self.k, self.max_model_len - n, seq.sampling.max_tokens - seq.num_generated - 1))
             fed = [seq.last_token_id] + (spec.draft_token_ids[:m].tolist() if m else [])
             fed += [seq.last_token_id] * (pad_to + 1 - len(fed))
             items.append(ForwardItem(fed, n - 1, self.kv.rows(seq.seq_id, n - 1 + len(fed)), "all"))
