@@ -129,6 +129,27 @@ def test_cached_tokens_reach_the_request_stats(tiny_pair):
     assert finals[0].stats.num_cached_tokens == 20
 
 
+def test_prompt_logprobs_compute_every_prompt_position_despite_a_cached_prefix(tiny_pair):
+    worker, clients = _worker(tiny_pair.target)
+    prompt = _system_prompt_requests(worker.runner.vocab_size, 1, seed=5)[0]
+    outs = []
+    for rid, extra in (("a", {}), ("b", {"prompt_logprobs": 0}), ("c", {"prompt_logprobs": 0})):
+        clients.inbox.append((b"c", GenerateRequest(request_id=rid, prompt_token_ids=np.asarray(prompt),
+                                                    sampling=SamplingParams(max_tokens=2, **GREEDY, **extra))))
+        while not any(o.finished for m in clients.sent if isinstance(m, TokenOutputs) for o in m.outputs):
+            worker.poll_clients(block=False)
+            worker.admit()
+            if worker.running:
+                worker.step()
+            worker.flush_outputs()
+        outs.append([o for m in clients.sent if isinstance(m, TokenOutputs) for o in m.outputs])
+        clients.sent.clear()
+    b, c = (next(o for o in out if o.prompt_logprobs is not None) for out in outs[1:])
+    assert len(b.prompt_logprobs.logprobs) == len(prompt) - 1
+    assert c.prompt_logprobs.logprobs == pytest.approx(b.prompt_logprobs.logprobs, abs=1e-5)
+    assert [o.stats.num_cached_tokens for out in outs for o in out if o.finished] == [0, 0, 0]
+
+
 def test_greedy_output_is_the_same_when_requests_are_preempted(tiny_pair):
     """A pool of 20 blocks (80 tokens) for 4 sequences growing to ~45 tokens each: the
     newest ones are preempted and recomputed, and every output equals a cold run's."""
