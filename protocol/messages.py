@@ -158,8 +158,13 @@ class RequestStats(_Cold):
     num_sd_rounds: int = 0
     ttft_s: float = 0.0
     e2e_s: float = 0.0
-    # Arrival in target_proc to the request's KV slot (the rest of ttft_s is its prefill).
+    # Arrival in target_proc to the request's KV blocks (the rest of ttft_s is its prefill).
     queue_s: float = 0.0
+    # Prompt tokens whose KV came from the prefix cache (OpenAI's
+    # usage.prompt_tokens_details.cached_tokens).
+    num_cached_tokens: int = 0
+    # Times the request's KV was freed to make room and recomputed later.
+    num_preemptions: int = 0
 
     @property
     def num_drafts(self) -> int:
@@ -266,6 +271,14 @@ class EngineStats(_Cold, tag="stats"):
     num_draft_timeouts: int = 0
     # The current draft timeout (seconds): --draft-timeout-s, or measured when unset.
     draft_timeout_s: float = 0.0
+    # The target's paged KV pool: its size and the blocks free now (cached ones nobody
+    # uses included), requests preempted since start, and prefix caching in tokens since
+    # start: prompt tokens looked up and found cached (vLLM's prefix_cache_queries/hits).
+    num_kv_blocks: int = 0
+    num_free_kv_blocks: int = 0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class ErrorReply(_Cold, tag="error"):

@@ -65,6 +65,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", default="random", help="'random', or a file: JSONL with a \"prompt\" field, or lines")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--random-input-len", type=int, default=32, help="prompt tokens (words for chat) of random prompts")
+    p.add_argument("--random-prefix-len", type=int, default=0,
+                   help="tokens (words for chat) of one random prefix every random prompt starts with, before its "
+                        "--random-input-len own ones: a shared system prompt, for prefix caching (default: 0)")
     p.add_argument("--output-len", type=int, default=64, help="max_tokens of every request")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson (default: inf)")
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no cap)")
@@ -107,9 +110,12 @@ def load_prompts(args, vocab_size: int, eos_ids: list[int]) -> list:
             raise ValueError(f"{args.dataset} holds no prompts")
         return [prompts[i % len(prompts)] for i in range(args.num_prompts)]
     if args.endpoint == "chat":
-        return [" ".join(rng.choice(_WORDS) for _ in range(args.random_input_len)) for _ in range(args.num_prompts)]
+        prefix = [rng.choice(_WORDS) for _ in range(args.random_prefix_len)]
+        return [" ".join(prefix + [rng.choice(_WORDS) for _ in range(args.random_input_len)])
+                for _ in range(args.num_prompts)]
     allowed = [t for t in range(vocab_size) if t not in set(eos_ids)]
-    return [[rng.choice(allowed) for _ in range(args.random_input_len)] for _ in range(args.num_prompts)]
+    prefix = [rng.choice(allowed) for _ in range(args.random_prefix_len)]
+    return [prefix + [rng.choice(allowed) for _ in range(args.random_input_len)] for _ in range(args.num_prompts)]
 
 
 async def _one(http, args, model: str, prompt) -> RequestResult:
@@ -218,6 +224,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError("--request-rate must be > 0")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError("--max-concurrency must be >= 1")
+    if args.random_prefix_len < 0:
+        raise ValueError("--random-prefix-len must be >= 0")
 
 
 def run_from_args(args: argparse.Namespace) -> int:

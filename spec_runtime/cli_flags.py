@@ -116,6 +116,7 @@ def _flag(section: str, name: str) -> str:
 
 # vLLM's names for a field, where the meaning is the same.
 _ALIASES = {"sched.max_batch_size": ("--max-num-seqs",),
+            "sched.num_kv_blocks": ("--num-gpu-blocks-override",),
             "target.tensor_parallel_size": ("--tensor-parallel-size", "-tp")}
 # vLLM's flags that set a field of both models (dtype) or of the target (memory), unless the
 # role's own flag is given: (flag, field, roles, help).

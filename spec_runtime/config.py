@@ -138,8 +138,11 @@ class SpeculativeConfig:
 class SchedulerConfig:
     """Continuous batching limits (target_proc)."""
 
-    max_batch_size: int = _f(8, "Most sequences decoded together (target KV slots).")
+    max_batch_size: int = _f(8, "Most sequences decoded together; they share the target's KV blocks.")
     max_model_len: int = _f(2048, "Context length: prompt + generated tokens (capped by the model).")
+    block_size: int = _f(16, "Target: KV rows per block. Sequences take blocks as they grow and return them when they finish.")
+    num_kv_blocks: int = _f(0, "Target: KV blocks in the pool. 0: on CUDA, what --gpu-memory-utilization leaves after the weights and a warm-up forward; on CPU, enough for --max-batch-size sequences of --max-model-len tokens.")
+    enable_prefix_caching: bool = _f(True, "Target: reuse the KV blocks of a prompt prefix another request already computed (full blocks, matched by a hash of their tokens); unused ones are evicted least recently used first.")
     max_draft_seqs: int = _f(0, "Draft KV slots; 0 means max_batch_size.")
     spec_policy: Literal["always", "adaptive"] = _f("adaptive", "always: speculate every step; adaptive: per batch size, measure speculative and plain steps and use the faster (plain decoding can win at large batch), logging each switch.")
     spec_policy_probe_every: int = _f(64, "adaptive policy: steps between re-measurements of the mode not in use.")
@@ -149,6 +152,10 @@ class SchedulerConfig:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.max_model_len < 16:
             raise ValueError(f"max_model_len must be >= 16, got {self.max_model_len}")
+        if not 1 <= self.block_size <= 1024:
+            raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
+        if self.num_kv_blocks < 0:
+            raise ValueError(f"num_kv_blocks must be >= 0 (0 sizes the pool automatically), got {self.num_kv_blocks}")
         if self.max_draft_seqs < 0:
             raise ValueError(f"max_draft_seqs must be >= 0 (0 means max_batch_size), got {self.max_draft_seqs}")
         if self.spec_policy not in ("always", "adaptive"):

@@ -26,6 +26,7 @@ class GenerationResult:
         s = self.stats
         return {
             "num_prompt_tokens": s.num_prompt_tokens,
+            "num_cached_tokens": s.num_cached_tokens,
             "num_generated_tokens": s.num_generated_tokens,
             "num_rounds": s.num_rounds,
             "num_drafts": s.num_drafts,

@@ -250,6 +250,14 @@ class DraftLink:
         self.rounds.pop(seq_id, None)
         self.desynced.discard(seq_id)
 
+    def preempt(self, seq_id: int) -> None:
+        """Forget a preempted sequence's draft state; it is re-added, like any unsynced
+        sequence, when it runs again. Its round count stays, so answers to its earlier
+        rounds are dropped as stale."""
+        self.release([seq_id])
+        self.synced.discard(seq_id)
+        self.desynced.discard(seq_id)
+
     def take_draft_work_s(self) -> float:
         """Seconds the draft reported working ahead since the last call (SSD)."""
         work_s, self.last_draft_work_s = self.last_draft_work_s, 0.0

@@ -18,9 +18,10 @@ def target_runner(cfg, tp=None):
 
     # Verify forwards are padded to K+1 tokens per sequence, so one graph per batch size fits.
     q_lens = (1, cfg.spec.k + 1) if cfg.spec.mode != "ar" else (1,)
-    return ModelRunner.build(cfg.target, kernels=cfg.kernels, num_slots=cfg.sched.max_batch_size,
-                             max_model_len=cfg.sched.max_model_len, max_batch_size=cfg.sched.max_batch_size,
-                             graph_q_lens=q_lens, tp=tp)
+    sched = cfg.sched
+    return ModelRunner.build(cfg.target, kernels=cfg.kernels, block_size=sched.block_size,
+                             num_blocks=sched.num_kv_blocks, max_model_len=sched.max_model_len,
+                             max_batch_size=sched.max_batch_size, graph_q_lens=q_lens, tp=tp)
 
 
 def start_tensor_parallel(cfg, rendezvous: tuple[str, int] | None = None):

@@ -35,6 +35,9 @@ class NoDraft:
     def finish(self, seq_id: int) -> None:
         pass
 
+    def preempt(self, seq_id: int) -> None:
+        pass
+
     def take_draft_work_s(self) -> float:
         return 0.0
 

@@ -93,7 +93,8 @@ class Sequence:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     seed: int
-    slot: int = -1
+    # Preempted: its KV was freed; admission recomputes it (no new token is sampled then).
+    preempted: bool = False
     token_ids: list[int] = field(default_factory=list)  # prompt + generated
     num_prompt_tokens: int = 0
     finished: bool = False

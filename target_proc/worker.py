@@ -36,13 +36,15 @@ from protocol.messages import (
 )
 from spec_runtime.config import RuntimeConfig
 from spec_runtime.engine.forward_batch import ForwardItem
+from spec_runtime.engine.kv_blocks import KVBlocks
 from spec_runtime.logits_process import LogitsProcess, token_logprobs
 from spec_runtime.sampling import SamplingTensors, rejection_sample
 from spec_runtime.structured import Grammars
 from target_proc.draft_link import DraftLink
+from target_proc.kv_schedule import KVScheduler
 from target_proc.no_draft import NoDraft
 from target_proc.outputs import merge_outputs, record_round, take_output
-from target_proc.prompt_logprobs import prefill_logits_mode, prompt_logprobs, split_prefill_logits
+from target_proc.prompt_logprobs import prompt_logprobs, split_prefill_logits
 from target_proc.sequence import IncrementalDetokenizer, Sequence, StopChecker
 from target_proc.spec_policy import SpecPolicy, WorkAheadPolicy
 from target_proc.speculation import Speculation
@@ -67,7 +69,9 @@ class TargetWorker:
         self.max_model_len = runner.layout.max_model_len
         self.stop_checker = StopChecker(runner.eos_token_ids, self.max_model_len)
         self.grammars = Grammars(runner.tokenizer, runner.vocab_size, runner.eos_token_ids)
-        self.free_slots = list(range(runner.layout.num_slots))[::-1]
+        layout = runner.layout
+        self.kv = KVBlocks(layout.num_blocks, layout.block_size, cfg.sched.enable_prefix_caching)
+        self.sched = KVScheduler(self.kv, self.k, self.max_model_len, cfg.sched.max_batch_size)
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}
         self.by_request: dict[tuple[bytes, str], Sequence] = {}
@@ -135,6 +139,7 @@ class TargetWorker:
             if key in self.by_request:
                 raise RequestError(f"request_id {req.request_id!r} is already in flight")
             prompt = validate_request(req, self.runner.vocab_size, self.max_model_len)
+            self.sched.check_fits(len(prompt), req.sampling.max_tokens)
         except RequestError as e:
             self.clients.send_to(ident, ErrorReply(code="bad_request", message=str(e), request_id=req.request_id))
             return
@@ -175,23 +180,20 @@ class TargetWorker:
     # ------------------------------------------------------------------ admission
 
     def admit(self) -> None:
-        """Prefill waiting requests into free slots; sample their first token."""
-        new: list[Sequence] = []
-        while self.waiting and self.free_slots:
-            seq = self.waiting.popleft()
-            seq.slot = self.free_slots.pop()
-            seq.stats.queue_s = time.monotonic() - seq.arrival_s
-            new.append(seq)
+        """Prefill the waiting requests the KV pool can take (kv_schedule.py) and sample
+        the first token of the new ones; preempted ones recompute their KV only."""
+        adm = self.sched.admit(self.waiting, self.running)
+        new = adm.new
         if not new:
+            if adm.items:
+                self.runner.run(adm.items)
             return
         # Tell the draft first: it prefills (and, in SSD mode, works ahead for the first
         # outcome) while the target prefills.
         self.draft.admit(new)
-        layout = self.runner.layout
-        items = [ForwardItem(seq.token_ids, 0, layout.slot_rows(seq.slot, seq.num_tokens),
-                             prefill_logits_mode(seq.sampling.prompt_logprobs)) for seq in new]
-        logits, prompt_rows = split_prefill_logits(self.runner.run(items), [len(it.token_ids) if it.logits == "all"
-                                                                            else 1 for it in items])
+        # Logits rows: per new item (they come first), 1 ("last") or one per token ("all").
+        logits, prompt_rows = split_prefill_logits(
+            self.runner.run(adm.items), [len(it.token_ids) if it.logits == "all" else 1 for it in adm.items[:len(new)]])
         for seq, rows in zip(new, prompt_rows):
             if seq.sampling.prompt_logprobs is not None:
                 seq.prompt_logprobs = prompt_logprobs(rows, seq.prompt_token_ids, seq.sampling.prompt_logprobs)
@@ -213,11 +215,12 @@ class TargetWorker:
         logprobs = self._logprobs(new, logits[:, None, :], res.output_token_ids[:, :1])
         now = time.monotonic()
         for i, (seq, tok) in enumerate(zip(new, tokens)):
-            self.running[seq.seq_id] = seq
             seq.stats.num_rounds += 1
             seq.stats.ttft_s = now - seq.arrival_s
             if self.stop_checker.append(seq, tok, *_at(logprobs, i, 0)) or self._grammar_commit(seq, [tok]):
                 self.finish(seq)
+            else:
+                self.sched.commit(seq)
         self.draft.send_first_tokens(new)
         self._emit(new)
 
@@ -226,7 +229,11 @@ class TargetWorker:
     def step(self) -> None:
         """One round over every running sequence (the module docstring's steps 1 to 5)."""
         self.step_id += 1
+        for seq in self.sched.reserve(self.running, self.waiting):
+            self.draft.preempt(seq.seq_id)  # re-synced when it runs again
         seqs = list(self.running.values())
+        if not seqs:
+            return
         t0 = time.perf_counter()
         # Plain steps (chosen by the policy) leave the draft in sync: it still gets each
         # outcome, as (0, t) against the speculation it sent, which nobody waits for.
@@ -265,6 +272,8 @@ class TargetWorker:
                     break
             if seq.finished:
                 self.finish(seq)
+            else:
+                self.sched.commit(seq)
 
     def _record_step(self, batch: int, speculate: bool, speculated: bool, num_tokens: int, t0: float,
                      work_ahead: bool) -> None:
@@ -281,7 +290,6 @@ class TargetWorker:
         """One verify forward over [x_n, d_1..d_m] per sequence, then rejection sampling.
         Returns host lists: num_draft [B], num_accepted [B], output tokens [B][k_max + 1]
         and the logprobs of `_logprobs` (or None)."""
-        layout = self.runner.layout
         k_max = max((len(specs[s.seq_id].draft_token_ids) for s in seqs if s.seq_id in specs), default=0)
         # Pad every verify to K+1 tokens where the context allows, so the step replays one
         # CUDA graph: padded positions write KV rows past the sequence's length (never
@@ -291,12 +299,13 @@ class TargetWorker:
         for seq in seqs:
             spec = specs.get(seq.seq_id)
             n = seq.num_tokens
-            # Never verify past the context or past max_tokens (the last token is free).
+            # Never verify more than K (the KV rows reserved), past the context or past
+            # max_tokens (the last token is free).
             m = 0 if spec is None else len(spec.draft_token_ids)
-            m = max(0, min(m, self.max_model_len - n, seq.sampling.max_tokens - seq.num_generated - 1))
+            m = max(0, min(m, self.k, self.max_model_len - n, seq.sampling.max_tokens - seq.num_generated - 1))
             fed = [seq.last_token_id] + (spec.draft_token_ids[:m].tolist() if m else [])
             fed += [seq.last_token_id] * (pad_to + 1 - len(fed))
-            items.append(ForwardItem(fed, n - 1, layout.slot_rows(seq.slot, n - 1 + len(fed)), "all"))
+            items.append(ForwardItem(fed, n - 1, self.kv.rows(seq.seq_id, n - 1 + len(fed)), "all"))
             num_draft.append(m)
             q_lens.append(len(fed))
 
@@ -364,12 +373,10 @@ class TargetWorker:
                 top_lp.cpu().tolist() if top_lp is not None else None)
 
     def finish(self, seq: Sequence) -> None:
-        """Free the slot and the draft's state; the final output goes out with this step's."""
+        """Free the KV blocks and the draft's state; the final output goes out with this step's."""
         self.running.pop(seq.seq_id, None)
         self.by_request.pop((seq.client, seq.request_id), None)
-        if seq.slot >= 0:
-            self.free_slots.append(seq.slot)
-            seq.slot = -1
+        self.sched.release(seq)
         self.draft.finish(seq.seq_id)
         seq.stats.num_generated_tokens = seq.num_generated
         seq.stats.e2e_s = time.monotonic() - seq.arrival_s
@@ -393,7 +400,7 @@ class TargetWorker:
         return EngineStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
-            num_free_slots=len(self.free_slots),
+            num_free_slots=self.sched.max_num_seqs - len(self.running),
             mode=self.cfg.spec.mode,
             totals=self.totals,
             num_plain_steps=self.policy.num_plain_steps,
@@ -401,6 +408,11 @@ class TargetWorker:
             num_sd_rounds=self.work_ahead_policy.num_sync if ssd else 0,
             **self.draft.engine_fields(),
             **self.timing,
+            num_kv_blocks=self.kv.num_blocks,
+            num_free_kv_blocks=self.kv.num_free_blocks,
+            num_preemptions=self.sched.num_preemptions,
+            prefix_cache_queries=self.kv.prefix_cache_queries,
+            prefix_cache_hits=self.kv.prefix_cache_hits,
         )
 
 

@@ -150,6 +150,14 @@ def test_bench_ctrl_c_reports_and_saves_what_finished(served, tmp_path):
     assert f"after {res['completed'] + res['failed']} of 2000 requests" in last
 
 
+def test_random_prompts_share_a_prefix_of_random_prefix_len():
+    args = build_parser().parse_args(["bench", "--num-prompts", "5", "--random-input-len", "6",
+                                      "--random-prefix-len", "10"])
+    prompts = bench_serving.load_prompts(args, 50, [2])
+    assert all(len(p) == 16 and p[:10] == prompts[0][:10] and 2 not in p for p in prompts)
+    assert len({tuple(p[10:]) for p in prompts}) == 5
+
+
 def test_speculative_config_rejects_unknown_keys():
     for spec, needle in (('{"mode": "sd", "kk": 3}', "unknown keys ['kk']"), ("[1]", "JSON object"),
                          ('{"k": 5}', "a flag sets it")):

@@ -125,7 +125,7 @@ def test_answers_taken_between_collects_wait_for_the_next(pair):
 def _worker(link: DraftLink) -> tuple[TargetWorker, list]:
     sent: list = []
     clients = SimpleNamespace(send_to=lambda ident, msg: sent.append((ident, msg)) or True)
-    runner = SimpleNamespace(layout=SimpleNamespace(max_model_len=64, num_slots=2), eos_token_ids=[0],
+    runner = SimpleNamespace(layout=SimpleNamespace(max_model_len=64, num_blocks=8, block_size=16), eos_token_ids=[0],
                              tokenizer=None, vocab_size=64)
     cfg = RuntimeConfig(spec=SpeculativeConfig(mode="sd", k=K))
     return TargetWorker(cfg, runner, clients, link), sent

@@ -176,9 +176,9 @@ def test_request_histograms_count_each_finished_request(server):
     assert delta("vllm:request_success_total", finished_reason="length") == 3
 
 
-def test_kv_cache_usage_is_the_share_of_slots_in_use():
+def test_kv_cache_usage_is_the_share_of_blocks_in_use():
     stats = EngineStats(num_running=3, num_waiting=2, num_free_slots=1, draft_alive=True, mode="sd",
-                        totals=RequestStats())
+                        totals=RequestStats(), num_kv_blocks=40, num_free_kv_blocks=10)
     assert dict(engine_gauges(stats))["kv_cache_usage"] == 0.75
     assert length_buckets(256) == (1, 2, 5, 10, 20, 50, 100, 200)
 

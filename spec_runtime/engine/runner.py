@@ -22,7 +22,7 @@ import torch
 
 from spec_runtime.attention import make_backend
 from spec_runtime.config import KernelConfig, ModelConfig
-from spec_runtime.engine.forward_batch import ForwardBatch, ForwardItem, SlotLayout, build_forward_batch
+from spec_runtime.engine.forward_batch import ForwardBatch, ForwardItem, PagedLayout, SlotLayout, build_forward_batch
 from spec_runtime.engine.kv_cache import KVCache
 from spec_runtime.models.loader import eos_token_ids, load_model, model_name, resolve_dtype
 
@@ -50,13 +50,16 @@ def _device(name: str) -> torch.device:
 
 
 class ModelRunner:
-    """Runs forwards of one model over a slot-laid-out KV pool.
+    """Runs forwards of one model over a KV pool.
 
-    The pool has `num_slots` sequences of `max_model_len` rows each (capped by the
-    model's max_position_embeddings), then `num_scratch_rows` rows for SSD branches.
+    Slot layout (num_slots > 0): `num_slots` sequences of `max_model_len` rows each
+    (capped by the model's max_position_embeddings), then `num_scratch_rows` rows for
+    SSD branches. Paged layout (block_size > 0): blocks of block_size rows that the
+    caller hands out (engine/kv_blocks.py).
     """
 
-    def __init__(self, cfg: ModelConfig, *, num_slots: int, max_model_len: int, num_scratch_rows: int = 0,
+    def __init__(self, cfg: ModelConfig, *, num_slots: int = 0, max_model_len: int, num_scratch_rows: int = 0,
+                 block_size: int = 0, num_blocks: int = 0,
                  max_batch_size: int | None = None, graph_q_lens: Sequence[int] = (1,),
                  tree_shapes: Sequence[tuple[int, int]] = (), tree_local_rows: int = 0,
                  kernels: KernelConfig | None = None, tp=None) -> None:
@@ -65,12 +68,19 @@ class ModelRunner:
         requests (default num_slots) of each q_len in `graph_q_lens` (1 = decode, K+1 = verify),
         and for each SSD tree step shape (sequences, branches) in `tree_shapes`, whose
         branches see at most `tree_local_rows` rows beyond their sequence's prefix.
+        block_size > 0 lays the pool out in blocks instead of slots: `num_blocks` of them
+        (on CUDA, 0 takes what fits in gpu_memory_utilization; on CPU, 0 takes enough for
+        max_batch_size sequences of max_model_len rows); read `layout.num_blocks`.
         kernels: the CUDA kernel choices (default KernelConfig()). tp: this process's
         engine.parallel.TPGroup when the model is split over several (every rank builds
         its runner with the same arguments; rank 0's `run` leads the others'). Use
         `build`, which also tunes the kernels and captures the graphs."""
-        if num_slots < 1:
+        if block_size < 0 or num_blocks < 0:
+            raise ValueError(f"block_size and num_blocks must be >= 0, got {block_size} and {num_blocks}")
+        if num_slots < 1 and block_size < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        if block_size and not max_batch_size:
+            raise ValueError("a paged KV pool needs max_batch_size (the most sequences of one forward)")
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
         if num_scratch_rows < 0:
@@ -101,12 +111,16 @@ class ModelRunner:
         self.backend = make_backend(num_heads, num_kv_heads, self.arch.head_dim, self.dtype,
                                     self.device, sliding_window=self.arch.sliding_window,
                                     graph_attention=self.kernel_cfg.attention_backend)
-        if self.device.type == "cuda":
-            num_slots = self._fit_num_slots(num_slots, max_model_len, num_scratch_rows,
-                                            max_batch_size or num_slots, graph_q_lens, tree_shapes)
-        if tp is not None:
-            num_slots = tp.min_int(num_slots)  # every rank's pool holds the same rows
-        self.layout = SlotLayout(num_slots, max_model_len, num_scratch_rows)
+        max_batch_size = max_batch_size or num_slots
+        if block_size:
+            self.layout = self._paged_layout(block_size, num_blocks, max_model_len, max_batch_size, graph_q_lens)
+        else:
+            if self.device.type == "cuda":
+                num_slots = self._fit(num_slots, max_model_len, max_batch_size, graph_q_lens, tree_shapes,
+                                      num_scratch_rows=num_scratch_rows)
+            if tp is not None:
+                num_slots = tp.min_int(num_slots)  # every rank's pool holds the same rows
+            self.layout = SlotLayout(num_slots, max_model_len, num_scratch_rows)
         # One row past the layout that no sequence owns, for padded requests and branches.
         self.dummy_row = self.layout.num_rows
         self.kv_cache = KVCache(self.arch.num_layers, self.layout.num_rows + 1, num_kv_heads,
@@ -116,22 +130,45 @@ class ModelRunner:
         self.startup_phases["graph_capture_s"] = 0.0  # build: kernel tuning and graph capture
         self.graphs = None
         self.kernel_report: dict = {}  # what tune_kernels decided and measured
-        self._graph_args = dict(max_batch_size=max_batch_size or num_slots, q_lens=graph_q_lens,
+        self._graph_args = dict(max_batch_size=max_batch_size, q_lens=graph_q_lens,
                                 tree_shapes=tree_shapes, tree_local_rows=tree_local_rows)
 
-    def _fit_num_slots(self, num_slots: int, max_model_len: int, num_scratch_rows: int, max_batch_size: int,
-                       graph_q_lens: Sequence[int], tree_shapes: Sequence[tuple[int, int]]) -> int:
-        """CUDA: the slots that fit in gpu_memory_utilization beside the weights, a warm-up
-        forward and the graphs' logits buffers (engine/memory.py), at most num_slots."""
+    def _paged_layout(self, block_size: int, num_blocks: int, max_model_len: int, max_batch_size: int,
+                      graph_q_lens: Sequence[int]) -> PagedLayout:
+        """The block pool: num_blocks if given (on CUDA, at most what fits), else what
+        fits (CUDA) or max_batch_size contexts (CPU)."""
+        if self.device.type == "cuda":
+            fit = self._fit(0, max_model_len, max_batch_size, graph_q_lens, (), block_size=block_size)
+            if num_blocks > fit:
+                logger.warning("only %d of %d KV blocks fit in gpu_memory_utilization=%.2f",
+                               fit, num_blocks, self.cfg.gpu_memory_utilization)
+            num_blocks = min(num_blocks, fit) if num_blocks else fit
+        elif not num_blocks:
+            num_blocks = -(-max_batch_size * max_model_len // block_size)
+        if self.tp is not None:
+            num_blocks = self.tp.min_int(num_blocks)  # every rank's pool holds the same rows
+        if num_blocks * block_size < max_model_len:
+            logger.warning("the KV pool holds %d tokens, fewer than max_model_len %d: longer requests are refused",
+                           num_blocks * block_size, max_model_len)
+        return PagedLayout(num_blocks, block_size, max_model_len)
+
+    def _fit(self, num_slots: int, max_model_len: int, max_batch_size: int, graph_q_lens: Sequence[int],
+             tree_shapes: Sequence[tuple[int, int]], *, num_scratch_rows: int = 0, block_size: int = 0) -> int:
+        """CUDA: the slots (at most num_slots) or blocks (block_size > 0) that fit in
+        gpu_memory_utilization beside the weights, a warm-up forward and the graphs'
+        logits buffers (engine/memory.py)."""
         from spec_runtime.engine.cuda_graphs import graph_logits_bytes
-        from spec_runtime.engine.memory import fit_num_slots
+        from spec_runtime.engine.memory import fit_num_blocks, fit_num_slots
 
         cfg = self.cfg
         logits_bytes = (graph_logits_bytes(max_batch_size, graph_q_lens, self.vocab_size, tree_shapes)
                         if cfg.cuda_graphs else 0)
-        return fit_num_slots(self.model, self.backend, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                             num_slots=num_slots, max_model_len=max_model_len, num_scratch_rows=num_scratch_rows,
-                             warmup_tokens=max_model_len, reserve_bytes=logits_bytes)
+        common = dict(gpu_memory_utilization=cfg.gpu_memory_utilization, max_model_len=max_model_len,
+                      warmup_tokens=max_model_len, reserve_bytes=logits_bytes)
+        if block_size:
+            return fit_num_blocks(self.model, self.backend, block_size=block_size, **common)
+        return fit_num_slots(self.model, self.backend, num_slots=num_slots, num_scratch_rows=num_scratch_rows,
+                             **common)
 
     @classmethod
     def build(cls, cfg: ModelConfig, *, kernels: KernelConfig | None = None, **kw) -> "ModelRunner":

@@ -244,7 +244,8 @@ class _Server:
     def _usage(self, num_prompt: int, choices: list[Choice]) -> dict:
         stats = [c.final.stats for c in choices if c.final is not None and c.final.stats is not None]
         spec = spec_decode_usage(merge_stats(stats), self.mode, self.k) if stats else None
-        return usage_body(num_prompt, sum(len(c.token_ids) for c in choices), spec)
+        cached = stats[0].num_cached_tokens if stats else None  # every choice has the same prompt
+        return usage_body(num_prompt, sum(len(c.token_ids) for c in choices), spec, cached)
 
     @staticmethod
     async def _consume(flight: InFlight, choice: Choice) -> None:

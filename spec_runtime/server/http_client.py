@@ -73,6 +73,7 @@ def _stats(body: dict) -> RequestStats:
     st = stats_from_usage(usage.get("spec_decode") or {})
     st.num_prompt_tokens = usage.get("prompt_tokens", 0)
     st.num_generated_tokens = usage.get("completion_tokens", 0)
+    st.num_cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     return st
 
 

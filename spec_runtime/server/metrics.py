@@ -7,7 +7,8 @@ are vLLM's (`spec_decode_num_drafts`, `time_to_first_token_seconds`, ...) under 
 prefix `spec_runtime:`, or `vllm:` with `serve --metrics-prefix vllm`, so that
 `vllm bench serve` and vLLM's Grafana dashboards read them unchanged. Names vLLM does
 not have (`spec_decode_cache_hits`, `draft_alive`, ...) are this runtime's extensions.
-Running/waiting gauges and KV usage are read from the engine at scrape time. Each app
+Running/waiting gauges, KV usage, preemptions and the prefix cache's counters are read
+from the engine at scrape time. Each app
 gets its own CollectorRegistry, so several servers can live in one process (tests).
 
 Every definition lives in the tables COUNTERS, HISTOGRAMS and GAUGES, and every value
@@ -20,7 +21,7 @@ Latency definitions (server side, from request arrival, unless said otherwise):
         token a round accepted, so this is a per-round latency, not per token;
   TPOT  (e2e - TTFT) / (completion tokens - 1), one sample per request;
   e2e   final chunk;
-  queue, prefill, decode, inference: measured in target_proc (arrival there -> KV slot
+  queue, prefill, decode, inference: measured in target_proc (arrival there -> KV blocks
         -> first token -> last token; inference = prefill + decode).
 """
 
@@ -75,10 +76,16 @@ COUNTERS = (
     ("generation_tokens", "generation_tokens", "Generated tokens of finished requests."),
     ("requests", "request_success", "Finished requests by finish reason.", "finished_reason"),
     ("preemptions", "num_preemptions",
-     "Requests preempted (their KV cache freed to make room). Always 0: each running request owns a KV slot "
-     "that holds its whole context, so none is ever preempted."),
+     "Times a running request was preempted: its KV blocks freed to let older requests grow, its KV recomputed "
+     "when it runs again."),
+    ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens whose KV the prefix cache held."),
     ("draft_restarts", "draft_restarts", "Draft processes started again after one died."),
 )
+
+# Counters that follow the engine's totals (EngineStats field -> attribute), read at scrape time.
+_ENGINE_COUNTERS = {"num_preemptions": "preemptions", "prefix_cache_queries": "prefix_cache_queries",
+                    "prefix_cache_hits": "prefix_cache_hits"}
 
 # (attribute, name, help, buckets: "latency" or "length").
 HISTOGRAMS = (
@@ -86,8 +93,8 @@ HISTOGRAMS = (
     ("itl", "inter_token_latency_seconds", "Gap between output chunks (one chunk per round).", "latency"),
     ("tpot", "time_per_output_token_seconds", "(e2e - TTFT) / (tokens - 1) per request.", "latency"),
     ("e2e", "e2e_request_latency_seconds", "End-to-end request latency.", "latency"),
-    ("queue_time", "request_queue_time_seconds", "Time a request waited in target_proc for a KV slot.", "latency"),
-    ("prefill_time", "request_prefill_time_seconds", "From a request's KV slot to its first token (the prefill).",
+    ("queue_time", "request_queue_time_seconds", "Time a request waited in target_proc for KV blocks.", "latency"),
+    ("prefill_time", "request_prefill_time_seconds", "From a request's KV blocks to its first token (the prefill).",
      "latency"),
     ("decode_time", "request_decode_time_seconds", "From a request's first token to its last.", "latency"),
     ("inference_time", "request_inference_time_seconds", "Prefill plus decode time of a request.", "latency"),
@@ -103,8 +110,8 @@ GAUGES = (
     ("running", "num_requests_running", "Requests being decoded."),
     ("waiting", "num_requests_waiting", "Requests waiting for a slot."),
     ("kv_cache_usage", "kv_cache_usage_perc",
-     "Fraction of the target's KV cache in use (1 = 100%): KV slots held by running requests over all slots; "
-     "each slot holds a whole context."),
+     "Fraction of the target's KV cache in use (1 = 100%): KV blocks held by requests over all blocks (cached "
+     "blocks no request holds count as free)."),
     ("draft_alive", "draft_alive", "1 while the draft answers, 0 while the target decodes alone."),
 )
 
@@ -137,7 +144,7 @@ def finished_observations(stats: RequestStats, finish_reason: str | None, ttft_s
         if num_completion > 1:
             obs.append(("tpot", (e2e_s - ttft_s) / (num_completion - 1)))
     obs.append(("e2e", e2e_s))
-    if stats.ttft_s > 0 and stats.e2e_s > 0:  # the engine's timings of a request that got a KV slot and a token
+    if stats.ttft_s > 0 and stats.e2e_s > 0:  # the engine's timings of a request that got KV blocks and a token
         obs += [("queue_time", stats.queue_s), ("prefill_time", max(0.0, stats.ttft_s - stats.queue_s)),
                 ("decode_time", max(0.0, stats.e2e_s - stats.ttft_s)),
                 ("inference_time", max(0.0, stats.e2e_s - stats.queue_s))]
@@ -149,9 +156,9 @@ def finished_observations(stats: RequestStats, finish_reason: str | None, ttft_s
 
 def engine_gauges(engine: EngineStats) -> list[tuple[str, float]]:
     """(attribute, value) of each gauge read from the engine."""
-    slots = engine.num_running + engine.num_free_slots
+    blocks = engine.num_kv_blocks
     return [("running", engine.num_running), ("waiting", engine.num_waiting),
-            ("kv_cache_usage", engine.num_running / slots if slots else 0.0),
+            ("kv_cache_usage", 1.0 - engine.num_free_kv_blocks / blocks if blocks else 0.0),
             ("draft_alive", 1.0 if engine.draft_alive else 0.0)]
 
 
@@ -180,9 +187,11 @@ class ServerMetrics:
         for attr, name, doc in GAUGES:
             setattr(self, attr, Gauge(p + name, doc, lbl, registry=r))
         self._restarts_seen = 0
+        # The engine's own totals the counters below follow (they only grow while it lives).
+        self._engine_seen = dict.fromkeys(_ENGINE_COUNTERS.values(), 0)
         self._lock = threading.Lock()  # observe_engine runs on the event loop and on a gauge thread
         # Series that exist from the start (0 until they count), so dashboards find them.
-        for attr in ("draft_restarts", "preemptions", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
+        for attr in ("draft_restarts", "preemptions", "prefix_cache_queries", "prefix_cache_hits", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
                      "prompt_tokens", "generation_tokens"):
             getattr(self, attr).labels(model_name)
         for attr, *_ in HISTOGRAMS:
@@ -221,6 +230,11 @@ class ServerMetrics:
         if engine is not None:
             for attr, value in engine_gauges(engine):
                 getattr(self, attr).labels(self._model).set(value)
+            for field, attr in _ENGINE_COUNTERS.items():
+                value = getattr(engine, field)
+                if value > self._engine_seen[attr]:
+                    getattr(self, attr).labels(self._model).inc(value - self._engine_seen[attr])
+                    self._engine_seen[attr] = value
             if self._mirror is not None:
                 self._mirror.observe_engine(engine)
         if draft_restarts > self._restarts_seen:

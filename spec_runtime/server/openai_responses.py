@@ -73,8 +73,11 @@ def merge_stats(stats: list[RequestStats]) -> RequestStats:
     return total
 
 
-def usage_body(num_prompt: int, num_completion: int, spec: dict | None) -> dict:
+def usage_body(num_prompt: int, num_completion: int, spec: dict | None, num_cached: int | None = None) -> dict:
+    """OpenAI's usage object; num_cached: prompt tokens the prefix cache held (None: unknown)."""
     u = {"prompt_tokens": num_prompt, "completion_tokens": num_completion, "total_tokens": num_prompt + num_completion}
+    if num_cached is not None:
+        u["prompt_tokens_details"] = {"cached_tokens": num_cached}
     if spec is not None:
         u["spec_decode"] = spec
     return u
