@@ -39,6 +39,7 @@ from spec_runtime.engine.forward_batch import ForwardItem
 from spec_runtime.logits_process import LogitsProcess, token_logprobs
 from spec_runtime.sampling import SamplingTensors, rejection_sample
 from spec_runtime.structured import Grammars
+from spec_runtime.validate import RequestError, validate_request
 from target_proc.draft_link import DraftLink
 from target_proc.no_draft import NoDraft
 from target_proc.outputs import merge_outputs, record_round, take_output
@@ -47,7 +48,6 @@ from target_proc.sequence import IncrementalDetokenizer, Sequence, StopChecker
 from target_proc.spec_policy import SpecPolicy, WorkAheadPolicy
 from target_proc.speculation import Speculation
 from target_proc.verify import verify_inputs
-from target_proc.validate import RequestError, validate_request
 
 logger = logging.getLogger(__name__)
 
