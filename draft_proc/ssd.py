@@ -243,20 +243,12 @@ class SSDEngine:
                             self.layout.slot_rows(s.slot, s.num_tokens - 1), "none")
                 for s in lagging
             ])
-        # Pad every glue to K+1 tokens (same shape: one CUDA graph) where the context
-        # allows; padded positions write rows past the valid length and are never read.
-        pad_to = self.k if all(s.num_tokens + self.k <= self.layout.max_model_len for s in seqs) else 0
-        items, keep = [], []
+        # Each sequence feeds its real length; the runner pads to its graph's shape.
+        items = []
         for s in seqs:
-            n, d = s.num_tokens, list(s.draft_token_ids)
-            fed = [s.token_ids[-1]] + d + [s.token_ids[-1]] * max(0, pad_to - len(d))
+            n, fed = s.num_tokens, [s.token_ids[-1]] + list(s.draft_token_ids)
             items.append(ForwardItem(fed, n - 1, self.layout.slot_rows(s.slot, n - 1 + len(fed)), "all"))
-            keep.append(len(d) + 1)
-        logits = self.runner.run(items)  # [sum(len(fed)), V]
-        if pad_to:
-            starts = np.cumsum([0] + [len(it.token_ids) for it in items[:-1]])
-            rows = np.concatenate([np.arange(st, st + k) for st, k in zip(starts, keep)])
-            logits = logits[torch.from_numpy(rows).to(logits.device)]  # [sum(m + 1), V]
+        logits = self.runner.run(items)  # [sum(m + 1), V]
         positions = np.concatenate([np.arange(s.num_tokens, s.num_tokens + len(s.draft_token_ids) + 1) for s in seqs])
         row_seqs = [s for s in seqs for _ in range(len(s.draft_token_ids) + 1)]
         if self.drafter.logits_transform is not None:

@@ -2,8 +2,9 @@
 
 rejection_sample (spec_runtime.sampling) wants dense per-batch tensors: draft ids padded
 to the longest speculation, the sparse q of each draft token, the sampling parameters
-and the position of d_1. The forward's logits are flat (ragged, or padded to K+1 per
-sequence for CUDA graphs); `gather` picks each sequence's K+1 verify rows out of them.
+and the position of d_1. The forward's logits are flat and ragged (1 + m rows for a
+sequence with m drafts; the runner drops the rows of its graph padding); `gather` picks
+each sequence's verify rows out of them.
 """
 
 from __future__ import annotations

@@ -283,10 +283,7 @@ class TargetWorker:
         and the logprobs of `_logprobs` (or None)."""
         layout = self.runner.layout
         k_max = max((len(specs[s.seq_id].draft_token_ids) for s in seqs if s.seq_id in specs), default=0)
-        # Pad every verify to K+1 tokens where the context allows, so the step replays one
-        # CUDA graph: padded positions write KV rows past the sequence's length (never
-        # read) and their logits are never used (num_draft bounds acceptance).
-        pad_to = self.k if all(s.num_tokens + self.k <= self.max_model_len for s in seqs) else 0
+        # Each sequence feeds its real length; the runner pads to its graph's shape.
         items, num_draft, q_lens = [], [], []
         for seq in seqs:
             spec = specs.get(seq.seq_id)
@@ -295,7 +292,6 @@ class TargetWorker:
             m = 0 if spec is None else len(spec.draft_token_ids)
             m = max(0, min(m, self.max_model_len - n, seq.sampling.max_tokens - seq.num_generated - 1))
             fed = [seq.last_token_id] + (spec.draft_token_ids[:m].tolist() if m else [])
-            fed += [seq.last_token_id] * (pad_to + 1 - len(fed))
             items.append(ForwardItem(fed, n - 1, layout.slot_rows(seq.slot, n - 1 + len(fed)), "all"))
             num_draft.append(m)
             q_lens.append(len(fed))

@@ -186,7 +186,8 @@ class ModelRunner:
         return self.model.compute_logits(hidden[batch.logits_indices])  # [N, V]
 
     def run(self, items: Sequence[ForwardItem]) -> torch.Tensor:
-        """build_forward_batch + forward; positions must fit in max_model_len. With
+        """Logits of `items` (padded to a graph's shape where one fits, see `_batch`);
+        positions must fit in max_model_len. With
         tensor parallelism, rank 0 sends the items to the other ranks first (they run
         the same forward in `follow`)."""
         limit = self.layout.max_model_len
@@ -197,9 +198,17 @@ class ModelRunner:
                 )
         if self.tp is not None:
             self.tp.send_items(items)
-        return self.forward(build_forward_batch(items, self.device))
+        return self.forward(self._batch(items))
+
+    def _batch(self, items: Sequence[ForwardItem]) -> ForwardBatch:
+        """The batch of `items`, padded to a captured graph's shape where one fits: callers
+        pass their real lengths and get the logits of their own rows back."""
+        if self.graphs is not None:
+            items = self.graphs.pad(items)
+        return build_forward_batch(items, self.device)
 
     def follow(self) -> None:
-        """Tensor-parallel ranks 1..N-1: run rank 0's forwards until it stops the group."""
+        """Tensor-parallel ranks 1..N-1: run rank 0's forwards until it stops the group
+        (padded as rank 0 pads them, so the collectives see the same shapes)."""
         while (items := self.tp.recv_items()) is not None:
-            self.forward(build_forward_batch(items, self.device))
+            self.forward(self._batch(items))
