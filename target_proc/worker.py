@@ -34,6 +34,7 @@ from protocol.messages import (
     TokenOutputs,
     add_totals,
 )
+from protocol.sparse_q import DraftTokens
 from spec_runtime.config import RuntimeConfig
 from spec_runtime.engine.forward_batch import ForwardItem
 from spec_runtime.logits_process import LogitsProcess, token_logprobs
@@ -46,7 +47,6 @@ from target_proc.outputs import merge_outputs, record_round, take_output
 from target_proc.prompt_logprobs import prefill_logits_mode, prompt_logprobs, split_prefill_logits
 from target_proc.sequence import IncrementalDetokenizer, Sequence, StopChecker
 from target_proc.spec_policy import SpecPolicy, WorkAheadPolicy
-from target_proc.speculation import Speculation
 from target_proc.verify import verify_inputs
 
 logger = logging.getLogger(__name__)
@@ -277,7 +277,7 @@ class TargetWorker:
                 self.work_ahead_policy.record(batch, self._last_flags[-1], step_s)
         self._last_flags = self._last_flags[1:] + (work_ahead,)
 
-    def _verify(self, seqs: list[Sequence], specs: dict[int, Speculation]):
+    def _verify(self, seqs: list[Sequence], specs: dict[int, DraftTokens]):
         """One verify forward over [x_n, d_1..d_m] per sequence, then rejection sampling.
         Returns host lists: num_draft [B], num_accepted [B], output tokens [B][k_max + 1]
         and the logprobs of `_logprobs` (or None)."""
