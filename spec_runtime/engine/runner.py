@@ -83,15 +83,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         # Seconds per start-up phase (load, kv_alloc, graph_capture with kernel tuning), sent in Ready.
         self.startup_phases: dict[str, float] = {}
-        t0 = time.perf_counter()
-        self.model, self.arch, self.tokenizer = load_model(cfg.path, self.device, self.dtype, cfg.gguf_cache,
-                                                           tp_size=tp_size, tp_rank=tp_rank)
-        self.model_name = model_name(cfg.path)
-        self.vocab_size = self.arch.vocab_size
-        self.eos_token_ids = eos_token_ids(cfg.path, self.arch, self.tokenizer, cfg.gguf_cache)
-        # The layers run the fused CUDA kernels where the config allows; eager ops on CPU.
-        self.model.kernels.fused = self.device.type == "cuda" and self.kernel_cfg.fused_ops
-        self.startup_phases["load_s"] = time.perf_counter() - t0
+        self._load(tp_size, tp_rank)
         t0 = time.perf_counter()
         if max_model_len > self.arch.max_position_embeddings:
             logger.warning("max_model_len %d capped to the model's max_position_embeddings %d",
@@ -118,6 +110,18 @@ class ModelRunner:
         self.kernel_report: dict = {}  # what tune_kernels decided and measured
         self._graph_args = dict(max_batch_size=max_batch_size or num_slots, q_lens=graph_q_lens,
                                 tree_shapes=tree_shapes, tree_local_rows=tree_local_rows)
+
+    def _load(self, tp_size: int, tp_rank: int) -> None:
+        """The model (this rank's shard), its tokenizer, name, vocabulary and EOS ids."""
+        cfg, t0 = self.cfg, time.perf_counter()
+        self.model, self.arch, self.tokenizer = load_model(cfg.path, self.device, self.dtype, cfg.gguf_cache,
+                                                           tp_size=tp_size, tp_rank=tp_rank)
+        self.model_name = model_name(cfg.path)
+        self.vocab_size = self.arch.vocab_size
+        self.eos_token_ids = eos_token_ids(cfg.path, self.arch, self.tokenizer, cfg.gguf_cache)
+        # The layers run the fused CUDA kernels where the config allows; eager ops on CPU.
+        self.model.kernels.fused = self.device.type == "cuda" and self.kernel_cfg.fused_ops
+        self.startup_phases["load_s"] = time.perf_counter() - t0
 
     def _fit_num_slots(self, num_slots: int, max_model_len: int, num_scratch_rows: int, max_batch_size: int,
                        graph_q_lens: Sequence[int], tree_shapes: Sequence[tuple[int, int]]) -> int:
