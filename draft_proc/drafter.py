@@ -13,9 +13,9 @@ from functools import partial
 import numpy as np
 import torch
 
-from draft_proc.speculator import Proposal, Speculator
+from draft_proc.speculator import Speculator
 from draft_proc.state import DraftSeq
-from protocol.sparse_q import put_q
+from protocol.sparse_q import NO_DRAFT, DraftTokens
 from spec_runtime.engine.forward_batch import ForwardItem, build_forward_batch
 from spec_runtime.sampling import SamplingTensors, draft_sample, saguaro_rescale
 
@@ -146,16 +146,11 @@ class ModelDrafter(Speculator):
             items.append(ForwardItem(s.token_ids[start:], start, self.layout.slot_rows(s.slot, n), "last"))
         return items
 
-    def propose(self, seqs: list[DraftSeq], k: int) -> Proposal:
-        prop = Proposal.empty(len(seqs), k)
+    def propose(self, seqs: list[DraftSeq], k: int) -> list[DraftTokens]:
+        out = [NO_DRAFT] * len(seqs)
         if not seqs:
-            return prop
+            return out
         k_eff = np.array([max(0, min(k, self.max_model_len - s.num_tokens)) for s in seqs])
-        sampled = any(s.temperature > 0 for s in seqs)
-        if sampled:
-            prop.q_token_ids = np.zeros((len(seqs), k, self.cfg.draft_top_k), dtype=np.int64)
-            prop.q_probs = np.zeros((len(seqs), k, self.cfg.draft_top_k), dtype=np.float32)
-        drafted: list[list[int]] = [[] for _ in seqs]
         # Sequences near the context limit draft fewer tokens: one chain per length.
         for steps in sorted(set(k_eff.tolist()) - {0}):
             idx = np.flatnonzero(k_eff == steps)
@@ -169,17 +164,14 @@ class ModelDrafter(Speculator):
             positions = np.array([s.num_tokens for s in rows], dtype=np.int64)
             tokens, q_ids, q_probs = self.decode_chain(self.catch_up_items(rows), later, rows, positions, steps)
             for r, b in enumerate(idx):
-                drafted[b] = tokens[r].tolist()
-                if sampled:  # a greedy row in a sampled batch gets a one-hot q
-                    put_q(prop.q_token_ids, prop.q_probs, (b, slice(0, steps)), tokens[r],
-                          None if q_ids is None else q_ids[r], None if q_ids is None else q_probs[r])
+                out[b] = DraftTokens(tokens[r], None if q_ids is None else q_ids[r],
+                                     None if q_ids is None else q_probs[r])
         for b, s in enumerate(seqs):
-            m = len(drafted[b])
-            prop.draft_token_ids[b, :m] = drafted[b]
-            prop.num_draft_tokens[b] = m
+            m = out[b].num_draft_tokens
             # Fed: the confirmed tokens and d_1..d_{m-1}.
-            s.set_speculation(drafted[b], num_cached=s.num_tokens + max(0, m - 1) if m else min(s.num_cached, s.num_tokens))
-        return prop
+            s.set_speculation(out[b].draft_token_ids.tolist(),
+                              num_cached=s.num_tokens + max(0, m - 1) if m else min(s.num_cached, s.num_tokens))
+        return out
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from draft_proc.speculator import Proposal, Speculator
+from draft_proc.speculator import Speculator
 from draft_proc.state import DraftSeq
-from protocol.sparse_q import put_q
+from protocol.sparse_q import DraftTokens
 
 
 def ngram_propose(token_ids: list[int] | np.ndarray, k: int, ngram_min: int, ngram_max: int) -> list[int]:
@@ -36,20 +36,12 @@ class NgramSpeculator(Speculator):
         self.ngram_max = ngram_max
         self.max_model_len = max_model_len
 
-    def propose(self, seqs: list[DraftSeq], k: int) -> Proposal:
-        prop = Proposal.empty(len(seqs), k)
-        any_sampled = any(s.temperature > 0 for s in seqs)
-        if any_sampled:
-            prop.q_token_ids = np.zeros((len(seqs), k, 1), dtype=np.int64)
-            prop.q_probs = np.zeros((len(seqs), k, 1), dtype=np.float32)
-        for b, seq in enumerate(seqs):
+    def propose(self, seqs: list[DraftSeq], k: int) -> list[DraftTokens]:
+        out = []
+        for seq in seqs:
             k_eff = max(0, min(k, self.max_model_len - seq.num_tokens))
             tokens = ngram_propose(seq.token_ids, k_eff, self.ngram_min, self.ngram_max) if k_eff else []
-            m = len(tokens)
-            prop.draft_token_ids[b, :m] = tokens
-            prop.num_draft_tokens[b] = m
-            if any_sampled:  # n-gram drafts are greedy: one-hot q
-                put_q(prop.q_token_ids, prop.q_probs, (b, slice(0, m)), tokens)
+            out.append(DraftTokens(np.asarray(tokens, dtype=np.int64)))  # greedy: one-hot q
             # No KV is written: the slot stays valid up to the token before the last.
             seq.set_speculation(tokens, num_cached=min(seq.num_cached, seq.num_tokens - 1))
-        return prop
+        return out

@@ -29,17 +29,18 @@ stored with them is exactly the distribution each was sampled from.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
 import numpy as np
 import torch
 
-from draft_proc.speculator import Proposal, Speculator
+from draft_proc.speculator import Speculator
 from draft_proc.state import DraftSeq
 from draft_proc.tree_budget import TreeBudget, ladder
-from draft_proc.tree_cache import CachedSpeculation, Fork, TreeCache, select_forks
-from protocol.sparse_q import put_q
+from draft_proc.tree_cache import Fork, TreeCache, select_forks
+from protocol.sparse_q import NO_DRAFT, DraftTokens, put_q
 from spec_runtime.engine.forward_batch import ForwardItem, TreeBranch, build_tree_batch, tree_step_batch
 
 logger = logging.getLogger(__name__)
@@ -95,7 +96,7 @@ class SSDEngine:
         self.k = spec_cfg.k
         self.cache = TreeCache(max_branches(spec_cfg), spec_cfg.k, self.layout.scratch_base)
         self.budget = TreeBudget(lambda b: branches_per_seq(spec_cfg, b), spec_cfg.tree_shape)
-        self._pending: dict[int, CachedSpeculation | None] = {}
+        self._pending: dict[int, DraftTokens | None] = {}
         self._pending_depth: dict[int, int] = {}
         self.num_hits = 0
         self.num_misses = 0
@@ -121,17 +122,12 @@ class SSDEngine:
     def accept_rate(self) -> float:
         return self._accepted / self._attempted
 
-    def propose(self, seqs: list[DraftSeq], k: int, count_misses: bool = True) -> tuple[Proposal, np.ndarray, list[int]]:
-        """Answer each sequence from the tree cache, misses from the backup. count_misses:
-        False after a round without work-ahead (a synchronous SD round, not a miss)."""
-        prop = Proposal.empty(len(seqs), k)
-        hits = np.zeros(len(seqs), dtype=bool)
+    def propose(self, seqs: list[DraftSeq], k: int, count_misses: bool = True) -> tuple[list[DraftTokens], list[int]]:
+        """Answer each sequence from the tree cache (cache_hit), misses from the backup;
+        and the hits per outcome depth. count_misses: False after a round without
+        work-ahead (a synchronous SD round, not a miss)."""
+        out = [NO_DRAFT] * len(seqs)
         hits_by_depth = [0] * (self.k + 1)
-        sampled = any(s.temperature > 0 for s in seqs)
-        top = self.cfg.draft_top_k
-        if sampled:
-            prop.q_token_ids = np.zeros((len(seqs), k, top), dtype=np.int64)
-            prop.q_probs = np.zeros((len(seqs), k, top), dtype=np.float32)
         misses: list[int] = []
         for b, seq in enumerate(seqs):
             entry = self._pending.pop(seq.seq_id, None)
@@ -139,17 +135,13 @@ class SSDEngine:
             if entry is None:
                 misses.append(b)
                 continue
-            m = min(len(entry.draft_token_ids), k)
-            hits[b] = True
+            m = min(entry.num_draft_tokens, k)
             hits_by_depth[depth] += 1
-            prop.draft_token_ids[b, :m] = entry.draft_token_ids[:m]
-            prop.num_draft_tokens[b] = m
-            if sampled:
-                self._fill_q(prop, b, entry, m)
+            out[b] = dataclasses.replace(entry.head(m), cache_hit=True)
             # The branch's KV is in scratch; the slot is valid up to the token before t.
             seq.set_speculation(entry.draft_token_ids[:m].tolist(), num_cached=min(seq.num_cached, seq.num_tokens - 1))
             seq.last_missed = False
-        self.num_hits += int(hits.sum())
+        self.num_hits += len(seqs) - len(misses)
         if count_misses:
             self.num_misses += len(misses)
         if misses:
@@ -160,22 +152,9 @@ class SSDEngine:
                 for s in miss_seqs:
                     s.set_speculation([], num_cached=min(s.num_cached, s.num_tokens - 1))
             else:
-                sub = self.backup.propose(miss_seqs, k)
-                for r, b in enumerate(misses):
-                    prop.draft_token_ids[b] = sub.draft_token_ids[r]
-                    prop.num_draft_tokens[b] = sub.num_draft_tokens[r]
-                    if sampled:  # a greedy row in a sampled batch gets a one-hot q
-                        m = int(sub.num_draft_tokens[r])
-                        greedy = sub.q_token_ids is None
-                        put_q(prop.q_token_ids, prop.q_probs, (b, slice(0, m)), sub.draft_token_ids[r, :m],
-                              None if greedy else sub.q_token_ids[r, :m], None if greedy else sub.q_probs[r, :m])
-        return prop, hits, hits_by_depth
-
-    @staticmethod
-    def _fill_q(prop: Proposal, b: int, entry: CachedSpeculation, m: int) -> None:
-        greedy = entry.q_token_ids is None
-        put_q(prop.q_token_ids, prop.q_probs, (b, slice(0, m)), entry.draft_token_ids[:m],
-              None if greedy else entry.q_token_ids[:m], None if greedy else entry.q_probs[:m])
+                for b, spec in zip(misses, self.backup.propose(miss_seqs, k)):
+                    out[b] = spec
+        return out, hits_by_depth
 
     # ---------------------------------------------------------------- work ahead
 
@@ -243,20 +222,12 @@ class SSDEngine:
                             self.layout.slot_rows(s.slot, s.num_tokens - 1), "none")
                 for s in lagging
             ])
-        # Pad every glue to K+1 tokens (same shape: one CUDA graph) where the context
-        # allows; padded positions write rows past the valid length and are never read.
-        pad_to = self.k if all(s.num_tokens + self.k <= self.layout.max_model_len for s in seqs) else 0
-        items, keep = [], []
+        # Each sequence feeds its real length; the runner pads to its graph's shape.
+        items = []
         for s in seqs:
-            n, d = s.num_tokens, list(s.draft_token_ids)
-            fed = [s.token_ids[-1]] + d + [s.token_ids[-1]] * max(0, pad_to - len(d))
+            n, fed = s.num_tokens, [s.token_ids[-1]] + list(s.draft_token_ids)
             items.append(ForwardItem(fed, n - 1, self.layout.slot_rows(s.slot, n - 1 + len(fed)), "all"))
-            keep.append(len(d) + 1)
-        logits = self.runner.run(items)  # [sum(len(fed)), V]
-        if pad_to:
-            starts = np.cumsum([0] + [len(it.token_ids) for it in items[:-1]])
-            rows = np.concatenate([np.arange(st, st + k) for st, k in zip(starts, keep)])
-            logits = logits[torch.from_numpy(rows).to(logits.device)]  # [sum(m + 1), V]
+        logits = self.runner.run(items)  # [sum(m + 1), V]
         positions = np.concatenate([np.arange(s.num_tokens, s.num_tokens + len(s.draft_token_ids) + 1) for s in seqs])
         row_seqs = [s for s in seqs for _ in range(len(s.draft_token_ids) + 1)]
         if self.drafter.logits_transform is not None:
@@ -373,10 +344,10 @@ class SSDEngine:
             put_q(q_ids, q_probs, (perm, slice(None)), toks, qi, qp)
 
     def _store(self, seqs, forks, lens, tokens, q_ids, q_probs, sampled) -> None:
-        entries: dict[int, dict[tuple[int, int], CachedSpeculation]] = {s.seq_id: {} for s in seqs}
+        entries: dict[int, dict[tuple[int, int], DraftTokens]] = {s.seq_id: {} for s in seqs}
         for b, f in enumerate(forks):
             m = int(lens[b])
-            entries[f.seq_id][(f.depth, f.token_id)] = CachedSpeculation(
+            entries[f.seq_id][(f.depth, f.token_id)] = DraftTokens(
                 tokens[b, :m].copy(),
                 q_ids[b, :m].copy() if sampled else None,
                 q_probs[b, :m].copy() if sampled else None,

@@ -22,13 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from protocol.messages import PLACEHOLDER_TOKEN_ID
-
-
-@dataclass
-class CachedSpeculation:
-    draft_token_ids: np.ndarray  # [m] int64
-    q_token_ids: np.ndarray | None  # [m, top_k] int64 (None when greedy)
-    q_probs: np.ndarray | None  # [m, top_k] float32
+from protocol.sparse_q import DraftTokens
 
 
 @dataclass(frozen=True)
@@ -102,7 +96,7 @@ class TreeCache:
         self.max_branches = max_branches
         self.k = k
         self.scratch_base = scratch_base
-        self._entries: dict[int, dict[tuple[int, int], CachedSpeculation]] = {}
+        self._entries: dict[int, dict[tuple[int, int], DraftTokens]] = {}
 
     def scratch_rows(self, slot: int, branch: int, length: int) -> np.ndarray:
         """Rows of the first `length` tokens of a branch."""
@@ -111,10 +105,10 @@ class TreeCache:
         base = self.scratch_base + (slot * self.max_branches + branch) * self.k
         return np.arange(base, base + length, dtype=np.int64)
 
-    def lookup(self, seq_id: int, depth: int, token_id: int) -> CachedSpeculation | None:
+    def lookup(self, seq_id: int, depth: int, token_id: int) -> DraftTokens | None:
         return self._entries.get(seq_id, {}).get((depth, token_id))
 
-    def replace(self, seq_id: int, entries: dict[tuple[int, int], CachedSpeculation]) -> None:
+    def replace(self, seq_id: int, entries: dict[tuple[int, int], DraftTokens]) -> None:
         """The speculation changed: the old branches answer outcomes that can no longer come."""
         if len(entries) > self.max_branches:
             raise ValueError(f"{len(entries)} entries exceed the budget of {self.max_branches}")

@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from draft_proc.speculator import Proposal, Speculator
+from draft_proc.speculator import Speculator
 from draft_proc.state import DraftSeq, OutcomeError
 from protocol.codec import ProtocolError
 from protocol.messages import (
@@ -38,6 +38,7 @@ from protocol.messages import (
     SpecRequest,
     SpecResponse,
 )
+from protocol.sparse_q import DraftTokens, pack
 
 logger = logging.getLogger(__name__)
 
@@ -193,10 +194,10 @@ class DraftWorker:
         if not ok:
             return
         if self.ssd is not None:
-            prop, hits, hits_by_depth = self.ssd.propose(ok, req.k, count_misses=counted)
+            specs, hits_by_depth = self.ssd.propose(ok, req.k, count_misses=counted)
         else:
-            prop, hits, hits_by_depth = self.speculator.propose(ok, req.k), np.zeros(len(ok), bool), []
-        self.channel.send(self._response(req.step, ok, prop, hits, hits_by_depth))
+            specs, hits_by_depth = self.speculator.propose(ok, req.k), []
+        self.channel.send(self._response(req.step, req.k, ok, specs, hits_by_depth))
         self.answer_s += time.perf_counter() - t0
         self.num_answers += 1
         if time.monotonic() - self._pushed_at >= STATS_PUSH_S:
@@ -221,16 +222,19 @@ class DraftWorker:
         n, work_s, ended, overran = last
         self.ssd.budget.observe(n, work_s, 0.0 if overran else now - ended)
 
-    def _response(self, step: int, seqs: list[DraftSeq], prop: Proposal, hits: np.ndarray, hits_by_depth) -> SpecResponse:
+    def _response(self, step: int, k: int, seqs: list[DraftSeq], specs: list[DraftTokens],
+                  hits_by_depth) -> SpecResponse:
+        # q travels when any sequence samples; a greedy row among them gets a one-hot q.
+        draft_ids, num_draft, q_ids, q_probs = pack(specs, k, with_q=any(s.temperature > 0 for s in seqs))
         return SpecResponse(
             step=step,
             seq_ids=np.fromiter((s.seq_id for s in seqs), np.int64, len(seqs)),
             rounds=np.fromiter((s.round for s in seqs), np.int64, len(seqs)),
-            draft_token_ids=prop.draft_token_ids,
-            num_draft_tokens=prop.num_draft_tokens,
-            cache_hit=np.asarray(hits, dtype=bool),
-            q_token_ids=prop.q_token_ids,
-            q_probs=prop.q_probs,
+            draft_token_ids=draft_ids,
+            num_draft_tokens=num_draft,
+            cache_hit=np.fromiter((s.cache_hit for s in specs), bool, len(specs)),
+            q_token_ids=q_ids,
+            q_probs=q_probs,
             draft_work_s=self.ssd.last_work_s if self.ssd is not None else 0.0,
             hits_by_depth=list(hits_by_depth),
         )

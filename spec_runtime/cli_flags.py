@@ -279,7 +279,7 @@ def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
 def sampling_from_args(args: argparse.Namespace):
     """SamplingParams of the sampling flags; ConfigErrors names every bad one."""
     from protocol.messages import SamplingParams
-    from target_proc.validate import validate_sampling
+    from spec_runtime.validate import validate_sampling
 
     values = {field: getattr(args, flag[2:].replace("-", "_")) for flag, field, *_ in _SAMPLING_FLAGS}
     values["stop"] = list(args.stop or [])

@@ -36,7 +36,7 @@ from spec_runtime.config import RuntimeConfig
 from spec_runtime.inputs import as_token_ids, check_text
 from spec_runtime.launcher import Launcher
 from spec_runtime.results import GenerationResult, RequestFailed
-from target_proc.validate import RequestError, validate_sampling
+from spec_runtime.validate import RequestError, validate_sampling
 
 logger = logging.getLogger(__name__)
 

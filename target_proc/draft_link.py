@@ -41,9 +41,10 @@ from protocol.messages import (
     Release,
     SpecResponse,
 )
+from protocol.sparse_q import DraftTokens
 from target_proc.draft_timeout import DraftTimeout
 from target_proc.sequence import Sequence
-from target_proc.speculation import Outcome, Speculation, awaited_rows, inconsistent, spec_request
+from target_proc.speculation import Outcome, awaited_rows, inconsistent, spec_request
 
 logger = logging.getLogger(__name__)
 
@@ -207,7 +208,7 @@ class DraftLink:
         self.request([self._outcome(s.seq_id, 0, s.last_token_id, s.num_tokens) for s in seqs
                       if s.seq_id in self.synced])
 
-    def collect(self, seqs: list[Sequence]) -> dict[int, Speculation]:
+    def collect(self, seqs: list[Sequence]) -> dict[int, DraftTokens]:
         """This round's speculations of `seqs`, as many as arrive in time. Sequences whose
         draft state may be stale are re-added first, with their last outcome, and awaited
         like the rest; one left without an answer decodes plainly and is re-added next round."""
@@ -223,7 +224,7 @@ class DraftLink:
                 self._next_round(sid)
         return specs
 
-    def send_outcomes(self, seqs: list[Sequence], specs: dict[int, Speculation], num_accepted: list[int],
+    def send_outcomes(self, seqs: list[Sequence], specs: dict[int, DraftTokens], num_accepted: list[int],
                       token_ids: list[list[int]], speculated: bool, choose_work_ahead: Callable[[int], bool]) -> bool:
         """Tell the draft each sequence's outcome (j, t) of this step, before the host
         post-processes it. A plain step (speculated False) still sends the outcome of every
@@ -314,13 +315,13 @@ class DraftLink:
 
     # ---------------------------------------------------------------- waiting
 
-    def wait_speculations(self, waiting: dict[int, int]) -> dict[int, Speculation]:
+    def wait_speculations(self, waiting: dict[int, int]) -> dict[int, DraftTokens]:
         """Wait for the speculations of `waiting` ({seq_id: round}).
 
         Returns what arrived in time; sequences missing from the result get no
         speculation this round (the caller decodes them plainly and re-syncs them).
         """
-        got: dict[int, Speculation] = {}
+        got: dict[int, DraftTokens] = {}
         if not waiting:
             return got
         for msg in self._stash:
@@ -354,7 +355,7 @@ class DraftLink:
                         waiting = {s: r for s, r in waiting.items() if s != sid}
         return got
 
-    def _take_response(self, msg: SpecResponse, waiting: dict[int, int], got: dict[int, Speculation]) -> None:
+    def _take_response(self, msg: SpecResponse, waiting: dict[int, int], got: dict[int, DraftTokens]) -> None:
         why = inconsistent(msg)
         if why is not None:
             logger.warning("dropping a SpecResponse with inconsistent arrays (%s)", why)

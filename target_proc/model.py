@@ -16,7 +16,7 @@ def target_runner(cfg, tp=None):
     """The target's ModelRunner (tp: this rank's TPGroup, or None on one device)."""
     from spec_runtime.engine.runner import ModelRunner
 
-    # Verify forwards are padded to K+1 tokens per sequence, so one graph per batch size fits.
+    # The runner pads verify forwards to K+1 tokens per sequence: one graph per batch size fits.
     q_lens = (1, cfg.spec.k + 1) if cfg.spec.mode != "ar" else (1,)
     sched = cfg.sched
     return ModelRunner.build(cfg.target, kernels=cfg.kernels, block_size=sched.block_size,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Callable
 
 from target_proc.sequence import Sequence
-from target_proc.speculation import Speculation
+from protocol.sparse_q import DraftTokens
 
 
 class NoDraft:
@@ -25,10 +25,10 @@ class NoDraft:
     def send_first_tokens(self, seqs: list[Sequence]) -> None:
         pass
 
-    def collect(self, seqs: list[Sequence]) -> dict[int, Speculation]:
+    def collect(self, seqs: list[Sequence]) -> dict[int, DraftTokens]:
         return {}
 
-    def send_outcomes(self, seqs: list[Sequence], specs: dict[int, Speculation], num_accepted: list[int],
+    def send_outcomes(self, seqs: list[Sequence], specs: dict[int, DraftTokens], num_accepted: list[int],
                       token_ids: list[list[int]], speculated: bool, choose_work_ahead: Callable[[int], bool]) -> bool:
         return True
 

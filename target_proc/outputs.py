@@ -8,11 +8,11 @@ client (protocol.messages.add_totals adds finished requests into the engine tota
 from __future__ import annotations
 
 from protocol.messages import RequestOutput, RequestStats
-from target_proc.speculation import Speculation
+from protocol.sparse_q import DraftTokens
 from target_proc.sequence import Sequence
 
 
-def record_round(st: RequestStats, num_draft: int, num_accepted: int, spec: Speculation | None, *,
+def record_round(st: RequestStats, num_draft: int, num_accepted: int, spec: DraftTokens | None, *,
                  ssd: bool, speculating: bool, sd_round: bool = False) -> None:
     """One verify round of a request: num_accepted of its num_draft tokens accepted.
 

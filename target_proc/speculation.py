@@ -1,8 +1,9 @@
 """What crosses the spec link for one sequence and round, as target_proc sees it.
 
-Pure data and checks over protocol structs, no sockets: a `Speculation` is the draft's
-proposal that one verify round checks, an `Outcome` is what the round tells the draft
-back, and `inconsistent` / `vocab_cuts` vet a SpecResponse before any of it is used.
+Pure data and checks over protocol structs, no sockets: a speculation
+(protocol.sparse_q.DraftTokens) is the draft's proposal that one verify round checks,
+an `Outcome` is what the round tells the draft back, and `inconsistent` / `vocab_cuts`
+vet a SpecResponse before any of it is used.
 """
 
 from __future__ import annotations
@@ -13,16 +14,7 @@ from typing import Iterator
 import numpy as np
 
 from protocol.messages import SpecRequest, SpecResponse
-
-
-@dataclass
-class Speculation:
-    """The draft's proposal for one sequence and round."""
-
-    draft_token_ids: np.ndarray  # [m] int64, m <= K
-    q_token_ids: np.ndarray | None  # [m, top_k] int64, None when greedy
-    q_probs: np.ndarray | None  # [m, top_k] float32
-    cache_hit: bool
+from protocol.sparse_q import DraftTokens
 
 
 @dataclass
@@ -90,7 +82,7 @@ def vocab_cuts(msg: SpecResponse, vocab_size: int | None) -> np.ndarray | None:
 
 
 def awaited_rows(msg: SpecResponse, waiting: dict[int, int],
-                 vocab_size: int | None) -> Iterator[tuple[int, int, Speculation | None, int]]:
+                 vocab_size: int | None) -> Iterator[tuple[int, int, DraftTokens | None, int]]:
     """The rows of a consistent response that answer an awaited round ({seq_id: round}), as
     (row, seq_id, speculation, draft tokens cut as out of vocabulary). The speculation is
     None when the row's num_draft_tokens does not fit its arrays. Other rows are stale: a
@@ -106,7 +98,7 @@ def awaited_rows(msg: SpecResponse, waiting: dict[int, int],
             yield b, sid, None, 0
             continue
         cut = m if cuts is None else min(m, int(cuts[b]))
-        yield b, sid, Speculation(
+        yield b, sid, DraftTokens(
             draft_token_ids=msg.draft_token_ids[b, :cut].astype(np.int64, copy=False),
             q_token_ids=msg.q_token_ids[b, :cut] if with_q else None,
             q_probs=msg.q_probs[b, :cut] if with_q else None,

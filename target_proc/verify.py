@@ -2,8 +2,9 @@
 
 rejection_sample (spec_runtime.sampling) wants dense per-batch tensors: draft ids padded
 to the longest speculation, the sparse q of each draft token, the sampling parameters
-and the position of d_1. The forward's logits are flat (ragged, or padded to K+1 per
-sequence for CUDA graphs); `gather` picks each sequence's K+1 verify rows out of them.
+and the position of d_1. The forward's logits are flat and ragged (1 + m rows for a
+sequence with m drafts; the runner drops the rows of its graph padding); `gather` picks
+each sequence's verify rows out of them.
 """
 
 from __future__ import annotations
@@ -13,8 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from protocol.messages import PLACEHOLDER_TOKEN_ID
-from protocol.sparse_q import put_q
+from protocol.sparse_q import NO_DRAFT, pack
 from spec_runtime.sampling import SamplingTensors
 
 
@@ -35,28 +35,12 @@ def verify_inputs(seqs, specs, num_draft, q_lens, k_max, st, device) -> VerifyIn
     """Upload the inputs of rejection_sample, plus `gather`: for each (sequence, verify
     position) the row of the flat logits, clamped to the sequence's row m past its
     own drafts (those rows are masked by num_draft_tokens)."""
-    b = len(seqs)
     m = np.asarray(num_draft, dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(q_lens)[:-1]])
     gather = starts[:, None] + np.minimum(np.arange(k_max + 1)[None, :], m[:, None])  # [B, k_max + 1]
-    draft_ids = np.full((b, k_max), PLACEHOLDER_TOKEN_ID, dtype=np.int64)
-    with_q = [specs[s.seq_id].q_token_ids for i, s in enumerate(seqs)
-              if num_draft[i] > 0 and specs[s.seq_id].q_token_ids is not None]
-    q_ids = q_probs = None
-    if with_q:
-        top = max(q.shape[-1] for q in with_q)
-        q_ids = np.zeros((b, k_max, top), dtype=np.int64)
-        q_probs = np.zeros((b, k_max, top), dtype=np.float32)
-    for i, seq in enumerate(seqs):
-        mi = num_draft[i]
-        if mi == 0:
-            continue
-        spec = specs[seq.seq_id]
-        draft_ids[i, :mi] = spec.draft_token_ids[:mi]
-        if q_ids is not None:  # a greedy draft in a sampled batch gets a one-hot q
-            sampled = spec.q_token_ids is not None
-            put_q(q_ids, q_probs, (i, slice(0, mi)), spec.draft_token_ids[:mi],
-                  spec.q_token_ids[:mi] if sampled else None, spec.q_probs[:mi] if sampled else None)
+    # Each row verifies the first num_draft[i] drafts of its speculation.
+    rows = [specs[s.seq_id].head(mi) if mi else NO_DRAFT for s, mi in zip(seqs, num_draft)]
+    draft_ids, _, q_ids, q_probs = pack(rows, k_max)
 
     def dev(a):
         return None if a is None else torch.from_numpy(a).to(device, non_blocking=True)

@@ -34,12 +34,14 @@ from protocol.messages import (
     TokenOutputs,
     add_totals,
 )
+from protocol.sparse_q import DraftTokens
 from spec_runtime.config import RuntimeConfig
 from spec_runtime.engine.forward_batch import ForwardItem
 from spec_runtime.engine.kv_blocks import KVBlocks
 from spec_runtime.logits_process import LogitsProcess, token_logprobs
 from spec_runtime.sampling import SamplingTensors, rejection_sample
 from spec_runtime.structured import Grammars
+from spec_runtime.validate import RequestError, validate_request
 from target_proc.draft_link import DraftLink
 from target_proc.kv_schedule import KVScheduler
 from target_proc.no_draft import NoDraft
@@ -47,9 +49,7 @@ from target_proc.outputs import merge_outputs, record_round, take_output
 from target_proc.prompt_logprobs import prompt_logprobs, split_prefill_logits
 from target_proc.sequence import IncrementalDetokenizer, Sequence, StopChecker
 from target_proc.spec_policy import SpecPolicy, WorkAheadPolicy
-from target_proc.speculation import Speculation
 from target_proc.verify import verify_inputs
-from target_proc.validate import RequestError, validate_request
 
 logger = logging.getLogger(__name__)
 
@@ -286,15 +286,12 @@ class TargetWorker:
                 self.work_ahead_policy.record(batch, self._last_flags[-1], step_s)
         self._last_flags = self._last_flags[1:] + (work_ahead,)
 
-    def _verify(self, seqs: list[Sequence], specs: dict[int, Speculation]):
+    def _verify(self, seqs: list[Sequence], specs: dict[int, DraftTokens]):
         """One verify forward over [x_n, d_1..d_m] per sequence, then rejection sampling.
         Returns host lists: num_draft [B], num_accepted [B], output tokens [B][k_max + 1]
         and the logprobs of `_logprobs` (or None)."""
         k_max = max((len(specs[s.seq_id].draft_token_ids) for s in seqs if s.seq_id in specs), default=0)
-        # Pad every verify to K+1 tokens where the context allows, so the step replays one
-        # CUDA graph: padded positions write KV rows past the sequence's length (never
-        # read) and their logits are never used (num_draft bounds acceptance).
-        pad_to = self.k if all(s.num_tokens + self.k <= self.max_model_len for s in seqs) else 0
+        # Each sequence feeds its real length; the runner pads to its graph's shape.
         items, num_draft, q_lens = [], [], []
         for seq in seqs:
             spec = specs.get(seq.seq_id)
@@ -304,7 +301,6 @@ class TargetWorker:
             m = 0 if spec is None else len(spec.draft_token_ids)
             m = max(0, min(m, self.k, self.max_model_len - n, seq.sampling.max_tokens - seq.num_generated - 1))
             fed = [seq.last_token_id] + (spec.draft_token_ids[:m].tolist() if m else [])
-            fed += [seq.last_token_id] * (pad_to + 1 - len(fed))
             items.append(ForwardItem(fed, n - 1, self.kv.rows(seq.seq_id, n - 1 + len(fed)), "all"))
             num_draft.append(m)
             q_lens.append(len(fed))

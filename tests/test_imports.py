@@ -96,3 +96,18 @@ def test_http_client_does_not_load_the_local_runtime():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+# The modules of spec_runtime that host a model process rather than talk to one: Ray's
+# actors start target_proc and draft_proc inside themselves.
+PROCESS_HOSTS = {"spec_runtime.ray.actors"}
+
+
+def test_the_front_end_imports_no_process_package():
+    """spec_runtime (Client, CLI, server, launcher, and the engine the processes share)
+    imports neither target_proc nor draft_proc: what both sides need lives in
+    spec_runtime or protocol."""
+    graph = _graph(_modules())
+    bad = {name: sorted(d for d in deps if d.split(".")[0] in ("target_proc", "draft_proc"))
+           for name, deps in graph.items() if name.split(".")[0] == "spec_runtime" and name not in PROCESS_HOSTS}
+    assert {name: deps for name, deps in bad.items() if deps} == {}

@@ -18,6 +18,7 @@ from conftest import save_tiny_model, tiny_tokenizer
 from transformers import AutoModelForCausalLM
 
 from spec_runtime.config import ModelConfig
+from spec_runtime.engine.cuda_graphs import pad_to_graph
 from spec_runtime.engine.forward_batch import ForwardItem, build_forward_batch
 from spec_runtime.engine.kv_cache import KVCache, kv_bytes_per_token
 from spec_runtime.engine.runner import ModelRunner
@@ -106,6 +107,34 @@ def test_ragged_batch_equals_requests_alone(pair: Pair) -> None:
     torch.testing.assert_close(batched, alone, atol=1e-5, rtol=0)
     ref = torch.cat([pair.ref(a), pair.ref(b)[13:], pair.ref(c)[3:]])
     torch.testing.assert_close(batched, ref, atol=ATOL, rtol=0)
+
+
+def test_graph_padding_keeps_the_real_rows(pair: Pair) -> None:
+    """Verify items of their real lengths, padded by the runner to a graph's q_len
+    (cuda_graphs.pad_to_graph): the logits are those of the real tokens only, equal to
+    the unpadded forward's, and the padding writes the dummy row, no sequence's rows."""
+    runner = pair.runner
+    seqs = [_tokens(n, seed=20 + n) for n in (11, 9, 6)]
+    runner.run([ForwardItem(s[:-3], 0, pair.rows(i, len(s) - 3), "none") for i, s in enumerate(seqs)])
+    fed = (1, 3, 2)  # [x_n] and m = 0, 2, 1 drafts
+    items = [ForwardItem(s[len(s) - 3 : len(s) - 3 + f], len(s) - 3, pair.rows(i, len(s) - 3 + f), "all")
+             for i, (s, f) in enumerate(zip(seqs, fed))]
+    unpadded = runner.run(items)  # [6, V]
+    padded = pad_to_graph(items, q_lens=(1, 5), max_requests=4, dummy_row=runner.dummy_row, max_kv_len=64)
+    assert [len(it.token_ids) for it in padded] == [5, 5, 5] and [it.num_pad for it in padded] == [4, 2, 3]
+    before = [runner.kv_cache.k_cache[0][pair.rows(i, 64)].clone() for i in range(3)]
+    out = runner.forward(build_forward_batch(padded, runner.device))
+    torch.testing.assert_close(out, unpadded, atol=1e-5, rtol=0)
+    ref = torch.cat([pair.ref(s)[len(s) - 3 : len(s) - 3 + f] for s, f in zip(seqs, fed)])
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+    for i in range(3):  # the slots hold what the unpadded verify wrote, nothing more
+        torch.testing.assert_close(runner.kv_cache.k_cache[0][pair.rows(i, 64)], before[i], atol=0, rtol=0)
+    # Left as they are: a batch that fits no q_len, one that is not all-logits, one too
+    # near the context limit.
+    assert pad_to_graph(items, (1, 2), 4, runner.dummy_row, 64) is items
+    assert pad_to_graph(items[:1] + [ForwardItem([1], 3, pair.rows(3, 4), "last")], (1, 5), 4,
+                        runner.dummy_row, 64)[1].num_pad == 0
+    assert pad_to_graph(items, (1, 5), 4, runner.dummy_row, 12) is items
 
 
 def test_rollback_by_shorter_kv_rows(pair: Pair) -> None:

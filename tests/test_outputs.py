@@ -6,15 +6,15 @@ import numpy as np
 
 from protocol.messages import RequestOutput, RequestStats, add_totals
 from target_proc.outputs import merge_outputs, record_round
-from target_proc.speculation import Speculation
+from protocol.sparse_q import DraftTokens
 
 
 def _stats(k: int = 3) -> RequestStats:
     return RequestStats(accepted_per_position=[0] * k, drafted_per_position=[0] * k)
 
 
-def _spec(hit: bool) -> Speculation:
-    return Speculation(np.zeros(3, dtype=np.int64), None, None, cache_hit=hit)
+def _spec(hit: bool) -> DraftTokens:
+    return DraftTokens(np.zeros(3, dtype=np.int64), None, None, cache_hit=hit)
 
 
 def test_record_round_counts_positions_hits_misses_and_fallbacks():

@@ -50,26 +50,26 @@ def test_cached_branches_equal_fresh_chain_drafts(model_dir, temperature, saguar
     for s in seqs:  # the first outcome of a new sequence: (0, its first token)
         engine.note_outcome(s, 0, 5)
         s.apply_outcome(0, 5, s.num_tokens + 1, 1)
-    prop, hits, _ = engine.propose(seqs, K)
-    assert not hits.any()  # nothing cached yet: the jit backup answered
+    prop, _ = engine.propose(seqs, K)
+    assert not any(p.cache_hit for p in prop)  # nothing cached yet: the jit backup answered
     engine.work_ahead(seqs, K)
     assert engine.num_entries() == 2 * sum(spec.fan_out)
 
     checked = 0
     for b, s in enumerate(seqs):
-        d = prop.draft_token_ids[b, : prop.num_draft_tokens[b]].tolist()
+        d = prop[b].draft_token_ids.tolist()
         assert len(d) == K
         for (j, t), entry in engine.cache._entries[s.seq_id].items():
             assert j == K or t != d[j]  # fork exclusion
             fresh = DraftSeq(9, 0, s.token_ids + d[:j] + [t], temperature=temperature, seed=s.seed)
             ref = reference.propose([fresh], K)
-            assert entry.draft_token_ids.tolist() == ref.draft_token_ids[0].tolist()
+            assert entry.draft_token_ids.tolist() == ref[0].draft_token_ids.tolist()
             if temperature > 0:
                 if saguaro is not None:
                     # The top F_i of each q were scaled down: q is no longer sorted there.
                     assert not np.all(np.diff(entry.q_probs, axis=-1) <= 1e-7)
-                np.testing.assert_array_equal(entry.q_token_ids, ref.q_token_ids[0])
-                np.testing.assert_allclose(entry.q_probs, ref.q_probs[0], atol=1e-5)
+                np.testing.assert_array_equal(entry.q_token_ids, ref[0].q_token_ids)
+                np.testing.assert_allclose(entry.q_probs, ref[0].q_probs, atol=1e-5)
             checked += 1
     assert checked == 2 * sum(spec.fan_out)
 
@@ -81,21 +81,21 @@ def test_hit_returns_the_cached_speculation(model_dir):
     for s in seqs:
         engine.note_outcome(s, 0, 5)
         s.apply_outcome(0, 5, s.num_tokens + 1, 1)
-    prop, _, _ = engine.propose(seqs, K)
+    prop, _ = engine.propose(seqs, K)
     engine.work_ahead(seqs, K)
     # Outcome: sequence 0 rejects at depth 1 with a forked token (hit), sequence 1
     # gets a token nobody forked (miss).
     s0, s1 = seqs
     (j0, t0), want = next(((key, e) for key, e in engine.cache._entries[0].items() if key[0] == 1))
-    unforked = next(t for t in range(3, 384) if engine.cache.lookup(1, 0, t) is None and t != prop.draft_token_ids[1, 0])
+    unforked = next(t for t in range(3, 384) if engine.cache.lookup(1, 0, t) is None and t != prop[1].draft_token_ids[0])
     engine.note_outcome(s0, j0, t0)
     s0.apply_outcome(j0, t0, s0.num_tokens + j0 + 1, 2)
     engine.note_outcome(s1, 0, unforked)
     s1.apply_outcome(0, unforked, s1.num_tokens + 1, 2)
-    prop2, hits, by_depth = engine.propose(seqs, K)
-    assert hits.tolist() == [True, False]
+    prop2, by_depth = engine.propose(seqs, K)
+    assert [p.cache_hit for p in prop2] == [True, False]
     assert by_depth[1] == 1 and sum(by_depth) == 1
-    assert prop2.draft_token_ids[0].tolist() == want.draft_token_ids.tolist()
+    assert prop2[0].draft_token_ids.tolist() == want.draft_token_ids.tolist()
     assert engine.num_hits == 1 and engine.num_misses == 3
     engine.release(s0)
     assert engine.cache.lookup(0, j0, t0) is None
@@ -117,4 +117,4 @@ def test_chain_drafter_with_the_oracle_drafts_its_top_slot(model_dir):
     for b, s in enumerate(seqs):
         pos = torch.arange(s.num_tokens, s.num_tokens + K)
         top, _ = draft_oracle_slots(torch.full((K,), s.seed), pos, runner.vocab_size, 0.8, (0.5, 0.2, 0.1))
-        assert prop.draft_token_ids[b, :K].tolist() == top[:, 0].tolist()
+        assert prop[b].draft_token_ids.tolist() == top[:, 0].tolist()

@@ -99,10 +99,8 @@ class Harness:
 
     def chain(self, sid: int, tokens: list[int]):
         """What the chain drafter drafts after `tokens` -> (draft ids [K], q ids, q probs)."""
-        prop = self.reference.propose([DraftSeq(sid, 0, list(tokens), self.temperature, seed=100 + sid)], K)
-        qi = None if prop.q_token_ids is None else prop.q_token_ids[0]
-        qp = None if prop.q_probs is None else prop.q_probs[0]
-        return prop.draft_token_ids[0].tolist(), qi, qp
+        (prop,) = self.reference.propose([DraftSeq(sid, 0, list(tokens), self.temperature, seed=100 + sid)], K)
+        return prop.draft_token_ids.tolist(), prop.q_token_ids, prop.q_probs
 
     def request(self, outcomes: list[tuple[int, int, int]]) -> None:
         """outcomes: (seq_id, num_accepted, token_id) of the speculation last returned."""
@@ -266,13 +264,13 @@ def test_real_draft_loop_prefetches_over_zmq(model_dir):
         assert wait_until(lambda: entries() > 0, timeout_s=20)
         # The first token of a greedy target equal to the draft: the draft's top token.
         ref = ModelDrafter(ModelRunner(cfg.draft, num_slots=1, max_model_len=cfg.sched.max_model_len), cfg.spec)
-        t = int(ref.propose([DraftSeq(0, 0, list(PROMPTS[1]))], K).draft_token_ids[0, 0])
+        t = int(ref.propose([DraftSeq(0, 0, list(PROMPTS[1]))], K)[0].draft_token_ids[0])
         peer.send(m.SpecRequest(step=1, seq_ids=np.array([5]), rounds=np.array([1]),
                                 num_accepted=np.array([0], np.int32), token_ids=np.array([t]),
                                 seq_lens=np.array([len(PROMPTS[1]) + 1]), k=K))
         resp = peer.recv(timeout_s=20)
         assert isinstance(resp, m.SpecResponse) and resp.cache_hit.tolist() == [True]
-        want = ref.propose([DraftSeq(0, 0, PROMPTS[1] + [t])], K).draft_token_ids[0].tolist()
+        want = ref.propose([DraftSeq(0, 0, PROMPTS[1] + [t])], K)[0].draft_token_ids.tolist()
         assert resp.draft_token_ids[0].tolist() == want
     finally:
         worker.running = False

@@ -2,8 +2,11 @@
 
 Random JSON schemas (tests/schema_util.py): every greedy output parses and validates
 against its schema, and ar, sd (n-gram draft) and ssd (SmolLM2 drafting for itself,
-unmasked, so the grammar rejects some of its tokens) give the same tokens. The quick
-test takes a few schemas; the slow one takes 200 per mode. Also: the grammar's mask on
+unmasked, so the grammar rejects some of its tokens) give the same tokens. The SSD
+tree holds two branches per sequence (a rejection of d_1 and a full accept, the
+outcomes a self-draft under a grammar meets most): on two CPU cores the draft's
+work-ahead competes with the target for the cores, and a larger tree checks nothing
+more. The quick test takes a few schemas; the slow one takes 200 per mode. Also: the grammar's mask on
 draft tokens (Grammars.bitmask), regex and choice constraints, and a sampled (T = 1) run.
 """
 
@@ -24,16 +27,16 @@ from spec_runtime.config import ModelConfig, RuntimeConfig, SchedulerConfig, Spe
 MAX_TOKENS = 200
 
 
-def _cfg(gguf: str, mode: str, draft: str = "", k: int = 4) -> RuntimeConfig:
+def _cfg(gguf: str, mode: str, draft: str = "", k: int = 4, **spec) -> RuntimeConfig:
     return RuntimeConfig(
         target=ModelConfig(path=gguf), draft=ModelConfig(path=draft),
-        spec=SpeculativeConfig(mode=mode, k=k, draft_timeout_s=60.0, work_ahead="always"),
+        spec=SpeculativeConfig(mode=mode, k=k, draft_timeout_s=60.0, work_ahead="always", **spec),
         sched=SchedulerConfig(max_batch_size=8, max_model_len=1024, spec_policy="always"), startup_timeout_s=300.0,
     )
 
 
 def _modes(gguf: str) -> dict[str, RuntimeConfig]:
-    return {"ar": _cfg(gguf, "ar"), "sd": _cfg(gguf, "sd", "ngram"), "ssd": _cfg(gguf, "ssd", gguf)}
+    return {"ar": _cfg(gguf, "ar"), "sd": _cfg(gguf, "sd", "ngram"), "ssd": _cfg(gguf, "ssd", gguf, fan_out=(1, 0, 0, 0, 1))}
 
 
 def _run(cfg: RuntimeConfig, schemas: list[dict]) -> list[tuple[list[int], str, str]]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from draft_proc.tree_cache import CachedSpeculation, TreeCache, select_forks
+from draft_proc.tree_cache import TreeCache, select_forks
+from protocol.sparse_q import DraftTokens
 
 
 def _uniform_probs(ids):
@@ -46,7 +47,7 @@ def test_fork_skips_depths_past_a_short_speculation():
 
 def test_lookup_replace_and_clear():
     cache = TreeCache(max_branches=3, k=2, scratch_base=1000)
-    spec = CachedSpeculation(np.array([1, 2]), None, None)
+    spec = DraftTokens(np.array([1, 2]))
     cache.replace(7, {(0, 4): spec, (1, 5): spec})
     assert cache.lookup(7, 0, 4) is spec
     assert cache.lookup(7, 1, 4) is None  # same token, other depth: a different outcome

@@ -202,47 +202,26 @@ def _self_prompts(cfg: DistillConfig, target, tokenizer, eos_ids) -> list[str]:
     return prompts
 
 
-def distill(cfg: DistillConfig) -> dict:
-    """Run (or resume) a distillation; returns the summary also written to OUT/distill.json."""
-    from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
-
-    device = _device(cfg.device)
-    os.makedirs(work_path(cfg.out), exist_ok=True)
-    with open(work_path(cfg.out, "config.json"), "w") as f:
-        json.dump(cfg.to_dict(), f, indent=1)
-    torch.manual_seed(cfg.seed)
-    target, tokenizer, eos_ids = load_target(cfg.target, device)
-    prompts = load_prompts(cfg.prompts)
-    if cfg.num_prompts:
-        prompts = prompts[:cfg.num_prompts]
-    prompts += _self_prompts(cfg, target, tokenizer, eos_ids)
-    samples = generate_samples(
-        target, tokenizer, prompts, eos_ids, max_new_tokens=cfg.max_new_tokens,
-        samples_per_prompt=cfg.samples_per_prompt, temperature=cfg.gen_temperature,
-        batch_size=cfg.gen_batch_size, top_k=cfg.top_k_logits, path=work_path(cfg.out, "teacher.pt"), seed=cfg.seed)
-    train, held_out = split_held_out(samples, len(prompts), cfg.held_out_fraction)
-    logger.info("teacher data: %d train samples (%d tokens), %d held-out (%d tokens)", len(train),
-                sum(s.topk_ids.shape[0] for s in train), len(held_out), sum(s.topk_ids.shape[0] for s in held_out))
+def _make_draft(cfg: DistillConfig, target):
+    """The draft (on the CPU), sized from the config and initialised from the target's
+    weights; with its config and both parameter counts."""
+    from transformers import AutoModelForCausalLM
 
     target_params = count_params(target)
     dcfg = draft_config(target.config, target_params, cfg.num_layers, cfg.hidden_size, cfg.intermediate_size)
     draft = AutoModelForCausalLM.from_config(dcfg, dtype=torch.float32)
     init_from_target(draft, target)
-    del target
-    draft.to(device).train()
     draft_params = count_params(draft)
     logger.info("draft: %d layers, width %d, ffn %d, %.1fM parameters (%.1f%% of the target's %.1fM)",
                 dcfg.num_hidden_layers, dcfg.hidden_size, dcfg.intermediate_size, draft_params / 1e6,
                 100 * draft_params / target_params, target_params / 1e6)
+    return draft, dcfg, draft_params, target_params
 
-    opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    sched = get_cosine_schedule_with_warmup(opt, min(cfg.warmup_steps, cfg.steps // 2), cfg.steps)
-    step, history = _load_checkpoint(draft, opt, sched, cfg.out) if cfg.resume else (0, [])
-    if not history:
-        m = evaluate(draft, held_out, device, cfg.batch_size)
-        history.append({"step": 0, "held_out_kl": m.kl, "held_out_acceptance": m.acceptance})
-        logger.info("untrained draft: held-out KL %.3f, acceptance %.3f", m.kl, m.acceptance)
 
+def _train(cfg: DistillConfig, draft, opt, sched, train, held_out, device: torch.device, step: int,
+           history: list[dict]) -> int:
+    """Steps from `step` to cfg.steps, evaluating into `history` and checkpointing as
+    configured; returns the last step."""
     bar = tqdm(total=cfg.steps, initial=step, desc="Distilling", unit="step", file=sys.stderr,
                mininterval=1.0 if sys.stderr.isatty() else 30.0)
     loss_ema = None
@@ -273,6 +252,44 @@ def distill(cfg: DistillConfig) -> dict:
         if step % cfg.save_every == 0 or step == cfg.steps:
             _save_checkpoint(draft, opt, sched, step, history, cfg.out)
     bar.close()
+    return step
+
+
+def distill(cfg: DistillConfig) -> dict:
+    """Run (or resume) a distillation; returns the summary also written to OUT/distill.json."""
+    from transformers import get_cosine_schedule_with_warmup
+
+    device = _device(cfg.device)
+    os.makedirs(work_path(cfg.out), exist_ok=True)
+    with open(work_path(cfg.out, "config.json"), "w") as f:
+        json.dump(cfg.to_dict(), f, indent=1)
+    torch.manual_seed(cfg.seed)
+    target, tokenizer, eos_ids = load_target(cfg.target, device)
+    prompts = load_prompts(cfg.prompts)
+    if cfg.num_prompts:
+        prompts = prompts[:cfg.num_prompts]
+    prompts += _self_prompts(cfg, target, tokenizer, eos_ids)
+    samples = generate_samples(
+        target, tokenizer, prompts, eos_ids, max_new_tokens=cfg.max_new_tokens,
+        samples_per_prompt=cfg.samples_per_prompt, temperature=cfg.gen_temperature,
+        batch_size=cfg.gen_batch_size, top_k=cfg.top_k_logits, path=work_path(cfg.out, "teacher.pt"), seed=cfg.seed)
+    train, held_out = split_held_out(samples, len(prompts), cfg.held_out_fraction)
+    logger.info("teacher data: %d train samples (%d tokens), %d held-out (%d tokens)", len(train),
+                sum(s.topk_ids.shape[0] for s in train), len(held_out), sum(s.topk_ids.shape[0] for s in held_out))
+
+    draft, dcfg, draft_params, target_params = _make_draft(cfg, target)
+    del target
+    draft.to(device).train()
+
+    opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    sched = get_cosine_schedule_with_warmup(opt, min(cfg.warmup_steps, cfg.steps // 2), cfg.steps)
+    step, history = _load_checkpoint(draft, opt, sched, cfg.out) if cfg.resume else (0, [])
+    if not history:
+        m = evaluate(draft, held_out, device, cfg.batch_size)
+        history.append({"step": 0, "held_out_kl": m.kl, "held_out_acceptance": m.acceptance})
+        logger.info("untrained draft: held-out KL %.3f, acceptance %.3f", m.kl, m.acceptance)
+
+    step = _train(cfg, draft, opt, sched, train, held_out, device, step, history)
     final = evaluate(draft, held_out, device, cfg.batch_size)
 
     draft.to("cpu").save_pretrained(cfg.out)

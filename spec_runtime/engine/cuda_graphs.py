@@ -37,7 +37,7 @@ import torch
 from tqdm import tqdm
 
 from spec_runtime.attention.base import AttentionBackend, GraphAttention
-from spec_runtime.engine.forward_batch import ForwardBatch, TreeMask
+from spec_runtime.engine.forward_batch import ForwardBatch, ForwardItem, TreeMask
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +63,40 @@ def graph_logits_bytes(max_batch_size: int, q_lens: Sequence[int], vocab_size: i
     one per tree shape (sequences, branches)."""
     tokens = sum(graph_batch_sizes(max_batch_size)) * sum(set(q_lens)) + sum(b * q for b, q in set(tree_shapes))
     return tokens * vocab_size * 4
+
+
+def pad_to_graph(items: Sequence[ForwardItem], q_lens: Sequence[int], max_requests: int, dummy_row: int,
+                 max_kv_len: int) -> Sequence[ForwardItem]:
+    """Items padded to one captured q_len, so that a verify (or an SSD glue) whose
+    speculations are shorter than K still replays a graph; unchanged when no graph fits.
+
+    Only forwards that want every row's logits are padded, to the smallest q_len of
+    `q_lens` that holds the longest item. A padding token repeats the item's last token
+    one position later, writes its K/V to `dummy_row` (a row no sequence owns, so
+    nothing real is overwritten) and returns no logits (ForwardItem.num_pad): the
+    caller sees the rows of its own tokens only. The real tokens cannot see the padding
+    (causal rule), so their logits are those of the unpadded forward.
+    """
+    if not items or len(items) > max_requests or any(it.logits != "all" or it.num_pad for it in items):
+        return items
+    longest = max(len(it.token_ids) for it in items)
+    q = next((q for q in sorted(q_lens) if q >= longest), None)
+    if q is None or all(len(it.token_ids) == q for it in items):
+        return items
+    if any(it.start_pos + q > max_kv_len for it in items):  # positions past the context: run eagerly
+        return items
+    padded = []
+    for it in items:
+        pad = q - len(it.token_ids)
+        if pad == 0:
+            padded.append(it)
+            continue
+        tokens = np.asarray(it.token_ids, dtype=np.int64)
+        padded.append(ForwardItem(np.concatenate([tokens, np.full(pad, tokens[-1], dtype=np.int64)]), it.start_pos,
+                                  np.concatenate([np.asarray(it.kv_rows, dtype=np.int64),
+                                                  np.full(pad, dummy_row, dtype=np.int64)]),
+                                  "all", num_pad=pad))
+    return padded
 
 
 @dataclass
@@ -119,6 +153,11 @@ class CudaGraphRunner:
         self.tree_hi = torch.zeros(max_tokens, dtype=torch.int32, device=device)
         self.graphs: dict[tuple[int, int, bool], _Graph] = {}
         self.pool = None
+
+    def pad(self, items: Sequence[ForwardItem]) -> Sequence[ForwardItem]:
+        """`items` padded to the shape of one of this runner's decode/verify graphs
+        (pad_to_graph), or unchanged."""
+        return pad_to_graph(items, self.q_lens, max(self.batch_sizes), self.dummy_row, self.max_kv_len)
 
     def tree_kv_len(self, q: int) -> int:
         """Most kv rows one request of a tree graph with q branches attends to."""

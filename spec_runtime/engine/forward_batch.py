@@ -78,12 +78,15 @@ class ForwardItem:
     request sees them, in position order; its last len(token_ids) entries are where
     the new tokens' K/V are written.
     logits: "last" (one row), "all" (one row per new token) or "none".
+    num_pad: trailing tokens that only fill a CUDA graph's shape (cuda_graphs.pad_to_graph):
+    they return no logits, so "all" gives one row per token before them.
     """
 
     token_ids: Sequence[int] | np.ndarray
     start_pos: int
     kv_rows: np.ndarray
     logits: str = "last"
+    num_pad: int = 0
 
 
 @dataclass
@@ -169,7 +172,7 @@ def build_forward_batch(items: Sequence[ForwardItem], device: torch.device | str
         if it.logits == "last":
             logit_idx.append(np.array([hi - 1], dtype=np.int64))
         elif it.logits == "all":
-            logit_idx.append(np.arange(lo, hi, dtype=np.int64))
+            logit_idx.append(np.arange(lo, hi - it.num_pad, dtype=np.int64))
         elif it.logits != "none":
             raise ValueError(f"logits must be last, all or none, got {it.logits!r}")
     logits_indices = np.concatenate(logit_idx) if logit_idx else np.zeros(0, dtype=np.int64)

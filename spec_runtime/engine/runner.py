@@ -93,15 +93,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         # Seconds per start-up phase (load, kv_alloc, graph_capture with kernel tuning), sent in Ready.
         self.startup_phases: dict[str, float] = {}
-        t0 = time.perf_counter()
-        self.model, self.arch, self.tokenizer = load_model(cfg.path, self.device, self.dtype, cfg.gguf_cache,
-                                                           tp_size=tp_size, tp_rank=tp_rank)
-        self.model_name = model_name(cfg.path)
-        self.vocab_size = self.arch.vocab_size
-        self.eos_token_ids = eos_token_ids(cfg.path, self.arch, self.tokenizer, cfg.gguf_cache)
-        # The layers run the fused CUDA kernels where the config allows; eager ops on CPU.
-        self.model.kernels.fused = self.device.type == "cuda" and self.kernel_cfg.fused_ops
-        self.startup_phases["load_s"] = time.perf_counter() - t0
+        self._load(tp_size, tp_rank)
         t0 = time.perf_counter()
         if max_model_len > self.arch.max_position_embeddings:
             logger.warning("max_model_len %d capped to the model's max_position_embeddings %d",
@@ -132,6 +124,18 @@ class ModelRunner:
         self.kernel_report: dict = {}  # what tune_kernels decided and measured
         self._graph_args = dict(max_batch_size=max_batch_size, q_lens=graph_q_lens,
                                 tree_shapes=tree_shapes, tree_local_rows=tree_local_rows)
+
+    def _load(self, tp_size: int, tp_rank: int) -> None:
+        """The model (this rank's shard), its tokenizer, name, vocabulary and EOS ids."""
+        cfg, t0 = self.cfg, time.perf_counter()
+        self.model, self.arch, self.tokenizer = load_model(cfg.path, self.device, self.dtype, cfg.gguf_cache,
+                                                           tp_size=tp_size, tp_rank=tp_rank)
+        self.model_name = model_name(cfg.path)
+        self.vocab_size = self.arch.vocab_size
+        self.eos_token_ids = eos_token_ids(cfg.path, self.arch, self.tokenizer, cfg.gguf_cache)
+        # The layers run the fused CUDA kernels where the config allows; eager ops on CPU.
+        self.model.kernels.fused = self.device.type == "cuda" and self.kernel_cfg.fused_ops
+        self.startup_phases["load_s"] = time.perf_counter() - t0
 
     def _paged_layout(self, block_size: int, num_blocks: int, max_model_len: int, max_batch_size: int,
                       graph_q_lens: Sequence[int]) -> PagedLayout:
@@ -223,7 +227,8 @@ class ModelRunner:
         return self.model.compute_logits(hidden[batch.logits_indices])  # [N, V]
 
     def run(self, items: Sequence[ForwardItem]) -> torch.Tensor:
-        """build_forward_batch + forward; positions must fit in max_model_len. With
+        """Logits of `items` (padded to a graph's shape where one fits, see `_batch`);
+        positions must fit in max_model_len. With
         tensor parallelism, rank 0 sends the items to the other ranks first (they run
         the same forward in `follow`)."""
         limit = self.layout.max_model_len
@@ -234,9 +239,17 @@ class ModelRunner:
                 )
         if self.tp is not None:
             self.tp.send_items(items)
-        return self.forward(build_forward_batch(items, self.device))
+        return self.forward(self._batch(items))
+
+    def _batch(self, items: Sequence[ForwardItem]) -> ForwardBatch:
+        """The batch of `items`, padded to a captured graph's shape where one fits: callers
+        pass their real lengths and get the logits of their own rows back."""
+        if self.graphs is not None:
+            items = self.graphs.pad(items)
+        return build_forward_batch(items, self.device)
 
     def follow(self) -> None:
-        """Tensor-parallel ranks 1..N-1: run rank 0's forwards until it stops the group."""
+        """Tensor-parallel ranks 1..N-1: run rank 0's forwards until it stops the group
+        (padded as rank 0 pads them, so the collectives see the same shapes)."""
         while (items := self.tp.recv_items()) is not None:
-            self.forward(build_forward_batch(items, self.device))
+            self.forward(self._batch(items))

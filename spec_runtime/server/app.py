@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from protocol.messages import EngineStats
 from spec_runtime.results import RequestFailed
-from spec_runtime.server.async_client import AsyncClient, AsyncRequest
+from spec_runtime.server.async_client import AsyncClient
 from spec_runtime.server.chat_config import ChatConfig
 from spec_runtime.server.flight import EngineStream, InFlight, Tracker
 from spec_runtime.server.generation_config import apply_generation_defaults
@@ -51,6 +51,7 @@ from spec_runtime.server.openai_protocol import (
 from spec_runtime.server.openai_responses import Choice, ResponseIds, merge_stats, spec_decode_usage, usage_body
 from spec_runtime.server.openai_structured import constraint_of
 from spec_runtime.server.request_checks import check_json_body
+from spec_runtime.server.responding import sse_events, whole_response
 from spec_runtime.server.tool_calls import ToolRequest, tool_parser, tool_request
 
 logger = logging.getLogger(__name__)
@@ -191,11 +192,13 @@ class _Server:
             for f in flights:
                 f.end()
 
+        def usage() -> dict:
+            return self._usage(num_prompt, choices)
+
         if req.stream:
-            gen = self._sse(flights, choices, rids, num_prompt, req.include_usage)
-            return EngineStream(gen, end_all)
+            return EngineStream(sse_events(flights, choices, rids, usage, req.include_usage), end_all)
         try:
-            return await self._whole(request, flights, choices, rids, num_prompt)
+            return await whole_response(request, flights, choices, rids, usage)
         finally:
             end_all()
 
@@ -247,75 +250,6 @@ class _Server:
         cached = stats[0].num_cached_tokens if stats else None  # every choice has the same prompt
         return usage_body(num_prompt, sum(len(c.token_ids) for c in choices), spec, cached)
 
-    @staticmethod
-    async def _consume(flight: InFlight, choice: Choice) -> None:
-        try:
-            async for out in flight.areq:
-                flight.tracker.on_output(out)
-                choice.add(out)
-        except RequestFailed:
-            flight.tracker.close("error")
-            raise
-
-    async def _whole(self, request: Request, flights: list[InFlight], choices: list[Choice], rids: ResponseIds,
-                     num_prompt: int):
-        work = asyncio.ensure_future(asyncio.gather(*(self._consume(f, c) for f, c in zip(flights, choices))))
-        gone = asyncio.create_task(_wait_disconnect(request))
-        try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            finished = work.done()
-            if not finished:
-                work.cancel()  # the caller's end_all() aborts the requests and counts them
-        if not finished:
-            logger.info("client went away; aborting %s", ", ".join(f.areq.request_id for f in flights))
-            return Response(status_code=499)
-        try:
-            work.result()
-        except RequestFailed as e:  # the caller's end_all() aborts and counts the other choices
-            raise _engine_error(e) from None
-        body = rids.head(chunk=False)
-        body["choices"] = [c.whole() for c in choices]
-        if choices[0].chat and choices[0].prompt_top is not None:  # vLLM: chat's are the response's
-            body["prompt_logprobs"] = choices[0].vllm_prompt_logprobs()
-        body["usage"] = self._usage(num_prompt, choices)
-        return JSONResponse(body)
-
-    async def _sse(self, flights: list[InFlight], choices: list[Choice], rids: ResponseIds, num_prompt: int,
-                   include_usage: bool):
-        areqs = [f.areq for f in flights]
-        try:
-            async for i, out in _merged(areqs):
-                flights[i].tracker.on_output(out)
-                if not (out.new_token_ids or out.text_delta or out.finished):
-                    continue
-                chunk = rids.head(chunk=True)
-                chunk["choices"] = [choices[i].add(out)]
-                if include_usage:
-                    chunk["usage"] = None
-                yield _event(chunk)
-            if include_usage:
-                chunk = rids.head(chunk=True)
-                chunk["choices"] = []
-                chunk["usage"] = self._usage(num_prompt, choices)
-                yield _event(chunk)
-        except RequestFailed as e:
-            for f in flights:
-                if f.areq.finished:
-                    f.tracker.close("error")
-            yield _event(_engine_error(e).body())
-        except Exception:  # noqa: BLE001 - the stream still ends as a stream
-            logger.exception("stream of %s failed", ", ".join(a.request_id for a in areqs))
-            for f in flights:
-                if f.areq.finished:
-                    f.tracker.close("error")
-            yield _event(APIError(500, "internal server error", type="server_error", code="internal_error").body())
-        finally:
-            for f in flights:
-                f.end()  # the client disconnected (the response task was cancelled), or a choice failed: abort
-        yield "data: [DONE]\n\n"
-
     def keep(self, task: asyncio.Future) -> None:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -364,56 +298,6 @@ def engine_stats_dict(st: EngineStats) -> dict:
     return d
 
 
-def _event(obj: dict) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
-async def _merged(areqs: list[AsyncRequest]):
-    """(index, RequestOutput) of several requests as they arrive, until all have finished."""
-    if len(areqs) == 1:
-        async for out in areqs[0]:
-            yield 0, out
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, areq: AsyncRequest) -> None:
-        try:
-            async for out in areq:
-                queue.put_nowait((i, out))
-        except RequestFailed as e:
-            queue.put_nowait((i, e))
-
-    tasks = [asyncio.create_task(pump(i, a)) for i, a in enumerate(areqs)]
-    try:
-        left = len(areqs)
-        while left:
-            i, item = await queue.get()
-            if isinstance(item, Exception):
-                raise item
-            yield i, item
-            left -= item.finished
-    finally:
-        for t in tasks:
-            t.cancel()
-
-
-async def _wait_disconnect(request: Request) -> None:
-    # The body has been read, so the next ASGI message is the disconnect (or nothing).
-    while True:
-        msg = await request.receive()
-        if msg["type"] == "http.disconnect":
-            return
-
-
-def _engine_error(e: RequestFailed) -> APIError:
-    msg = str(e)
-    if msg.startswith("bad_request"):
-        return APIError(400, msg)
-    if msg.startswith("server_shutdown"):
-        return APIError(503, msg, type="server_error", code="server_shutting_down")
-    return APIError(500, msg, type="server_error", code="internal_error")
-
-
 def model_name_of(cfg, served_model_name: str | None = None) -> str:
     """The name clients send in `model`: --served-model-name, else the target path."""
     return served_model_name or cfg.target.path or "SmolLM2-135M-Instruct"
@@ -437,6 +321,15 @@ def build_app(client: AsyncClient, *, served_model_name: str | None = None, api_
     app = FastAPI(title="spec-runtime", docs_url=None, redoc_url=None)
     app.state.server = srv
     app.add_middleware(GuardMiddleware, cfg=http)
+    _add_error_handlers(app)
+    _add_generation_routes(app, srv)
+    add_info_routes(app, srv)
+    _add_status_routes(app, srv)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error as OpenAI's JSON body."""
 
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, e: APIError):
@@ -453,6 +346,8 @@ def build_app(client: AsyncClient, *, served_model_name: str | None = None, api_
     async def _validation_error(_request: Request, e: RequestValidationError):
         return JSONResponse(APIError(422, str(e.errors()[:1])).body(), status_code=422)
 
+
+def _add_generation_routes(app: FastAPI, srv: _Server) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await srv.completion(request, chat=False)
@@ -466,7 +361,10 @@ def build_app(client: AsyncClient, *, served_model_name: str | None = None, api_
         srv.check_auth(request)
         return srv.models()
 
-    add_info_routes(app, srv)
+
+def _add_status_routes(app: FastAPI, srv: _Server) -> None:
+    """/v1/engine_stats, /health and /metrics."""
+    client = srv.client
 
     @app.get("/v1/engine_stats")
     async def engine_stats(request: Request):
@@ -489,5 +387,3 @@ def build_app(client: AsyncClient, *, served_model_name: str | None = None, api_
     async def metrics():
         restarts = getattr(srv.client.client.launcher, "num_draft_restarts", 0)
         return Response(srv.metrics.render(await srv.engine_stats(), restarts), media_type=CONTENT_TYPE)
-
-    return app

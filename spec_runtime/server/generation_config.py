@@ -51,7 +51,7 @@ def load_generation_defaults(mode: str, model_path: str) -> dict[str, float]:
 
 def _check(defaults: dict[str, float], path: str) -> None:
     from protocol.messages import SamplingParams
-    from target_proc.validate import validate_sampling
+    from spec_runtime.validate import validate_sampling
 
     try:
         validate_sampling(SamplingParams(**defaults))

@@ -98,21 +98,7 @@ def add_info_routes(app: FastAPI, srv) -> None:
         tok = tokenizer("messages" if chat else "prompt")
         try:
             if chat:
-                if not req.messages:
-                    raise APIError(400, "messages must be non-empty", param="messages")
-                if req.add_special_tokens:
-                    raise APIError(400, "add_special_tokens: true is not supported with messages: the chat template "
-                                   "places the special tokens, as for a chat request", param="add_special_tokens",
-                                   code="unsupported_parameter")
-                messages = [m.template_dict(f"messages.{i}") for i, m in enumerate(req.messages)]
-                kw = dict(req.chat_template_kwargs or {})
-                clash = {"messages", "add_generation_prompt", "continue_final_message", "tokenize"} & set(kw)
-                if clash:
-                    raise APIError(400, f"chat_template_kwargs may not set {sorted(clash)}",
-                                   param="chat_template_kwargs")
-                kw.update(add_generation_prompt=req.add_generation_prompt,
-                          continue_final_message=req.continue_final_message)
-                ids = await srv.client.encode_chat(messages, **kw)
+                ids = await _encode_chat(srv, req)
             else:
                 ids = list(await in_thread(_encode, tok, req.prompt, req.add_special_tokens))
         except APIError:
@@ -141,6 +127,23 @@ def add_info_routes(app: FastAPI, srv) -> None:
         if srv.client.health() == "dead":
             return JSONResponse({"status": "dead", "reason": srv.client.client.dead_reason}, status_code=503)
         return Response(status_code=200)
+
+
+async def _encode_chat(srv, req: TokenizeChat) -> list[int]:
+    """/tokenize with messages: the ids the chat template gives, as for a chat request."""
+    if not req.messages:
+        raise APIError(400, "messages must be non-empty", param="messages")
+    if req.add_special_tokens:
+        raise APIError(400, "add_special_tokens: true is not supported with messages: the chat template "
+                       "places the special tokens, as for a chat request", param="add_special_tokens",
+                       code="unsupported_parameter")
+    messages = [m.template_dict(f"messages.{i}") for i, m in enumerate(req.messages)]
+    kw = dict(req.chat_template_kwargs or {})
+    clash = {"messages", "add_generation_prompt", "continue_final_message", "tokenize"} & set(kw)
+    if clash:
+        raise APIError(400, f"chat_template_kwargs may not set {sorted(clash)}", param="chat_template_kwargs")
+    kw.update(add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message)
+    return await srv.client.encode_chat(messages, **kw)
 
 
 def _encode(tok, text: str, add_special_tokens: bool) -> list[int]:

@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from protocol.messages import SamplingParams, StructuredOutputs
 from spec_runtime.server.errors import APIError
-from target_proc.validate import MAX_TOP_LOGPROBS, RequestError, validate_sampling
+from spec_runtime.validate import MAX_TOP_LOGPROBS, RequestError, validate_sampling
 
 # Accepted and ignored, with why ignoring them changes no output.
 NO_OP_FIELDS = {

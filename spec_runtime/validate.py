@@ -1,7 +1,10 @@
-"""Checks on a GenerateRequest before it reaches the scheduler.
+"""Checks on a request's sampling parameters and prompt.
 
-A request that fails gets an ErrorReply(code="bad_request") naming the problem; nothing
-about it is scheduled, and every other request is unaffected.
+The front end (Client, HTTP server, CLI) runs `validate_sampling` before a request is
+sent, so a bad value fails in the caller's thread. target_proc runs `validate_request`
+on every GenerateRequest before it reaches the scheduler: a request that fails gets an
+ErrorReply(code="bad_request") naming the problem, nothing about it is scheduled, and
+every other request is unaffected.
 """
 
 from __future__ import annotations
