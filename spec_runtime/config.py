@@ -181,8 +181,8 @@ class SchedulerConfig:
     num_kv_blocks: int = _f(0, "Target: KV blocks in the pool. 0: on CUDA, what --gpu-memory-utilization leaves after the weights and a warm-up forward; on CPU, enough for --max-batch-size sequences of --max-model-len tokens.")
     enable_prefix_caching: bool = _f(True, "Target: reuse the KV blocks of a prompt prefix another request already computed (full blocks, matched by a hash of their tokens); unused ones are evicted least recently used first.")
     max_draft_seqs: int = _f(0, "Draft KV slots; 0 means max_batch_size.")
-    spec_policy: Literal["always", "adaptive"] = _f("adaptive", "always: speculate every step; adaptive: per batch size, measure speculative and plain steps and use the faster (plain decoding can win at large batch), logging each switch.")
-    spec_policy_probe_every: int = _f(64, "adaptive policy: steps between re-measurements of the mode not in use.")
+    spec_policy: Literal["always", "adaptive"] = _f("adaptive", "always: speculate every step; adaptive: per batch size, plain decoding where it is faster (it can win at large batch), logging each switch. SD: measured against speculative steps; SSD: one of the round policy's options (--work-ahead).")
+    spec_policy_probe_every: int = _f(64, "Steps between re-measurements of the choice not in use (the adaptive policy; SSD's round policy probes its runner-up).")
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
