@@ -83,7 +83,8 @@ def run_mode(args, mode: str) -> list[dict]:
             r["plain_steps"] = after.num_plain_steps - before.num_plain_steps
             r["tree_shrinks"] = after.draft_tree_shrinks - before.draft_tree_shrinks
             r["tree_grows"] = after.draft_tree_grows - before.draft_tree_grows
-            r["round_choices"] = {str(b): c for b, c in after.round_choices.items()}  # SSD: the policy's choice per batch size
+            # SSD: the round policy's choice per batch size at the end of the point.
+            r["round_choices"] = {str(b): c for b, c in after.round_choices.items()}
             answers = after.draft_num_answers - before.draft_num_answers
             r["draft_answer_ms"] = 1e3 * (after.draft_answer_s - before.draft_answer_s) / answers if answers else None
             # The first repeat's tokens, to compare greedy output across modes.
