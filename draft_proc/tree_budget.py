@@ -19,7 +19,7 @@ bucket the policy keeps a running mean of the window and of the work at each lev
 picks the largest level whose work is measured, or estimated from the level below, to
 fit within the window. An overrun moves one level down at once; a level above is tried
 when the one below leaves it room on the estimate (twice its work), after a pause, so
-the choice does not oscillate. "fixed" (the default) keeps the budget's share.
+the choice does not oscillate. "fixed" (a pinned tree) keeps the budget's share.
 """
 
 from __future__ import annotations
