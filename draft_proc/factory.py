@@ -30,7 +30,7 @@ def make_speculators(cfg):
     # Graph shapes: decode steps (q_len 1, also the per-branch tree steps near the context
     # limit, up to tree_budget branches), the two-token catch-up after an outcome, the
     # K+1-token SSD glue, and the shared-prefix tree steps.
-    max_batch = max(num_slots, spec.tree_budget) if spec.mode == "ssd" else num_slots
+    max_batch = max(num_slots, spec.max_tree_budget) if spec.mode == "ssd" else num_slots
     runner = ModelRunner.build(cfg.draft_model, kernels=cfg.kernels, num_slots=num_slots, max_model_len=max_len,
                                num_scratch_rows=scratch, max_batch_size=max_batch, graph_q_lens=(1, 2, spec.k + 1),
                                tree_shapes=shapes, tree_local_rows=local_rows)
@@ -45,6 +45,7 @@ def make_speculators(cfg):
         from draft_proc.ssd import SSDEngine
 
         backup = {
+            "auto": drafter,  # the round policy asks for no backup per request where that pays
             "jit": drafter,
             "ngram": NgramSpeculator(spec.ngram_min, spec.ngram_max, max_len),
             "none": None,

@@ -38,36 +38,32 @@ import torch
 
 from draft_proc.speculator import Speculator
 from draft_proc.state import DraftSeq
-from draft_proc.tree_budget import TreeBudget, ladder
+from draft_proc.tree_budget import TreeBudget
 from draft_proc.tree_cache import Fork, TreeCache, select_forks
 from protocol.sparse_q import NO_DRAFT, DraftTokens, put_q
+from spec_runtime.config import pow2_at_least
 from spec_runtime.engine.forward_batch import ForwardItem, TreeBranch, build_tree_batch, tree_step_batch
 
 logger = logging.getLogger(__name__)
 
 
 def max_branches(spec_cfg) -> int:
-    return max(sum(spec_cfg.fan_out_for(False)), sum(spec_cfg.fan_out_for(True)), 1)
+    return spec_cfg.max_branches()
 
 
 def scratch_rows_needed(spec_cfg, num_slots: int) -> int:
     return num_slots * max_branches(spec_cfg) * spec_cfg.k
 
 
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def branches_per_seq(spec_cfg, num_seqs: int) -> int:
-    """Branches each sequence gets when `num_seqs` work ahead together: the tree budget
-    split over the batch padded to a power of two (the tree step's graph shape)."""
-    return max(1, min(max_branches(spec_cfg), spec_cfg.tree_budget // _pow2_at_least(num_seqs)))
+    """Branches each sequence gets when `num_seqs` work ahead together (SpeculativeConfig.branches_per_seq)."""
+    return spec_cfg.branches_per_seq(num_seqs)
 
 
 def tree_shapes(spec_cfg, max_seqs: int) -> list[tuple[int, int]]:
     """(sequences, branches per sequence) of the tree-step CUDA graphs: one per power of
-    two up to max_seqs (and max_seqs), branches padded to a power of two; with
-    tree_shape "auto", also every smaller level of TreeBudget's ladder."""
+    two up to max_seqs (and max_seqs), branches padded to a power of two; unless the
+    tree is pinned, also every smaller level of the ladder the round policy picks from."""
     sizes, b = [], 1
     while b < max_seqs:
         sizes.append(b)
@@ -75,9 +71,7 @@ def tree_shapes(spec_cfg, max_seqs: int) -> list[tuple[int, int]]:
     sizes.append(max_seqs)
     shapes = []
     for s in sizes:
-        top = branches_per_seq(spec_cfg, s)
-        levels = ladder(top) if spec_cfg.tree_shape == "auto" else [top]
-        shapes += [(s, _pow2_at_least(q)) for q in levels]
+        shapes += [(s, pow2_at_least(q)) for q in spec_cfg.tree_levels(s)]
     return sorted(set(shapes))
 
 
@@ -95,7 +89,8 @@ class SSDEngine:
         self.cfg = spec_cfg
         self.k = spec_cfg.k
         self.cache = TreeCache(max_branches(spec_cfg), spec_cfg.k, self.layout.scratch_base)
-        self.budget = TreeBudget(lambda b: branches_per_seq(spec_cfg, b), spec_cfg.tree_shape)
+        self.budget = TreeBudget(spec_cfg.branches_per_seq, "fixed" if spec_cfg.tree_pinned else "auto")
+        self._requested_branches = 0  # this work-ahead's branches per sequence, as the request named (0: none)
         self._pending: dict[int, DraftTokens | None] = {}
         self._pending_depth: dict[int, int] = {}
         self.num_hits = 0
@@ -122,10 +117,12 @@ class SSDEngine:
     def accept_rate(self) -> float:
         return self._accepted / self._attempted
 
-    def propose(self, seqs: list[DraftSeq], k: int, count_misses: bool = True) -> tuple[list[DraftTokens], list[int]]:
+    def propose(self, seqs: list[DraftSeq], k: int, count_misses: bool = True,
+                use_backup: bool = True) -> tuple[list[DraftTokens], list[int]]:
         """Answer each sequence from the tree cache (cache_hit), misses from the backup;
         and the hits per outcome depth. count_misses: False after a round without
-        work-ahead (a synchronous SD round, not a miss)."""
+        work-ahead (a synchronous SD round, not a miss). use_backup: False answers misses
+        with no drafts this round (the request said so)."""
         out = [NO_DRAFT] * len(seqs)
         hits_by_depth = [0] * (self.k + 1)
         misses: list[int] = []
@@ -148,7 +145,7 @@ class SSDEngine:
             miss_seqs = [seqs[b] for b in misses]
             for s in miss_seqs:
                 s.last_missed = True
-            if self.backup is None:
+            if self.backup is None or not use_backup:
                 for s in miss_seqs:
                     s.set_speculation([], num_cached=min(s.num_cached, s.num_tokens - 1))
             else:
@@ -158,9 +155,12 @@ class SSDEngine:
 
     # ---------------------------------------------------------------- work ahead
 
-    def work_ahead(self, seqs: list[DraftSeq], k: int) -> None:
+    def work_ahead(self, seqs: list[DraftSeq], k: int, branches: int = 0) -> None:
+        """branches: per sequence, as the request named it (a level of the tree ladder;
+        0: TreeBudget's own choice)."""
         t0 = time.perf_counter()
         seqs = [s for s in seqs if s.num_tokens < self.layout.max_model_len]
+        self._requested_branches = self.budget.follow(len(seqs), branches) if seqs and branches > 0 else 0
         if seqs:
             ranked = self._glue(seqs)
             forks = self._fork(seqs, ranked)
@@ -208,8 +208,8 @@ class SSDEngine:
 
     def _branches_per_seq(self, batch: int) -> int:
         # The total budget bounds the tree-decode batch whatever the batch size; within
-        # it, TreeBudget keeps the work-ahead inside the target's verify.
-        return self.budget.branches(batch)
+        # it, the request's choice or TreeBudget's keeps the work-ahead inside the target's verify.
+        return self._requested_branches or self.budget.branches(batch)
 
     def _glue(self, seqs: list[DraftSeq]) -> list[tuple[np.ndarray, np.ndarray]]:
         """Forward [x_n, d_1..d_m]; per sequence the ranked candidates and their draft
@@ -304,7 +304,7 @@ class SSDEngine:
         cannot run one (the per-branch layout is used then)."""
         q_len = max(np.bincount([f.branch for f in forks]).size, 1)  # most branches of one sequence
         if self.runner.graphs is not None:
-            q_len = max(q_len, _pow2_at_least(self._branches_per_seq(len(seqs))))  # the graph's shape
+            q_len = max(q_len, pow2_at_least(self._branches_per_seq(len(seqs))))  # the graph's shape
         return q_len if self.runner.backend.supports_tree(q_len) else None
 
     def _tree_decode_shared(self, f_seqs, forks, k, q_len, tokens, q_ids, q_probs, sampled) -> None:

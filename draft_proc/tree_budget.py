@@ -1,4 +1,8 @@
-"""How many branches each sequence gets in an SSD work-ahead, chosen from measurements.
+"""How many branches each sequence gets in an SSD work-ahead.
+
+A SpecRequest may name the branches per sequence (the target's round policy,
+target_proc/round_policy.py, picks them from measured costs): `follow` takes that level of
+the ladder. A request that names none leaves the choice to this module's own rule, below.
 
 A work-ahead pays only if it ends before the target's next request: the draft answers
 that request only after its work-ahead, so a tree that outlasts the verify delays every
@@ -15,7 +19,7 @@ bucket the policy keeps a running mean of the window and of the work at each lev
 picks the largest level whose work is measured, or estimated from the level below, to
 fit within the window. An overrun moves one level down at once; a level above is tried
 when the one below leaves it room on the estimate (twice its work), after a pause, so
-the choice does not oscillate. "fixed" (the default) keeps the budget's share.
+the choice does not oscillate. "fixed" (a pinned tree) keeps the budget's share.
 """
 
 from __future__ import annotations
@@ -23,28 +27,19 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from spec_runtime.config import TREE_LEVELS as LEVELS  # noqa: F401 - the budget's share, then 1/2 and 1/4 of it
+from spec_runtime.config import pow2_at_least as _pow2_at_least
+from spec_runtime.config import tree_ladder as ladder
+
 logger = logging.getLogger(__name__)
 
-LEVELS = 3  # the budget's share, then 1/2 and 1/4 of it
 _DECAY = 0.8  # weight of the running means' past
 _OVERRUN_S = 1e-4  # a wait this short means the request was already queued
 _PAUSE = 16  # rounds at a level before trying the one above
 
 
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def bucket_of(num_seqs: int) -> int:
     return _pow2_at_least(num_seqs)
-
-
-def ladder(top: int) -> list[int]:
-    """Branch counts per sequence, largest first: top, then halves, at least 1."""
-    out = [top]
-    while len(out) < LEVELS and out[-1] > 1:
-        out.append(max(1, out[-1] // 2))
-    return out
 
 
 @dataclass
@@ -78,6 +73,24 @@ class TreeBudget:
         """Branches per sequence for a work-ahead over num_seqs sequences."""
         st = self._bucket(num_seqs)
         return st.levels[st.level if self.policy == "auto" else 0]
+
+    def follow(self, num_seqs: int, branches: int) -> int:
+        """A request named `branches` per sequence: use the largest level of the ladder at
+        most that (the smallest if none is), counting a move as a shrink or a grow."""
+        st = self._bucket(num_seqs)
+        if self.policy != "auto":
+            return st.levels[0]  # a pinned tree: only its graph shape exists
+        level = next((i for i, b in enumerate(st.levels) if b <= branches), len(st.levels) - 1)
+        if level != st.level:
+            if level > st.level:
+                self.num_shrinks += 1
+            else:
+                self.num_grows += 1
+            logger.debug("SSD tree, batch size ~%d: %d -> %d branches per sequence (as requested)",
+                         bucket_of(num_seqs), st.levels[st.level], st.levels[level])
+            st.level = level
+            st.rounds_at_level = 0
+        return st.levels[level]
 
     def observe(self, num_seqs: int, work_s: float, slack_s: float) -> None:
         """One work-ahead over num_seqs sequences took work_s, then the draft waited

@@ -42,6 +42,9 @@ from protocol.sparse_q import DraftTokens, pack
 
 logger = logging.getLogger(__name__)
 
+# SpecRequest.backup: "" the configured backup, "jit" the same (the round policy names it
+# only when the configured one is auto, i.e. jit), "none" no backup for this answer.
+BACKUP_CHOICES = ("", "jit", "none")
 STATS_PUSH_S = 0.5  # the longest the target's copy of the counters lags while answering
 
 
@@ -65,6 +68,7 @@ class DraftWorker:
         # next request was already waiting when it ended); None when no work-ahead is
         # the last thing that ran.
         self._last_tree: tuple[int, float, float, bool] | None = None
+        self._shapes_named = False  # a SpecRequest named its tree shape
         self._pushed: DraftStats | None = None  # the counters pushed last, and when
         self._pushed_at = 0.0
 
@@ -163,9 +167,10 @@ class DraftWorker:
         arrays = (req.seq_ids, req.rounds, req.num_accepted, req.token_ids, req.seq_lens)
         # Integer dtypes only: a float array could carry NaN, which int() refuses.
         if (any(np.asarray(a).shape != (b,) or not np.issubdtype(np.asarray(a).dtype, np.integer) for a in arrays)
-                or not 1 <= req.k <= self.cfg.spec.k):
+                or not 1 <= req.k <= self.cfg.spec.k or req.branches < 0 or req.backup not in BACKUP_CHOICES):
             self.channel.send(ErrorReply(code="bad_request", message=f"SpecRequest arrays must all be integer "
-                                         f"[{b}] and 1 <= k <= {self.cfg.spec.k}"))
+                                         f"[{b}], 1 <= k <= {self.cfg.spec.k}, branches >= 0 and backup one of "
+                                         f"{BACKUP_CHOICES}"))
             return
         # Their state moves on now: a prefetch would work ahead from a stale state.
         for sid in np.asarray(req.seq_ids).tolist():
@@ -194,7 +199,8 @@ class DraftWorker:
         if not ok:
             return
         if self.ssd is not None:
-            specs, hits_by_depth = self.ssd.propose(ok, req.k, count_misses=counted)
+            specs, hits_by_depth = self.ssd.propose(ok, req.k, count_misses=counted,
+                                                    use_backup=req.backup != "none")
         else:
             specs, hits_by_depth = self.speculator.propose(ok, req.k), []
         self.channel.send(self._response(req.step, req.k, ok, specs, hits_by_depth))
@@ -206,8 +212,11 @@ class DraftWorker:
             self._worked_ahead = bool(req.work_ahead)
             if req.work_ahead:
                 # Answer first, then work ahead for the outcomes expected next round.
-                self.ssd.work_ahead(ok, req.k)
-                self._last_tree = (len(ok), self.ssd.last_work_s, time.perf_counter(), self.channel.pending())
+                self.ssd.work_ahead(ok, req.k, branches=req.branches)
+                # Once the target names shapes (its round policy), TreeBudget only follows them.
+                self._shapes_named |= req.branches > 0
+                if not self._shapes_named:
+                    self._last_tree = (len(ok), self.ssd.last_work_s, time.perf_counter(), self.channel.pending())
             else:
                 # The next round is synchronous SD: entries for this round's outcomes
                 # would answer a speculation that is no longer outstanding.

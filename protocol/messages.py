@@ -154,8 +154,10 @@ class RequestStats(_Cold):
     num_cache_hits: int = 0
     num_cache_misses: int = 0
     num_ar_fallback_rounds: int = 0
-    # SSD mode: rounds answered by a chain drafted on request (the work-ahead policy chose SD).
+    # SSD mode: rounds answered by a chain drafted on request (the round policy chose SD).
     num_sd_rounds: int = 0
+    # SD/SSD: rounds the policy ran as plain decoding (no speculation asked for).
+    num_plain_rounds: int = 0
     ttft_s: float = 0.0
     e2e_s: float = 0.0
     # Arrival in target_proc to the request's KV blocks (the rest of ttft_s is its prefill).
@@ -181,7 +183,7 @@ def mean_acceptance_length(num_accepted_tokens: int, num_drafts: int) -> float:
 
 _TOTAL_COUNTERS = ("num_prompt_tokens", "num_generated_tokens", "num_rounds", "num_draft_tokens",
                    "num_accepted_tokens", "num_cache_hits", "num_cache_misses", "num_ar_fallback_rounds",
-                   "num_sd_rounds")
+                   "num_sd_rounds", "num_plain_rounds")
 
 
 def add_totals(totals: RequestStats, st: RequestStats) -> None:
@@ -254,9 +256,13 @@ class EngineStats(_Cold, tag="stats"):
     # Steps the speculation policy ran as plain decoding (spec_policy="adaptive").
     num_plain_steps: int = 0
     # SSD: speculative steps after a request with work-ahead (SSD rounds) and without
-    # (synchronous SD rounds, chosen by the work-ahead policy).
+    # (synchronous SD rounds, chosen by the round policy).
     num_ssd_rounds: int = 0
     num_sd_rounds: int = 0
+    # SSD: times the round policy's choice for a batch size changed (probes not counted),
+    # and its choice per batch-size bucket ("ssd 27 branches, backup jit", "sd", "plain").
+    num_round_switches: int = 0
+    round_choices: dict[int, str] = {}
     # The draft's own time to answer SpecRequests (as last reported): the part of
     # draft_wait_s the draft spends working, the rest being transfer and queueing.
     draft_answer_s: float = 0.0
@@ -325,8 +331,12 @@ class SpecRequest(_Hot, tag="req"):
     # The K the target wants this round (<= configured K).
     k: int
     # SSD: whether the draft works ahead after answering (False: the next answer is a
-    # chain drafted on request, a synchronous SD round; target_proc.spec_policy).
+    # chain drafted on request, a synchronous SD round; target_proc.round_policy).
     work_ahead: bool = True
+    # SSD: branches per sequence of the work-ahead (0: the draft's own choice), and what
+    # answers this request's cache misses ("": the configured backup; "jit"; "none").
+    branches: int = 0
+    backup: str = ""
 
 
 class SpecResponse(_Hot, tag="resp"):

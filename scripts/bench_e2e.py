@@ -83,6 +83,8 @@ def run_mode(args, mode: str) -> list[dict]:
             r["plain_steps"] = after.num_plain_steps - before.num_plain_steps
             r["tree_shrinks"] = after.draft_tree_shrinks - before.draft_tree_shrinks
             r["tree_grows"] = after.draft_tree_grows - before.draft_tree_grows
+            # SSD: the round policy's choice per batch size at the end of the point.
+            r["round_choices"] = {str(b): c for b, c in after.round_choices.items()}
             answers = after.draft_num_answers - before.draft_num_answers
             r["draft_answer_ms"] = 1e3 * (after.draft_answer_s - before.draft_answer_s) / answers if answers else None
             # The first repeat's tokens, to compare greedy output across modes.
@@ -166,10 +168,12 @@ def main() -> None:
     p.add_argument("--k", type=int, default=8)
     p.add_argument("--fan-out", type=_tuple(int), default=())
     p.add_argument("--fan-out-miss", type=_tuple(int), default=())
-    p.add_argument("--backup", default="jit")
-    p.add_argument("--tree-budget", type=int, default=64, help="SSD: most branches per round over the batch")
-    p.add_argument("--tree-shape", default="fixed", help="SSD: fixed, or auto (branches fit to the verify)")
-    p.add_argument("--work-ahead", default="auto", help="SSD: auto (SSD or SD rounds by measurement) or always")
+    p.add_argument("--backup", default="auto", help="SSD: auto (chosen per batch size), jit, ngram or none")
+    p.add_argument("--tree-budget", type=int, default=0, help="SSD: most branches per round over the batch "
+                   "(0: 64, and smaller trees where the round policy predicts them faster)")
+    p.add_argument("--tree-shape", default="auto", help="SSD: auto (the round policy picks it) or fixed")
+    p.add_argument("--work-ahead", default="auto", help="SSD: auto (SSD/SD rounds or plain steps by measured "
+                   "costs) or always")
     p.add_argument("--spec-policy", default="adaptive", help="SSD's speculation policy (SD always speculates)")
     p.add_argument("--batch-sizes", type=_tuple(int), default=(1, 2, 4, 8, 16))
     p.add_argument("--temperatures", type=_tuple(float), default=(0.0, 0.7))

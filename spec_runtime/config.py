@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 Mode = Literal["ar", "sd", "ssd"]
-Backup = Literal["jit", "ngram", "none"]
+Backup = Literal["auto", "jit", "ngram", "none"]
 
 # --draft's name for prompt lookup (the n-gram speculator: no draft model).
 NGRAM_DRAFT = "ngram"
@@ -30,6 +30,21 @@ SHIPPED_DRAFT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets
 def shipped_draft_path() -> str:
     """The shipped SmolLM2 draft's path, or "" when this installation lacks the file."""
     return SHIPPED_DRAFT if os.path.isfile(SHIPPED_DRAFT) else ""
+
+DEFAULT_TREE_BUDGET = 64  # SSD: the largest tree when --tree-budget is not given
+TREE_LEVELS = 3  # SSD tree shapes per batch size: the budget's share, then 1/2 and 1/4 of it
+
+
+def tree_ladder(top: int) -> list[int]:
+    """Branch counts per sequence, largest first: top, then halves, at least 1."""
+    out = [top]
+    while len(out) < TREE_LEVELS and out[-1] > 1:
+        out.append(max(1, out[-1] // 2))
+    return out
+
+
+def pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
@@ -72,10 +87,10 @@ class SpeculativeConfig:
     k: int = _f(4, "Speculation length K: draft tokens verified per round.")
     fan_out: tuple[int, ...] = _f((), "SSD fan-out F_0..F_K: branches forked at each depth j of the returned speculation. Empty: 3,2,1 at the first depths and 1 after, since rejection is likeliest early.")
     fan_out_miss: tuple[int, ...] = _f((), "Fan-out for sequences whose last look-up missed (rejection is likely early).")
-    tree_budget: int = _f(64, "SSD: most branches tree-decoded per round over the whole batch; per-sequence fan-out shrinks (deepest depths first) when batch x sum(F) exceeds it, so the draft's work stays inside one verify.")
-    tree_shape: Literal["auto", "fixed"] = _f("fixed", "SSD: fixed: always --tree-budget's share of branches per sequence; auto: per batch size, halve them (down to a quarter of that share) when the draft's work-ahead outlasts the target's verify, and grow them back when a larger tree measures to fit (each change is logged). auto is measured only with the draft sharing the target's GPU, where it was mixed (docs/benchmarks.md).")
-    backup: Backup = _f("jit", "What answers a tree-cache miss.")
-    work_ahead: Literal["auto", "always"] = _f("auto", "SSD: auto: per batch size, run SSD rounds (the draft works ahead) or synchronous SD rounds, whichever measures faster, re-measuring now and then (each choice is logged and counted in the stats); always: work ahead every round.")
+    tree_budget: int = _f(0, "SSD: most branches tree-decoded per round over the whole batch; per-sequence fan-out shrinks (deepest depths first) when batch x sum(F) exceeds it. 0: 64, and the round policy picks smaller trees where they pay (--work-ahead auto); a value pins the tree.")
+    tree_shape: Literal["auto", "fixed"] = _f("auto", "SSD: auto: per batch size, the round policy picks the branches per sequence (the budget's share, a half or a quarter of it) from the measured work-ahead time and hit rate of each; fixed: always the budget's share. --fan-out or --tree-budget also pin it.")
+    backup: Backup = _f("auto", "What answers a tree-cache miss: jit (the draft drafts K tokens on request), ngram, none (the target verifies only its own token); auto: jit below batch 8, and from 8 jit or none, whichever the measured costs predict faster.")
+    work_ahead: Literal["auto", "always"] = _f("auto", "SSD: auto: per batch size, the round policy predicts the tokens/s of SSD rounds (per tree shape and backup), synchronous SD rounds and plain decoding (with --spec-policy adaptive) from measured costs and runs the fastest, re-measuring the runner-up now and then (each choice is logged and counted in the stats); always: SSD rounds every step.")
     ssd_prefetch: bool = _f(True, "SSD: on a new sequence, the draft works ahead for its first outcome while the target prefills, so the first look-up can hit.")
     draft_top_k: int = _f(64, "The draft samples only from this many of its most likely tokens; verification uses the same truncated draft distribution, so output stays exact, and what the draft sends per round does not grow with the vocabulary.")
     draft_temperature: float | None = _f(None, "Draft temperature; unset: the request's temperature.")
@@ -96,10 +111,10 @@ class SpeculativeConfig:
                 raise ValueError(f"{name} needs K+1 = {self.k + 1} entries (F_0..F_K), got {len(f)}")
             if any(x < 0 for x in f):
                 raise ValueError(f"{name} entries must be >= 0, got {f}")
-        if self.backup not in ("jit", "ngram", "none"):
-            raise ValueError(f"backup must be jit, ngram or none, got {self.backup!r}")
-        if self.tree_budget < 1:
-            raise ValueError(f"tree_budget must be >= 1, got {self.tree_budget}")
+        if self.backup not in ("auto", "jit", "ngram", "none"):
+            raise ValueError(f"backup must be auto, jit, ngram or none, got {self.backup!r}")
+        if self.tree_budget < 0:
+            raise ValueError(f"tree_budget must be >= 1 (or 0: the default), got {self.tree_budget}")
         if self.tree_shape not in ("auto", "fixed"):
             raise ValueError(f"tree_shape must be auto or fixed, got {self.tree_shape!r}")
         if self.work_ahead not in ("auto", "always"):
@@ -124,6 +139,28 @@ class SpeculativeConfig:
     def uses_draft_process(self) -> bool:
         return self.mode != "ar"
 
+    @property
+    def max_tree_budget(self) -> int:
+        return self.tree_budget or DEFAULT_TREE_BUDGET
+
+    @property
+    def tree_pinned(self) -> bool:
+        """Whether the tree shape is fixed (--tree-shape fixed, --fan-out or --tree-budget)."""
+        return self.tree_shape == "fixed" or bool(self.fan_out) or self.tree_budget > 0
+
+    def max_branches(self) -> int:
+        return max(sum(self.fan_out_for(False)), sum(self.fan_out_for(True)), 1)
+
+    def branches_per_seq(self, num_seqs: int) -> int:
+        """Branches each sequence gets when `num_seqs` work ahead together: the tree budget
+        split over the batch padded to a power of two (the tree step's graph shape)."""
+        return max(1, min(self.max_branches(), self.max_tree_budget // pow2_at_least(num_seqs)))
+
+    def tree_levels(self, num_seqs: int) -> list[int]:
+        """The tree shapes (branches per sequence) SSD may run at this batch size, largest first."""
+        top = self.branches_per_seq(num_seqs)
+        return [top] if self.tree_pinned else tree_ladder(top)
+
     def fan_out_for(self, missed: bool) -> tuple[int, ...]:
         """F_0..F_K; defaults put more branches where rejection is likely (early)."""
         chosen = self.fan_out_miss if missed and self.fan_out_miss else self.fan_out
@@ -144,8 +181,8 @@ class SchedulerConfig:
     num_kv_blocks: int = _f(0, "Target: KV blocks in the pool. 0: on CUDA, what --gpu-memory-utilization leaves after the weights and a warm-up forward; on CPU, enough for --max-batch-size sequences of --max-model-len tokens.")
     enable_prefix_caching: bool = _f(True, "Target: reuse the KV blocks of a prompt prefix another request already computed (full blocks, matched by a hash of their tokens); unused ones are evicted least recently used first.")
     max_draft_seqs: int = _f(0, "Draft KV slots; 0 means max_batch_size.")
-    spec_policy: Literal["always", "adaptive"] = _f("adaptive", "always: speculate every step; adaptive: per batch size, measure speculative and plain steps and use the faster (plain decoding can win at large batch), logging each switch.")
-    spec_policy_probe_every: int = _f(64, "adaptive policy: steps between re-measurements of the mode not in use.")
+    spec_policy: Literal["always", "adaptive"] = _f("adaptive", "always: speculate every step; adaptive: per batch size, plain decoding where it is faster (it can win at large batch), logging each switch. SD: measured against speculative steps; SSD: one of the round policy's options (--work-ahead).")
+    spec_policy_probe_every: int = _f(64, "Steps between re-measurements of the choice not in use (the adaptive policy; SSD's round policy probes its runner-up).")
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:

@@ -40,6 +40,8 @@ class GenerationResult:
             "num_cache_hits": s.num_cache_hits,
             "num_cache_misses": s.num_cache_misses,
             "num_ar_fallback_rounds": s.num_ar_fallback_rounds,
+            "num_sd_rounds": s.num_sd_rounds,
+            "num_plain_rounds": s.num_plain_rounds,
             "ttft_s": round(s.ttft_s, 4),
             "e2e_s": round(s.e2e_s, 4),
         }

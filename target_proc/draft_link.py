@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import zmq
@@ -155,13 +155,15 @@ class DraftLink:
                                temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, seed=seq.seed))
         self.synced.add(seq.seq_id)
 
-    def request(self, outcomes: list[Outcome], work_ahead: bool = True) -> None:
-        """Send one step's outcomes; work_ahead: whether the draft (SSD) works ahead after answering."""
+    def request(self, outcomes: list[Outcome], work_ahead: bool = True, branches: int = 0, backup: str = "") -> None:
+        """Send one step's outcomes; work_ahead: whether the draft (SSD) works ahead after
+        answering, with `branches` per sequence (0: its own choice); backup: what answers
+        this request's misses ("": the configured backup)."""
         if not outcomes:
             return
         self.step += 1
         self._step_sent = time.monotonic()
-        self._send(spec_request(self.step, outcomes, self.k, work_ahead))
+        self._send(spec_request(self.step, outcomes, self.k, work_ahead, branches, backup))
 
     def release(self, seq_ids: list[int]) -> None:
         """Free the draft's state of these sequences. A release the draft cannot take now
@@ -225,12 +227,13 @@ class DraftLink:
         return specs
 
     def send_outcomes(self, seqs: list[Sequence], specs: dict[int, DraftTokens], num_accepted: list[int],
-                      token_ids: list[list[int]], speculated: bool, choose_work_ahead: Callable[[int], bool]) -> bool:
+                      token_ids: list[list[int]], speculated: bool, choose_work_ahead: Callable[[int], Any]) -> Any:
         """Tell the draft each sequence's outcome (j, t) of this step, before the host
         post-processes it. A plain step (speculated False) still sends the outcome of every
         synced sequence, as (0, t) against the speculation it sent, which nobody waits for.
-        choose_work_ahead(number of outcomes) sets the request's work_ahead flag; returns
-        the flag (True when nothing was sent)."""
+        choose_work_ahead(number of outcomes) gives the request's work_ahead flag, or a
+        plan (target_proc.round_policy.RoundPlan) with its tree shape and backup too;
+        returns it (True when nothing was sent)."""
         if not self.alive:
             return True
         outcomes = []
@@ -239,9 +242,12 @@ class DraftLink:
             in_sync = sid in specs or (not speculated and sid in self.synced)
             if in_sync and not seq.will_finish(j + 1) and sid not in self.desynced:
                 outcomes.append(self._outcome(sid, j, toks[j], seq.num_tokens + j + 1))
-        work_ahead = choose_work_ahead(len(outcomes))
-        self.request(outcomes, work_ahead=work_ahead)
-        return work_ahead
+        choice = choose_work_ahead(len(outcomes))
+        if isinstance(choice, bool):
+            self.request(outcomes, work_ahead=choice)
+        else:
+            self.request(outcomes, work_ahead=choice.work_ahead, branches=choice.branches, backup=choice.backup)
+        return choice
 
     def finish(self, seq_id: int) -> None:
         """Forget a finished sequence; the draft frees it too (also when unsynced: the

@@ -27,7 +27,7 @@ from spec_runtime.engine.forward_batch import ForwardItem
 from spec_runtime.engine.kv_blocks import KVBlocks
 from target_proc.prompt_logprobs import prefill_logits_mode
 from target_proc.sequence import Sequence
-from target_proc.validate import RequestError
+from spec_runtime.validate import RequestError
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ draft exists, and every step is a plain decode.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 from target_proc.sequence import Sequence
 from protocol.sparse_q import DraftTokens
@@ -29,7 +29,7 @@ class NoDraft:
         return {}
 
     def send_outcomes(self, seqs: list[Sequence], specs: dict[int, DraftTokens], num_accepted: list[int],
-                      token_ids: list[list[int]], speculated: bool, choose_work_ahead: Callable[[int], bool]) -> bool:
+                      token_ids: list[list[int]], speculated: bool, choose_work_ahead: Callable[[int], Any]) -> Any:
         return True
 
     def finish(self, seq_id: int) -> None:

@@ -13,13 +13,14 @@ from target_proc.sequence import Sequence
 
 
 def record_round(st: RequestStats, num_draft: int, num_accepted: int, spec: DraftTokens | None, *,
-                 ssd: bool, speculating: bool, sd_round: bool = False) -> None:
+                 ssd: bool, speculating: bool, sd_round: bool = False, plain: bool = False) -> None:
     """One verify round of a request: num_accepted of its num_draft tokens accepted.
 
     spec is the speculation the round verified (None: none arrived, a plain round);
     speculating says whether the step wanted one (a plain round then counts as a fallback);
-    sd_round: an SSD-mode round the work-ahead policy ran as synchronous SD (its answer
-    came from a chain drafted on request, which is no cache miss).
+    sd_round: an SSD-mode round the round policy ran as synchronous SD (its answer
+    came from a chain drafted on request, which is no cache miss); plain: a round the
+    policy ran without speculation in a speculative mode.
     """
     st.num_rounds += 1
     st.num_draft_tokens += num_draft
@@ -37,6 +38,8 @@ def record_round(st: RequestStats, num_draft: int, num_accepted: int, spec: Draf
             st.num_cache_misses += 1
     elif speculating:
         st.num_ar_fallback_rounds += 1
+    elif plain:
+        st.num_plain_rounds += 1
 
 
 def take_output(seq: Sequence) -> RequestOutput | None:

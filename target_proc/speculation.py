@@ -26,7 +26,8 @@ class Outcome:
     seq_len: int  # confirmed length including token_id
 
 
-def spec_request(step: int, outcomes: list[Outcome], k: int, work_ahead: bool) -> SpecRequest:
+def spec_request(step: int, outcomes: list[Outcome], k: int, work_ahead: bool, branches: int = 0,
+                 backup: str = "") -> SpecRequest:
     """One step's outcomes as the message the draft answers."""
     n = len(outcomes)
     return SpecRequest(
@@ -38,6 +39,8 @@ def spec_request(step: int, outcomes: list[Outcome], k: int, work_ahead: bool) -
         seq_lens=np.fromiter((o.seq_len for o in outcomes), np.int64, n),
         k=k,
         work_ahead=work_ahead,
+        branches=branches,
+        backup=backup,
     )
 
 

@@ -48,7 +48,8 @@ from target_proc.no_draft import NoDraft
 from target_proc.outputs import merge_outputs, record_round, take_output
 from target_proc.prompt_logprobs import prompt_logprobs, split_prefill_logits
 from target_proc.sequence import IncrementalDetokenizer, Sequence, StopChecker
-from target_proc.spec_policy import SpecPolicy, WorkAheadPolicy
+from target_proc.round_policy import PLAIN, SD, RoundPlan, RoundPolicy
+from target_proc.spec_policy import SpecPolicy
 from target_proc.verify import verify_inputs
 
 logger = logging.getLogger(__name__)
@@ -82,7 +83,8 @@ class TargetWorker:
         self.outputs: dict[bytes, list[RequestOutput]] = {}
         self.timing = {"num_steps": 0, "verify_s": 0.0, "draft_wait_s": 0.0, "draft_work_s": 0.0}
         self.policy = SpecPolicy(cfg.sched.spec_policy, cfg.sched.spec_policy_probe_every)
-        self.work_ahead_policy = WorkAheadPolicy(cfg.spec.work_ahead if cfg.spec.mode == "ssd" else "always")
+        # SSD: each step's plan (SSD round, SD round or plain step) from measured costs.
+        self.rounds = RoundPolicy.for_config(cfg) if cfg.spec.mode == "ssd" else None
         # The work_ahead flags of the last three requests. A step waits for the answer to
         # the last request, which the cache built after the one before answers (or a
         # chain, if that one had no work-ahead); the first chain after a hit also feeds
@@ -237,7 +239,8 @@ class TargetWorker:
         t0 = time.perf_counter()
         # Plain steps (chosen by the policy) leave the draft in sync: it still gets each
         # outcome, as (0, t) against the speculation it sent, which nobody waits for.
-        speculate = self.draft.present and self.policy.use_speculation(len(seqs))
+        plan = self._plan(len(seqs))
+        speculate = plan.speculate
         specs = self.draft.collect(seqs) if speculate else {}
         t1 = time.perf_counter()
         num_draft, num_accepted, out_tokens, logprobs = self._verify(seqs, specs)
@@ -245,16 +248,23 @@ class TargetWorker:
         tm["num_steps"] += 1
         tm["draft_wait_s"] += t1 - t0
         tm["verify_s"] += time.perf_counter() - t1
-        tm["draft_work_s"] += self.draft.take_draft_work_s()
+        draft_work_s = self.draft.take_draft_work_s()
+        tm["draft_work_s"] += draft_work_s
 
         # Overlap-scheduled acceptance: tell the draft first, post-process after. SSD:
-        # work ahead for the next round, or answer it with a chain (SD), as measured
-        # faster at this batch size; plain steps wait for nothing.
-        work_ahead = self.draft.send_outcomes(seqs, specs, num_accepted, out_tokens, speculate,
-                                              lambda n: speculate and self.work_ahead_policy.work_ahead(n))
+        # the plan says whether the draft works ahead for the next round (at which tree
+        # shape, with which backup) or answers it with a chain (SD); plain steps wait for nothing.
+        self.draft.send_outcomes(seqs, specs, num_accepted, out_tokens, speculate, lambda n: plan)
         self._accept(seqs, specs, num_draft, num_accepted, out_tokens, logprobs, speculate)
-        self._record_step(len(seqs), speculate, bool(specs), sum(n + 1 for n in num_accepted), t0, work_ahead)
+        self._record_step(seqs, plan, specs, num_draft, num_accepted, t0, t1, draft_work_s)
         self._emit(seqs)
+
+    def _plan(self, batch: int) -> RoundPlan:
+        if not self.draft.present:
+            return PLAIN
+        if self.rounds is not None:
+            return self.rounds.choose(batch)
+        return SD if self.policy.use_speculation(batch) else PLAIN
 
     def _accept(self, seqs, specs, num_draft, num_accepted, out_tokens, logprobs, speculate: bool) -> None:
         """Count each round, then append its accepted tokens and the recovery or bonus
@@ -264,7 +274,8 @@ class TargetWorker:
         for i, seq in enumerate(seqs):
             j = num_accepted[i]
             record_round(seq.stats, num_draft[i], j, specs.get(seq.seq_id), ssd=ssd,
-                         speculating=bool(self.k and speculate), sd_round=sd_round)
+                         speculating=bool(self.k and speculate), sd_round=sd_round,
+                         plain=bool(self.k and not speculate))
             for t in range(j + 1):
                 # A complete grammar ends the sequence at its last token, as in AR decoding.
                 if (self.stop_checker.append(seq, out_tokens[i][t], *_at(logprobs, i, t))
@@ -275,16 +286,15 @@ class TargetWorker:
             else:
                 self.sched.commit(seq)
 
-    def _record_step(self, batch: int, speculate: bool, speculated: bool, num_tokens: int, t0: float,
-                     work_ahead: bool) -> None:
-        """Feed the step's time to the policies that choose plain or speculative steps
-        and (SSD) work-ahead or synchronous rounds."""
-        if self.draft.present:
-            step_s = time.perf_counter() - t0
-            self.policy.record(batch, speculate, num_tokens, step_s)
-            if self.cfg.spec.mode == "ssd" and speculate and speculated and len(set(self._last_flags)) == 1:
-                self.work_ahead_policy.record(batch, self._last_flags[-1], step_s)
-        self._last_flags = self._last_flags[1:] + (work_ahead,)
+    def _record_step(self, seqs, plan: RoundPlan, specs, num_draft, num_accepted, t0: float, t1: float,
+                     draft_work_s: float) -> None:
+        """Feed the step's timings to the policy that chose its plan."""
+        if self.rounds is not None:
+            self.rounds.record_step(plan, specs, num_draft, num_accepted, t1 - t0, time.perf_counter() - t1,
+                                    draft_work_s)
+        elif self.draft.present:
+            self.policy.record(len(seqs), plan.speculate, sum(n + 1 for n in num_accepted), time.perf_counter() - t0)
+        self._last_flags = self._last_flags[1:] + (plan.work_ahead,)
 
     def _verify(self, seqs: list[Sequence], specs: dict[int, DraftTokens]):
         """One verify forward over [x_n, d_1..d_m] per sequence, then rejection sampling.
@@ -392,16 +402,13 @@ class TargetWorker:
         self.outputs.clear()
 
     def engine_stats(self) -> EngineStats:
-        ssd = self.cfg.spec.mode == "ssd"
         return EngineStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             num_free_slots=self.sched.max_num_seqs - len(self.running),
             mode=self.cfg.spec.mode,
             totals=self.totals,
-            num_plain_steps=self.policy.num_plain_steps,
-            num_ssd_rounds=self.work_ahead_policy.num_work_ahead if ssd else 0,
-            num_sd_rounds=self.work_ahead_policy.num_sync if ssd else 0,
+            **(self.rounds.engine_fields() if self.rounds else {"num_plain_steps": self.policy.num_plain_steps}),
             **self.draft.engine_fields(),
             **self.timing,
             num_kv_blocks=self.kv.num_blocks,

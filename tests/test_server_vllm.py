@@ -22,7 +22,7 @@ from protocol.messages import EngineStats, RequestStats
 from spec_runtime.server.app import build_app
 from spec_runtime.server.async_client import AsyncClient
 from spec_runtime.server.info_routes import runtime_version
-from spec_runtime.server.metrics import COUNTERS, GAUGES, HISTOGRAMS, engine_gauges, length_buckets
+from spec_runtime.server.metrics import COUNTERS, ENGINE_COUNTERS, GAUGES, HISTOGRAMS, engine_gauges, length_buckets
 
 K = 3
 MODEL = "tiny"
@@ -148,6 +148,8 @@ def test_every_metric_is_named_as_vllm_names_it(server):
             assert f"vllm:{name}{suffix}" in names, name
     for _, name, _ in GAUGES:
         assert f"vllm:{name}" in names, name
+    for _, _, name, _ in ENGINE_COUNTERS:  # the engine's step and tree counters, from the first scrape
+        assert f"vllm:{name}_total" in names, name
     labels = dict(next(lbl for (n, lbl) in samples if n == "vllm:kv_cache_usage_perc"))
     assert labels == {"model_name": MODEL}
     assert samples[("vllm:num_preemptions_total", (("model_name", MODEL),))] == 0

@@ -8,7 +8,7 @@ from e2e_util import make_config, random_prompts
 from protocol.messages import SamplingParams
 from spec_runtime.client import Client
 from spec_runtime.config import SchedulerConfig
-from target_proc.spec_policy import SpecPolicy, WorkAheadPolicy
+from target_proc.spec_policy import SpecPolicy
 
 
 def _drive(policy, batch, spec_rate, plain_rate, steps):
@@ -43,39 +43,6 @@ def test_small_batches_always_speculate_and_buckets_are_separate():
     _drive(p, 16, spec_rate=1.0, plain_rate=100.0, steps=10)
     assert p.use_speculation(5) is True  # bucket 8 has no measurements yet
     assert SpecPolicy.bucket(5) == 8 and SpecPolicy.bucket(16) == 16 and SpecPolicy.bucket(17) == 32
-
-
-def _drive_work_ahead(policy, batch, ssd_s, sd_s, steps):
-    """As the target worker drives it: a step's time follows the flag of the request two
-    back, reported when the last three flags agree."""
-    chosen, flags = [], [True, True, True]
-    for _ in range(steps):
-        if flags[-3] == flags[-2] == flags[-1]:
-            policy.record(batch, flags[-1], ssd_s if flags[-2] else sd_s)
-        flags.append(policy.work_ahead(batch))
-        chosen.append(flags[-1])
-    return chosen
-
-
-def test_work_ahead_policy_keeps_ssd_where_it_is_faster():
-    p = WorkAheadPolicy("auto", warmup=4, probe_len=4, probe_every=32)
-    chosen = _drive_work_ahead(p, 1, ssd_s=0.020, sd_s=0.030, steps=200)
-    first_sd = chosen.index(False)
-    assert first_sd == 3 and chosen[3:7] == [False] * 4  # 4 SSD steps measured, then one SD probe
-    assert chosen[7:].count(False) <= 4 * (len(chosen[7:]) // 32 + 1)  # only probes after that
-    assert p.summary() == {1: "ssd"} and p.num_sync == chosen.count(False)
-
-
-def test_work_ahead_policy_switches_to_sd_and_back():
-    p = WorkAheadPolicy("auto", warmup=4, probe_len=4, probe_every=32)
-    chosen = _drive_work_ahead(p, 16, ssd_s=0.040, sd_s=0.030, steps=100)
-    assert chosen[-20:].count(True) <= 3 and p.summary() == {16: "sd"}
-    chosen = _drive_work_ahead(p, 16, ssd_s=0.020, sd_s=0.030, steps=100)  # the draft got faster
-    assert chosen[-20:].count(True) >= 17 and p.summary() == {16: "ssd"}
-    assert p.summary().get(1) is None  # buckets are separate
-    assert all(_drive_work_ahead(WorkAheadPolicy("always"), 16, ssd_s=1.0, sd_s=0.01, steps=20))
-    with pytest.raises(ValueError):
-        WorkAheadPolicy("never")
 
 
 def test_bad_policy():

@@ -102,8 +102,9 @@ class Harness:
         (prop,) = self.reference.propose([DraftSeq(sid, 0, list(tokens), self.temperature, seed=100 + sid)], K)
         return prop.draft_token_ids.tolist(), prop.q_token_ids, prop.q_probs
 
-    def request(self, outcomes: list[tuple[int, int, int]]) -> None:
-        """outcomes: (seq_id, num_accepted, token_id) of the speculation last returned."""
+    def request(self, outcomes: list[tuple[int, int, int]], **flags) -> None:
+        """outcomes: (seq_id, num_accepted, token_id) of the speculation last returned;
+        flags: SpecRequest's work_ahead, branches, backup."""
         self.step += 1
         lens = []
         for sid, j, t in outcomes:
@@ -114,7 +115,7 @@ class Harness:
             step=self.step, seq_ids=np.array([o[0] for o in outcomes], np.int64),
             rounds=np.array([self.rounds[o[0]] for o in outcomes], np.int64),
             num_accepted=np.array([o[1] for o in outcomes], np.int32),
-            token_ids=np.array([o[2] for o in outcomes], np.int64), seq_lens=np.array(lens, np.int64), k=K))
+            token_ids=np.array([o[2] for o in outcomes], np.int64), seq_lens=np.array(lens, np.int64), k=K, **flags))
 
     def drain(self) -> None:
         """Handle every queued message (no idle poll in between)."""
@@ -329,3 +330,38 @@ def test_fixed_tree_keeps_its_shape_when_the_request_is_waiting(model_dir):
     h.drain()
     h.check_exact(h.response())
     assert h.worker.ssd.budget.branches(1) == top and h.worker.stats().num_tree_shrinks == 0
+
+
+def test_a_request_names_the_tree_shape_and_the_backup_and_stays_exact(model_dir):
+    """The target's round policy names the branches per sequence and the backup per
+    request: the draft follows (counting each move) and every answer stays exact."""
+    h = Harness(model_dir, tree_shape="auto")
+    ssd = h.worker.ssd
+    levels = h.cfg.spec.tree_levels(1)
+    assert len(levels) == 3 and ssd.budget.policy == "auto"
+    h.add(1)
+    h.drain()
+    h.worker.run_once()  # prefetch, at the largest tree
+    h.request([(1, 0, h.chain(1, PROMPTS[1])[0][0])], branches=levels[1])
+    h.drain()
+    h.check_exact(h.response())
+    assert ssd.budget.branches(1) == levels[1] and ssd.budget.num_shrinks == 1
+    assert len(ssd.cache._entries[1]) <= levels[1]
+    # A miss answered with no backup: no drafts, and the next round (from an empty
+    # speculation) is exact again; a request for more branches than exist gets the largest tree.
+    reject = next(t for t in range(3, 384) if t != h.last[1][1] and ssd.cache.lookup(1, 1, t) is None)
+    h.request([(1, 1, reject)], branches=100, backup="none")
+    h.drain()
+    resp = h.response()
+    assert resp.cache_hit.tolist() == [False] and resp.num_draft_tokens.tolist() == [0]
+    assert ssd.budget.branches(1) == levels[0] and ssd.budget.num_grows == 1
+    h.request([(1, 0, h.chain(1, h.tokens[1])[0][0])], branches=levels[2])
+    h.drain()
+    resp = h.response()
+    assert resp.cache_hit.tolist() == [True]
+    h.check_exact(resp)
+    assert h.worker.stats().num_tree_shrinks == 2 and h.worker.stats().num_tree_grows == 1
+    h.request([(1, 0, 5)], backup="ngram")  # not a backup a request can name
+    h.drain()
+    (err,) = h.chan.sent
+    assert isinstance(err, m.ErrorReply) and err.code == "bad_request" and "backup" in err.message

@@ -73,7 +73,9 @@ def test_an_unmeasured_level_is_estimated_at_twice_the_work_below():
 
 @pytest.mark.parametrize("shape", ["auto", "fixed"])
 def test_tree_graph_shapes_cover_every_level(shape):
-    spec = SpeculativeConfig(mode="ssd", k=4, fan_out=(3,) * 5, tree_budget=64, tree_shape=shape)
+    # --fan-out and --tree-budget pin the tree like --tree-shape fixed.
+    pins = {} if shape == "auto" else dict(fan_out=(3,) * 5, tree_budget=64)
+    spec = SpeculativeConfig(mode="ssd", k=4, tree_shape=shape, **pins)
     shapes = set(tree_shapes(spec, 16))
     for b in (1, 2, 4, 8, 16):
         top = branches_per_seq(spec, b)

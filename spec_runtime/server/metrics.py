@@ -71,7 +71,7 @@ COUNTERS = (
     ("cache_misses", "spec_decode_cache_misses", "SSD tree-cache look-ups that missed."),
     ("ar_fallback", "spec_decode_ar_fallback_rounds", "Rounds decoded without speculation."),
     ("sd_rounds", "spec_decode_sd_rounds",
-     "SSD mode: rounds answered by a chain drafted on request, as the work-ahead policy chose."),
+     "SSD mode: rounds answered by a chain drafted on request, as the round policy chose."),
     ("prompt_tokens", "prompt_tokens", "Prompt tokens of finished requests."),
     ("generation_tokens", "generation_tokens", "Generated tokens of finished requests."),
     ("requests", "request_success", "Finished requests by finish reason.", "finished_reason"),
@@ -86,6 +86,24 @@ COUNTERS = (
 # Counters that follow the engine's totals (EngineStats field -> attribute), read at scrape time.
 _ENGINE_COUNTERS = {"num_preemptions": "preemptions", "prefix_cache_queries": "prefix_cache_queries",
                     "prefix_cache_hits": "prefix_cache_hits"}
+
+# The round policy's and the draft's counters, also following the engine's totals:
+# (attribute, EngineStats field, name, help). The draft's tree counters start again at 0
+# when a draft is restarted; the counter then adds the new process's count.
+ENGINE_COUNTERS = (
+    ("ssd_steps", "num_ssd_rounds", "spec_decode_ssd_steps",
+     "SSD mode: steps whose request asked the draft to work ahead (SSD rounds), as the round policy chose."),
+    ("sd_steps", "num_sd_rounds", "spec_decode_sd_steps",
+     "SSD mode: steps whose request asked for a chain drafted on request (synchronous SD rounds)."),
+    ("plain_steps", "num_plain_steps", "spec_decode_plain_steps",
+     "Steps the speculation or round policy ran without speculation, as measured faster."),
+    ("round_switches", "num_round_switches", "spec_decode_round_policy_switches",
+     "SSD mode: changes of the round policy's choice for a batch size (probes not counted)."),
+    ("tree_shrinks", "draft_tree_shrinks", "spec_decode_tree_shrinks",
+     "SSD: moves of the draft's tree to fewer branches per sequence."),
+    ("tree_grows", "draft_tree_grows", "spec_decode_tree_grows",
+     "SSD: moves of the draft's tree to more branches per sequence."),
+)
 
 # (attribute, name, help, buckets: "latency" or "length").
 HISTOGRAMS = (
@@ -186,6 +204,12 @@ class ServerMetrics:
             setattr(self, attr, Histogram(p + name, doc, lbl, buckets=buckets[kind], registry=r))
         for attr, name, doc in GAUGES:
             setattr(self, attr, Gauge(p + name, doc, lbl, registry=r))
+        for attr, _, name, doc in ENGINE_COUNTERS:
+            setattr(self, attr, Counter(p + name, doc, lbl, registry=r))
+        self.round_choice = Gauge(p + "spec_decode_round_choice", "SSD mode: 1 for the round policy's current choice "
+                                  "per batch-size bucket (e.g. choice=\"ssd 8 branches, backup jit\", \"sd\", "
+                                  "\"plain\").", lbl + ["batch_size", "choice"], registry=r)
+        self._policy_seen: dict[str, int] = {}
         self._restarts_seen = 0
         # The engine's own totals the counters below follow (they only grow while it lives).
         self._engine_seen = dict.fromkeys(_ENGINE_COUNTERS.values(), 0)
@@ -197,6 +221,8 @@ class ServerMetrics:
         for attr, *_ in HISTOGRAMS:
             getattr(self, attr).labels(model_name)
         for attr, *_ in GAUGES:
+            getattr(self, attr).labels(model_name)
+        for attr, *_ in ENGINE_COUNTERS:
             getattr(self, attr).labels(model_name)
         if replica_id is not None:
             Gauge(p + "replica_info", "1: these metrics are of this replica only (Ray Serve); the cluster-wide "
@@ -235,6 +261,15 @@ class ServerMetrics:
                 if value > self._engine_seen[attr]:
                     getattr(self, attr).labels(self._model).inc(value - self._engine_seen[attr])
                     self._engine_seen[attr] = value
+            for attr, fld, *_ in ENGINE_COUNTERS:
+                value, seen = getattr(engine, fld), self._policy_seen.get(attr, 0)
+                inc = value - seen if value >= seen else value  # a restarted draft counts from 0
+                if inc > 0:
+                    getattr(self, attr).labels(self._model).inc(inc)
+                self._policy_seen[attr] = value
+            self.round_choice.clear()
+            for bucket, choice in engine.round_choices.items():
+                self.round_choice.labels(self._model, str(bucket), choice).set(1)
             if self._mirror is not None:
                 self._mirror.observe_engine(engine)
         if draft_restarts > self._restarts_seen:

@@ -41,6 +41,8 @@ def spec_decode_usage(stats: RequestStats, mode: str, k: int) -> dict:
         "num_cache_hits": stats.num_cache_hits,
         "num_cache_misses": stats.num_cache_misses,
         "num_ar_fallback_rounds": stats.num_ar_fallback_rounds,
+        "num_sd_rounds": stats.num_sd_rounds,
+        "num_plain_rounds": stats.num_plain_rounds,
         "engine_ttft_s": round(stats.ttft_s, 6),
         "engine_e2e_s": round(stats.e2e_s, 6),
     }
@@ -55,6 +57,7 @@ def stats_from_usage(spec: dict) -> RequestStats:
         drafted_per_position=list(spec.get("drafted_per_position", [])),
         num_cache_hits=spec.get("num_cache_hits", 0), num_cache_misses=spec.get("num_cache_misses", 0),
         num_ar_fallback_rounds=spec.get("num_ar_fallback_rounds", 0),
+        num_sd_rounds=spec.get("num_sd_rounds", 0), num_plain_rounds=spec.get("num_plain_rounds", 0),
         ttft_s=spec.get("engine_ttft_s", 0.0), e2e_s=spec.get("engine_e2e_s", 0.0),
     )
 

@@ -1,0 +1,330 @@
+"""How each SSD-mode step runs, per batch size, chosen from measured costs.
+
+Per batch-size bucket (a power of two) the options are:
+  - an SSD round at a tree shape n (branches per sequence, a level of
+    SpeculativeConfig.tree_levels) with a miss backup (jit, or none);
+  - a synchronous SD round: the draft answers with a chain drafted on request and does
+    not work ahead (as `--mode sd`);
+  - plain decoding: no speculation.
+Every option yields the target's distribution exactly; they differ only in speed, so the
+policy predicts each one's tokens/s and runs the fastest.
+
+What it measures (running means per bucket, from the worker's step timings and the
+draft's answers):
+  S      the step's verify and host work, with and without a work-ahead beside it;
+  P      a plain step;
+  c      the wait for a chain drafted on request (SD rounds: the draft's chain step,
+         transfer included);
+  W[n]   the draft's work-ahead at shape n (glue + K tree steps), as it reports it;
+  h[n]   the share of look-ups that hit a tree of shape n;
+  a      tokens per sequence per round with a full speculation (accepted + 1);
+  e      what SSD rounds wait beyond the model below (transfer, answer time).
+The prediction for B sequences:
+  plain          B / P
+  SD             B a / (S + c)
+  SSD n, jit     B a / (S + max(0, W[n] - S) + (1 - h[n]^B) c + e)
+  SSD n, none    B (h a + 1 - h) / (S + max(0, W[n] - S) + e)
+The work-ahead runs while the target verifies, so only its overrun costs; one miss in the
+batch makes the whole answer wait for the jit chain, which is why `none` (a missed
+sequence verifies only its own token) can win at large batch.
+
+How it chooses: the largest tree with jit first, until it is measured; then one probe of
+SD rounds (measures c). From then on each step runs the best prediction. An option whose
+inputs are not measured yet is probed before it is run: the next smaller tree when the
+best one overruns the verify, plain decoding when its estimate (P taken as S) wins.
+Every `probe_every` steps the runner-up is probed for `probe_len` steps so its
+measurements stay current. A step measures an option only when the two requests before
+it made the same choice (its wait answers the request one back, from the cache built
+after the request two back). `jit` is the backup below batch 8.
+
+Overrides pin what they name: --tree-shape fixed, --fan-out or --tree-budget (one tree
+shape), --backup (one backup), --work-ahead always (no SD rounds), --spec-policy always
+(no plain steps). Pure bookkeeping, no torch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+JIT_ONLY_BELOW = 8  # batch sizes that always use the jit backup
+_DECAY = 0.8  # weight of a running mean's past
+_MIN_SAMPLES = 2  # measurements of W[n] and h[n] before a tree shape is predicted
+_MARGIN = 0.03  # a choice changes only for a prediction this much faster
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """One step's choice. kind: "ssd", "sd" or "plain". branches: SSD branches per
+    sequence (0: the draft's own). backup: what answers the next round's misses ("": the
+    configured backup)."""
+
+    kind: str
+    branches: int = 0
+    backup: str = ""
+
+    @property
+    def speculate(self) -> bool:
+        return self.kind != "plain"
+
+    @property
+    def work_ahead(self) -> bool:
+        return self.kind == "ssd"
+
+    def label(self) -> str:
+        if self.kind != "ssd":
+            return self.kind
+        shape = f"{self.branches} branches" if self.branches else "configured tree"
+        return f"ssd {shape}, backup {self.backup or 'configured'}"
+
+
+SD = RoundPlan("sd")
+PLAIN = RoundPlan("plain")
+
+
+def _mean(old: float | None, x: float) -> float:
+    return x if old is None else _DECAY * old + (1 - _DECAY) * x
+
+
+@dataclass
+class Costs:
+    """The measurements of one batch-size bucket (see the module doc)."""
+
+    verify_s: dict[bool, float | None] = field(default_factory=lambda: {True: None, False: None})
+    plain_s: float | None = None
+    chain_s: float | None = None
+    work_s: dict[int, float] = field(default_factory=dict)
+    hit_rate: dict[int, float] = field(default_factory=dict)
+    tokens: float | None = None
+    extra_s: float = 0.0
+    samples: Counter = field(default_factory=Counter)
+
+    def verify(self, work_ahead: bool) -> float | None:
+        v = self.verify_s[work_ahead]
+        return v if v is not None else self.verify_s[not work_ahead]
+
+    def ssd_wait(self, batch: int, branches: int, backup: str) -> float | None:
+        """The modelled wait of an SSD round, e left out; None until W and h are measured."""
+        s, w, h = self.verify(True), self.work_s.get(branches), self.hit_rate.get(branches)
+        if s is None or w is None or h is None or self.samples[("w", branches)] < _MIN_SAMPLES:
+            return None
+        miss = 0.0 if backup == "none" else (1.0 - h ** batch) * (self.chain_s or 0.0)
+        return max(0.0, w - s) + miss
+
+
+def predict(plan: RoundPlan, batch: int, c: Costs) -> float | None:
+    """Predicted tokens/s of `plan` for `batch` sequences, or None while an input is unmeasured."""
+    if plan.kind == "plain":
+        p = c.plain_s if c.plain_s is not None else c.verify(False)  # a plain step runs the same padded verify
+        return batch / p if p else None
+    if c.tokens is None:
+        return None
+    if plan.kind == "sd":
+        s = c.verify(False)
+        return batch * c.tokens / (s + c.chain_s) if s is not None and c.chain_s is not None else None
+    wait = c.ssd_wait(batch, plan.branches, plan.backup)
+    if wait is None:
+        return None
+    h = c.hit_rate[plan.branches]
+    tokens = batch * (h * c.tokens + 1.0 - h if plan.backup == "none" else c.tokens)
+    return tokens / (c.verify(True) + max(0.0, wait + c.extra_s))
+
+
+@dataclass
+class _Bucket:
+    costs: Costs = field(default_factory=Costs)
+    choice: RoundPlan | None = None
+    probe: deque = field(default_factory=deque)  # plans still to run in a probe
+    steps_since_probe: int = 0
+
+
+class RoundPolicy:
+    """Per batch-size bucket, the plan of each step; see the module doc."""
+
+    def __init__(self, tree_levels, *, allow_sd: bool = True, allow_plain: bool = True, backup_auto: bool = True,
+                 probe_every: int = 64, probe_len: int = 4, warmup: int = 4):
+        """tree_levels(batch) -> the tree shapes SSD may run, largest first (one: pinned;
+        shapes are then left to the draft, as 0). backup_auto: choose jit or none per
+        round; False keeps the configured backup."""
+        if probe_every < 2 or probe_len < 1 or warmup < 1:
+            raise ValueError("need probe_every >= 2, probe_len >= 1 and warmup >= 1")
+        self.tree_levels = tree_levels
+        self.allow_sd = allow_sd
+        self.allow_plain = allow_plain
+        self.backup_auto = backup_auto
+        self.probe_every = probe_every
+        self.probe_len = probe_len
+        self.warmup = warmup
+        self._buckets: dict[int, _Bucket] = {}
+        self._history: deque = deque([(0, None), (0, None)], maxlen=2)  # (bucket, plan) of the last two steps
+        self.num_ssd_rounds = 0
+        self.num_sd_rounds = 0
+        self.num_plain_steps = 0
+        self.num_switches = 0
+
+    @classmethod
+    def for_config(cls, cfg) -> "RoundPolicy":
+        spec = cfg.spec
+        return cls(spec.tree_levels, allow_sd=spec.work_ahead == "auto" and spec.backup != "none",
+                   allow_plain=cfg.sched.spec_policy == "adaptive", backup_auto=spec.backup == "auto",
+                   probe_every=cfg.sched.spec_policy_probe_every)
+
+    @staticmethod
+    def bucket(batch: int) -> int:
+        return 1 << max(0, (batch - 1).bit_length())
+
+    def options(self, batch: int) -> list[RoundPlan]:
+        """Every plan allowed at this batch size: SSD shapes (largest first) x backups, SD, plain."""
+        levels = self.tree_levels(batch)
+        shapes = levels if len(levels) > 1 else [0]
+        backups = ["jit", "none"] if self.backup_auto and batch >= JIT_ONLY_BELOW else (
+            ["jit"] if self.backup_auto else [""])
+        out = [RoundPlan("ssd", n, b) for b in backups for n in shapes]
+        return out + ([SD] if self.allow_sd else []) + ([PLAIN] if self.allow_plain else [])
+
+    # ---------------------------------------------------------------- choosing
+
+    def choose(self, batch: int) -> RoundPlan:
+        """The plan of the step about to run over `batch` sequences."""
+        plan = self._choose(batch)
+        if plan.kind == "ssd":
+            self.num_ssd_rounds += 1
+        elif plan.kind == "sd":
+            self.num_sd_rounds += 1
+        else:
+            self.num_plain_steps += 1
+        return plan
+
+    def _choose(self, batch: int) -> RoundPlan:
+        key = self.bucket(batch)
+        b = self._buckets.setdefault(key, _Bucket())
+        if b.probe:
+            return b.probe.popleft()
+        opts = self.options(batch)
+        c = b.costs
+        first = opts[0]
+        if first.kind == "ssd" and c.samples[("w", first.branches)] < max(self.warmup, _MIN_SAMPLES):
+            return first  # measure the largest tree first
+        if self.allow_sd and c.chain_s is None:
+            return self._start_probe(b, SD)
+        rates = {p: r for p in opts if (r := predict(p, batch, c)) is not None}
+        if not rates:
+            return first
+        ranked = sorted(rates, key=rates.get, reverse=True)
+        best = ranked[0]
+        if b.choice in rates and rates[b.choice] >= (1 - _MARGIN) * rates[best]:
+            best = b.choice  # hold on to the choice unless another is clearly faster
+        explore = self._unmeasured_alternative(batch, best, rates, opts, c)
+        if explore is not None:
+            return self._start_probe(b, explore)
+        self._set_choice(key, b, best, rates)
+        b.steps_since_probe += 1
+        others = [p for p in ranked if p != best]
+        if others and b.steps_since_probe >= self.probe_every:
+            b.steps_since_probe = 0
+            return self._start_probe(b, others[0])
+        return best
+
+    def _unmeasured_alternative(self, batch: int, best: RoundPlan, rates: dict, opts: list[RoundPlan],
+                                c: Costs) -> RoundPlan | None:
+        """An option worth measuring before `best` runs: plain decoding when its estimate
+        wins and P was never measured; the next smaller tree below one that overruns the
+        verify, when it would beat `best` if it fit (its hit rate at most the larger one's)."""
+        if best.kind == "plain" and c.plain_s is None:
+            return best
+        s = c.verify(True)
+        if s is None or c.tokens is None:
+            return None
+        for backup in dict.fromkeys(p.backup for p in opts if p.kind == "ssd" and p.branches):
+            shapes = [p for p in opts if p.kind == "ssd" and p.branches and p.backup == backup]
+            for larger, smaller in zip(shapes, shapes[1:]):
+                measured = c.samples[("w", smaller.branches)] >= _MIN_SAMPLES
+                if measured or c.samples[("w", larger.branches)] < _MIN_SAMPLES:
+                    continue
+                if c.work_s[larger.branches] <= s:
+                    break  # the larger tree fits: a smaller one cannot be faster
+                h = c.hit_rate[larger.branches]
+                tokens = batch * (h * c.tokens + 1.0 - h if backup == "none" else c.tokens)
+                miss = 0.0 if backup == "none" else (1.0 - h ** batch) * (c.chain_s or 0.0)
+                if tokens / (s + miss + max(0.0, c.extra_s)) > (1 + _MARGIN) * rates[best]:
+                    return smaller
+                break
+        return None
+
+    def _start_probe(self, b: _Bucket, plan: RoundPlan) -> RoundPlan:
+        b.probe.extend([plan] * (self.probe_len + 1))  # the first two steps of a change measure nothing
+        return b.probe.popleft()
+
+    def _set_choice(self, key: int, b: _Bucket, plan: RoundPlan, rates: dict) -> None:
+        if plan == b.choice:
+            return
+        if b.choice is not None:
+            self.num_switches += 1
+        b.choice = plan
+        others = ", ".join(f"{p.label()} {r:.0f}" for p, r in sorted(rates.items(), key=lambda x: -x[1]) if p != plan)
+        logger.info("batch size ~%d: %s (predicted %.0f tok/s; %s)", key, plan.label(), rates[plan], others or "no other")
+
+    # ---------------------------------------------------------------- measuring
+
+    def record(self, batch: int, plan: RoundPlan, *, wait_s: float, busy_s: float, num_specs: int = 0,
+               num_hits: int = 0, num_drafted: int = 0, drafted_tokens: int = 0, draft_work_s: float = 0.0) -> None:
+        """One step over `batch` sequences ran `plan`: it waited wait_s for speculations and
+        spent busy_s on the verify and host work. num_specs speculations arrived, num_hits
+        of them from the tree cache; num_drafted sequences had drafts and produced
+        drafted_tokens tokens; draft_work_s: the work-ahead the draft reported with them."""
+        key = self.bucket(batch)
+        c = self._buckets.setdefault(key, _Bucket()).costs
+        (k2, p2), (k1, p1) = self._history
+        self._history.append((key, plan))
+        if num_drafted:
+            c.tokens = _mean(c.tokens, drafted_tokens / num_drafted)
+        if k1 != key or p1 is None:
+            return
+        if not plan.speculate:
+            if not p1.speculate:
+                c.plain_s = _mean(c.plain_s, wait_s + busy_s)
+            return
+        if not num_specs:
+            return
+        # The work-ahead after the last request ran beside this step's verify.
+        c.verify_s[p1.work_ahead] = _mean(c.verify_s[p1.work_ahead], busy_s)
+        if k2 != key or p2 is None:
+            return
+        if not p2.work_ahead and p1.kind == "sd":
+            c.chain_s = _mean(c.chain_s, wait_s)  # no cache: the answer was a chain drafted on request
+        if p2.work_ahead and p2.branches == plan.branches and p1 == p2 and plan == p2:
+            n = p2.branches
+            if draft_work_s > 0:
+                c.work_s[n] = _mean(c.work_s.get(n), draft_work_s)
+                c.samples[("w", n)] += 1
+            c.hit_rate[n] = _mean(c.hit_rate.get(n), num_hits / num_specs)
+            modelled = c.ssd_wait(batch, n, p2.backup)
+            if modelled is not None:
+                c.extra_s = _mean(c.extra_s, wait_s - modelled)
+
+    def record_step(self, plan: RoundPlan, specs: dict, num_draft: list[int], num_accepted: list[int],
+                    wait_s: float, busy_s: float, draft_work_s: float) -> None:
+        """`record` from the worker's view of a step: the speculations that arrived (each
+        with .cache_hit), per sequence its drafts and accepted tokens."""
+        drafted = [j + 1 for j, m in zip(num_accepted, num_draft) if m]
+        self.record(len(num_draft), plan, wait_s=wait_s, busy_s=busy_s, num_specs=len(specs),
+                    num_hits=sum(1 for s in specs.values() if s.cache_hit), num_drafted=len(drafted),
+                    drafted_tokens=sum(drafted), draft_work_s=draft_work_s)
+
+    # ---------------------------------------------------------------- reading
+
+    def engine_fields(self) -> dict:
+        """The policy's part of EngineStats."""
+        return dict(num_plain_steps=self.num_plain_steps, num_ssd_rounds=self.num_ssd_rounds,
+                    num_sd_rounds=self.num_sd_rounds, num_round_switches=self.num_switches,
+                    round_choices=self.summary())
+
+    def costs(self, batch: int) -> Costs:
+        return self._buckets.setdefault(self.bucket(batch), _Bucket()).costs
+
+    def summary(self) -> dict[int, str]:
+        """The choice per bucket, for stats and logs."""
+        return {k: b.choice.label() for k, b in sorted(self._buckets.items()) if b.choice is not None}

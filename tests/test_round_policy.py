@@ -1,0 +1,216 @@
+"""The SSD round policy: per batch size, SSD rounds (tree shape, backup), SD rounds or plain
+steps, whichever the measured costs predict fastest. Costs are injected (a simulated
+draft and target), so nothing here depends on this machine's speed."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from spec_runtime.config import ModelConfig, RuntimeConfig, SchedulerConfig, SpeculativeConfig
+from target_proc.round_policy import PLAIN, SD, Costs, RoundPlan, RoundPolicy, predict
+
+LEVELS = [16, 8, 4]
+
+
+def _policy(levels=LEVELS, **kw) -> RoundPolicy:
+    kw.setdefault("probe_every", 32)
+    return RoundPolicy(lambda b: list(levels), **kw)
+
+
+def simulate(policy, batch, steps, *, verify_s, chain_s, work_s, hit_rate, tokens=3.0, plain_s=None):
+    """Drive the policy as the target worker does, with a draft and target of these costs:
+    a step waits for the answer to the last request, from the tree built after the one
+    before (its overrun, and the jit chain when any sequence missed) or a chain drafted
+    on request. Returns the plans chosen."""
+    plans, hist = [], [None, None]
+    for _ in range(steps):
+        plan = policy.choose(batch)
+        p2, p1 = hist
+        kw = dict(wait_s=0.0, busy_s=plain_s or verify_s)
+        if plan.speculate:
+            if p2 is not None and p2.work_ahead:
+                n = p2.branches or LEVELS[0]
+                h, w = hit_rate[n], work_s[n]
+                none = p1.backup == "none"
+                wait = max(0.0, w - verify_s) + (0.0 if none else (1 - h ** batch) * chain_s)
+                hits = round(h * batch)
+                drafted = hits if none else batch
+                kw = dict(wait_s=wait, busy_s=verify_s, num_specs=batch, num_hits=hits, num_drafted=drafted,
+                          drafted_tokens=int(tokens * drafted), draft_work_s=w)
+            else:
+                kw = dict(wait_s=chain_s, busy_s=verify_s, num_specs=batch, num_drafted=batch,
+                          drafted_tokens=int(tokens * batch))
+        policy.record(batch, plan, **kw)
+        plans.append(plan)
+        hist = [p1, plan]
+    return plans
+
+
+FITS = dict(verify_s=0.020, chain_s=0.010, work_s={16: 0.015, 8: 0.012, 4: 0.010},
+            hit_rate={16: 0.9, 8: 0.8, 4: 0.6})
+
+
+def test_ssd_when_the_work_ahead_fits_inside_the_verify(caplog):
+    p = _policy()
+    with caplog.at_level(logging.INFO, logger="target_proc.round_policy"):
+        plans = simulate(p, 1, 200, **FITS)
+    best = RoundPlan("ssd", 16, "jit")
+    assert plans[0] == best and SD in plans[:20]  # the largest tree first, then one probe of SD
+    assert p.summary() == {1: best.label()}
+    assert plans[-100:].count(best) >= 80  # the rest are probes of the runner-up
+    assert RoundPlan("ssd", 8, "jit") not in plans  # it fits: no smaller tree is tried
+    lines = [r.getMessage() for r in caplog.records if "batch size ~1" in r.getMessage()]
+    assert len(lines) == 1 and "ssd 16 branches, backup jit" in lines[0]  # logged once
+    assert p.num_ssd_rounds + p.num_sd_rounds + p.num_plain_steps == 200
+
+
+def test_sd_when_the_work_ahead_is_slow():
+    p = _policy()
+    slow = dict(FITS, work_s={16: 0.045, 8: 0.040, 4: 0.038})
+    plans = simulate(p, 1, 200, **slow)
+    assert p.summary() == {1: "sd"}
+    assert plans[-100:].count(SD) >= 80
+    # The overrunning trees were measured smaller first, each found too slow.
+    assert RoundPlan("ssd", 8, "jit") in plans and RoundPlan("ssd", 4, "jit") in plans
+    c = p.costs(1)
+    assert c.work_s[8] == pytest.approx(0.040) and c.chain_s == pytest.approx(0.010)
+
+
+def test_plain_when_the_verify_is_cheap_against_the_draft():
+    p = _policy()
+    plans = simulate(p, 4, 200, verify_s=0.005, chain_s=0.030, work_s={16: 0.040, 8: 0.035, 4: 0.030},
+                     hit_rate={16: 0.9, 8: 0.8, 4: 0.7}, tokens=2.0)
+    assert p.summary() == {4: "plain"} and plans[-100:].count(PLAIN) >= 80
+    assert p.costs(4).plain_s == pytest.approx(0.005)  # measured in a probe before it was chosen
+
+
+def test_a_smaller_tree_when_the_largest_overruns_and_the_smaller_fits():
+    p = _policy()
+    costs = dict(verify_s=0.020, chain_s=0.010, work_s={16: 0.030, 8: 0.018, 4: 0.012},
+                 hit_rate={16: 0.9, 8: 0.85, 4: 0.7})
+    plans = simulate(p, 1, 200, **costs)
+    assert p.summary() == {1: RoundPlan("ssd", 8, "jit").label()}
+    assert RoundPlan("ssd", 4, "jit") not in plans  # 8 fits: no need to go smaller
+
+
+def test_backup_none_at_large_batch_jit_at_small():
+    costs = dict(verify_s=0.030, chain_s=0.020, work_s={16: 0.025, 8: 0.02, 4: 0.015},
+                 hit_rate={16: 0.9, 8: 0.9, 4: 0.9})
+    p = _policy()
+    simulate(p, 16, 300, **costs)
+    # One miss in 16 sequences (81% of rounds) makes everyone wait for a jit chain.
+    assert p.summary() == {16: RoundPlan("ssd", 16, "none").label()}
+    simulate(p, 4, 300, **costs)
+    assert p.summary()[4] == RoundPlan("ssd", 16, "jit").label()  # below 8: jit only
+    assert all(o.backup != "none" for o in p.options(4))
+
+
+def test_the_choice_follows_the_costs_when_they_change():
+    p = _policy(probe_every=16)
+    slow = dict(FITS, work_s={16: 0.045, 8: 0.040, 4: 0.038})
+    simulate(p, 1, 200, **slow)
+    assert p.summary() == {1: "sd"}
+    plans = simulate(p, 1, 300, **FITS)  # the draft got faster: probes of the runner-up notice
+    assert p.summary()[1].startswith("ssd") and p.num_switches >= 1
+    assert plans[-50:].count(SD) <= 15  # probes only (5 of every 21 steps)
+
+
+def test_overrides_pin_what_they_name():
+    p = _policy(levels=[16], allow_sd=False, allow_plain=False, backup_auto=False)
+    assert p.options(16) == [RoundPlan("ssd", 0, "")]
+    plans = simulate(p, 16, 100, verify_s=0.005, chain_s=0.030, work_s={16: 0.040}, hit_rate={16: 0.5})
+    assert set(plans) == {RoundPlan("ssd", 0, "")}
+    # From the config: --tree-budget, --fan-out and --tree-shape fixed pin the tree; --backup
+    # pins the backup; --work-ahead always and --spec-policy always drop SD and plain steps.
+    spec = SpeculativeConfig(mode="ssd", k=4)
+    assert spec.tree_levels(1) == [8, 4, 2] and not spec.tree_pinned  # 3,2,1,1,1 = 8 branches at most
+    for pin in (dict(tree_budget=32), dict(fan_out=(3,) * 5), dict(tree_shape="fixed")):
+        assert len(SpeculativeConfig(mode="ssd", k=4, **pin).tree_levels(1)) == 1
+    cfg = RuntimeConfig(spec=SpeculativeConfig(mode="ssd", k=4, backup="ngram", work_ahead="always"),
+                        sched=SchedulerConfig(spec_policy="always"), draft=ModelConfig(path="x"))
+    rp = RoundPolicy.for_config(cfg)
+    assert [o.kind for o in rp.options(16)] == ["ssd"] * 3 and {o.backup for o in rp.options(16)} == {""}
+    default = RoundPolicy.for_config(RuntimeConfig(spec=SpeculativeConfig(mode="ssd", k=4),
+                                                   draft=ModelConfig(path="x")))
+    kinds = [o.kind for o in default.options(16)]
+    assert kinds.count("ssd") == 6 and "sd" in kinds and "plain" in kinds
+
+
+def test_predictions_follow_the_model():
+    c = Costs(verify_s={True: 0.02, False: 0.02}, chain_s=0.01, work_s={8: 0.03}, hit_rate={8: 0.5}, tokens=3.0)
+    c.samples[("w", 8)] = 5
+    assert predict(SD, 2, c) == pytest.approx(2 * 3.0 / 0.03)
+    assert predict(PLAIN, 2, c) == pytest.approx(2 / 0.02)  # P estimated as the verify
+    # overrun 10 ms, P(any of 2 misses) = 0.75 -> 7.5 ms of jit chain
+    assert predict(RoundPlan("ssd", 8, "jit"), 2, c) == pytest.approx(6.0 / (0.02 + 0.01 + 0.0075))
+    assert predict(RoundPlan("ssd", 8, "none"), 2, c) == pytest.approx(2 * (0.5 * 3 + 0.5) / 0.03)
+    assert predict(RoundPlan("ssd", 4, "jit"), 2, c) is None  # not measured
+    with pytest.raises(ValueError):
+        RoundPolicy(lambda b: [1], probe_every=1)
+
+
+def test_greedy_output_is_ars_across_forced_switches(tiny_pair, ar_reference):
+    """The default SSD policies with a probe every 2 steps: SSD rounds (at several tree
+    shapes), SD rounds and plain steps alternate all the time; the output stays exactly
+    AR's and every round of every request is accounted for."""
+    from e2e_util import make_config, random_prompts
+    from protocol.messages import SamplingParams
+    from spec_runtime.client import Client
+
+    target, draft = tiny_pair
+    prompts = random_prompts(384)
+    sp = SamplingParams(max_tokens=48, ignore_eos=True)
+    ar = ar_reference(target, prompts, sp.max_tokens)
+    cfg = make_config(target, draft, mode="ssd", k=3, work_ahead="auto", tree_shape="auto", spec_policy="adaptive")
+    cfg = cfg.replace(sched=SchedulerConfig(max_batch_size=4, max_model_len=256, spec_policy="adaptive",
+                                            spec_policy_probe_every=2))
+    with Client(cfg) as client:
+        res = client.generate_batch(prompts, sp)
+        stats = client.engine_stats()
+    assert [r.token_ids for r in res] == ar
+    assert stats.num_ssd_rounds > 0 and stats.num_sd_rounds > 0 and stats.num_plain_steps > 0
+    assert stats.round_choices and all(isinstance(k, int) for k in stats.round_choices)
+    t = stats.totals
+    assert t.num_cache_hits > 0 and t.num_sd_rounds > 0 and t.num_plain_rounds > 0 and t.num_ar_fallback_rounds == 0
+    for r in res:  # the first token comes from the prefill, then each round is one of these
+        s = r.stats
+        assert s.num_rounds - 1 == (s.num_cache_hits + s.num_cache_misses + s.num_sd_rounds + s.num_plain_rounds
+                                    + s.num_ar_fallback_rounds), s
+
+
+def test_engine_counters_and_the_choice_are_exported():
+    from protocol.messages import EngineStats, RequestStats
+    from spec_runtime.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics("m", k=2)
+
+    def scrape(**kw) -> dict[str, float]:
+        engine = EngineStats(num_running=1, num_waiting=0, num_free_slots=3, draft_alive=True, mode="ssd",
+                             totals=RequestStats(), **kw)
+        out = {}
+        for line in metrics.render(engine).decode().splitlines():
+            if line.startswith("spec_runtime:") and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    m = scrape(num_ssd_rounds=10, num_sd_rounds=4, num_plain_steps=2, num_round_switches=1, draft_tree_shrinks=3,
+               draft_tree_grows=1, round_choices={1: "ssd 8 branches, backup jit", 16: "sd"})
+    lbl = '{model_name="m"}'
+    assert m[f"spec_runtime:spec_decode_ssd_steps_total{lbl}"] == 10
+    assert m[f"spec_runtime:spec_decode_sd_steps_total{lbl}"] == 4
+    assert m[f"spec_runtime:spec_decode_plain_steps_total{lbl}"] == 2
+    assert m[f"spec_runtime:spec_decode_round_policy_switches_total{lbl}"] == 1
+    assert m[f"spec_runtime:spec_decode_tree_shrinks_total{lbl}"] == 3
+    assert m[f"spec_runtime:spec_decode_tree_grows_total{lbl}"] == 1
+    assert m['spec_runtime:spec_decode_round_choice{batch_size="16",choice="sd",model_name="m"}'] == 1
+    # Counters follow the engine's totals; a restarted draft counts its tree moves from 0.
+    m = scrape(num_ssd_rounds=15, num_sd_rounds=4, num_plain_steps=2, num_round_switches=2, draft_tree_shrinks=1,
+               round_choices={16: "ssd 4 branches, backup none"})
+    assert m[f"spec_runtime:spec_decode_ssd_steps_total{lbl}"] == 15
+    assert m[f"spec_runtime:spec_decode_tree_shrinks_total{lbl}"] == 4
+    assert m['spec_runtime:spec_decode_round_choice{batch_size="16",choice="ssd 4 branches, backup none",'
+             'model_name="m"}'] == 1
+    assert not any('choice="sd"' in k for k in m)  # the old choice is gone
