@@ -157,3 +157,32 @@ def test_rank_roles_and_their_devices():
     cfg = _tp_config(2)
     pinned = pin_device(cfg.replace(target=dataclasses.replace(cfg.target, device="cuda:3")), "target-rank1")
     assert pinned.target.device == "cuda:0" and pinned.draft == cfg.draft
+
+
+def test_the_ray_twins_follow_the_engine_counters_and_the_round_choice():
+    from protocol.messages import EngineStats, RequestStats
+    from spec_runtime.ray.metrics import RayMetrics
+    from spec_runtime.server.metrics import ServerMetrics
+
+    class Recorder(RayMetrics):
+        def __init__(self):
+            super().__init__("m", 3)
+            self.incs, self.choices = [], []
+
+        def inc_counter(self, attr, value):
+            self.incs.append((attr, value))
+
+        def set_round_choices(self, choices):
+            self.choices.append(dict(choices))
+
+    ray_twin = Recorder()
+    server = ServerMetrics("m", 3, mirror=ray_twin)
+    base = dict(num_running=1, num_waiting=0, num_free_slots=1, draft_alive=True, mode="ssd", totals=RequestStats())
+    server.observe_engine(EngineStats(**base, prefix_cache_queries=10, prefix_cache_hits=4, num_preemptions=1,
+                                      num_sd_rounds=2, round_choices={4: "sd"}))
+    server.observe_engine(EngineStats(**base, prefix_cache_queries=16, prefix_cache_hits=4, num_preemptions=1,
+                                      num_sd_rounds=5, round_choices={4: "plain"}))
+    assert sorted(ray_twin.incs) == sorted([("prefix_cache_queries", 10), ("prefix_cache_hits", 4),
+                                            ("preemptions", 1), ("sd_steps", 2), ("prefix_cache_queries", 6),
+                                            ("sd_steps", 3)])
+    assert ray_twin.choices == [{4: "sd"}, {4: "plain"}]

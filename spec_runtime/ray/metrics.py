@@ -19,6 +19,7 @@ from protocol.messages import EngineStats, RequestStats
 from spec_runtime.server.metrics import (
     _LATENCY_BUCKETS,
     COUNTERS,
+    ENGINE_COUNTERS,
     GAUGES,
     HISTOGRAMS,
     PREFIXES,
@@ -42,7 +43,14 @@ class RayMetrics:
             setattr(self, attr, Histogram(P + name, doc, boundaries=buckets[kind], tag_keys=lbl))
         for attr, name, doc in GAUGES:
             setattr(self, attr, Gauge(P + name, doc, tag_keys=lbl))
+        for attr, _, name, doc in ENGINE_COUNTERS:
+            setattr(self, attr, Counter(P + name, doc, tag_keys=lbl))
+        self.round_choice = Gauge(P + "spec_decode_round_choice", "SSD mode: 1 for the round policy's current "
+                                  "choice per batch-size bucket, 0 for an earlier one.",
+                                  tag_keys=lbl + ("batch_size", "choice"))
         self._extra_keys = {attr: tuple(extra) for attr, _, _, *extra in COUNTERS}
+        self._extra_keys.update({attr: () for attr, *_ in ENGINE_COUNTERS})
+        self._choices: dict[str, str] = {}  # batch-size bucket -> the choice last set to 1
         self._k = k
 
     def _inc(self, attr: str, value: float, extra: tuple[str, ...] = ()) -> None:
@@ -64,6 +72,20 @@ class RayMetrics:
     def observe_engine(self, engine: EngineStats) -> None:
         for attr, value in engine_gauges(engine):
             getattr(self, attr).set(value, tags=self._tags)
+
+    def inc_counter(self, attr: str, value: float) -> None:
+        """A counter the server follows from the engine's totals (preemptions, prefix cache, round policy)."""
+        self._inc(attr, value)
+
+    def set_round_choices(self, choices: dict[int, str]) -> None:
+        """Ray's gauges keep every label set once written: an earlier choice goes to 0."""
+        now = {str(bucket): choice for bucket, choice in choices.items()}
+        for bucket, choice in self._choices.items():
+            if now.get(bucket) != choice:
+                self.round_choice.set(0, tags={**self._tags, "batch_size": bucket, "choice": choice})
+        for bucket, choice in now.items():
+            self.round_choice.set(1, tags={**self._tags, "batch_size": bucket, "choice": choice})
+        self._choices = now
 
     def observe_draft_restarts(self, num_new: int) -> None:
         self._inc("draft_restarts", num_new)

@@ -259,24 +259,30 @@ class ServerMetrics:
             for field, attr in _ENGINE_COUNTERS.items():
                 value = getattr(engine, field)
                 if value > self._engine_seen[attr]:
-                    getattr(self, attr).labels(self._model).inc(value - self._engine_seen[attr])
+                    self._inc_engine(attr, value - self._engine_seen[attr])
                     self._engine_seen[attr] = value
             for attr, fld, *_ in ENGINE_COUNTERS:
                 value, seen = getattr(engine, fld), self._policy_seen.get(attr, 0)
                 inc = value - seen if value >= seen else value  # a restarted draft counts from 0
                 if inc > 0:
-                    getattr(self, attr).labels(self._model).inc(inc)
+                    self._inc_engine(attr, inc)
                 self._policy_seen[attr] = value
             self.round_choice.clear()
             for bucket, choice in engine.round_choices.items():
                 self.round_choice.labels(self._model, str(bucket), choice).set(1)
             if self._mirror is not None:
                 self._mirror.observe_engine(engine)
+                self._mirror.set_round_choices(engine.round_choices)
         if draft_restarts > self._restarts_seen:
             if self._mirror is not None:
                 self._mirror.observe_draft_restarts(draft_restarts - self._restarts_seen)
             self.draft_restarts.labels(self._model).inc(draft_restarts - self._restarts_seen)
             self._restarts_seen = draft_restarts
+
+    def _inc_engine(self, attr: str, value: float) -> None:
+        getattr(self, attr).labels(self._model).inc(value)
+        if self._mirror is not None:
+            self._mirror.inc_counter(attr, value)
 
     def render(self, engine: EngineStats | None, draft_restarts: int = 0) -> bytes:
         self.observe_engine(engine, draft_restarts)
