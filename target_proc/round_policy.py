@@ -48,6 +48,8 @@ import logging
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
+from target_proc.spec_policy import batch_bucket
+
 logger = logging.getLogger(__name__)
 
 JIT_ONLY_BELOW = 8  # batch sizes that always use the jit backup
@@ -172,9 +174,7 @@ class RoundPolicy:
                    allow_plain=cfg.sched.spec_policy == "adaptive", backup_auto=spec.backup == "auto",
                    probe_every=cfg.sched.spec_policy_probe_every)
 
-    @staticmethod
-    def bucket(batch: int) -> int:
-        return 1 << max(0, (batch - 1).bit_length())
+    bucket = staticmethod(batch_bucket)
 
     def options(self, batch: int) -> list[RoundPlan]:
         """Every plan allowed at this batch size: SSD shapes (largest first) x backups, SD, plain."""

@@ -28,6 +28,11 @@ from dataclasses import dataclass
 logger = logging.getLogger(__name__)
 
 
+def batch_bucket(batch: int) -> int:
+    """The power of two at or above `batch`: both policies keep their measurements per bucket."""
+    return 1 << max(0, (batch - 1).bit_length())
+
+
 @dataclass
 class _Bucket:
     spec_rate: float | None = None  # tokens/s of speculative steps (running average)
@@ -53,9 +58,7 @@ class SpecPolicy:
         self._buckets: dict[int, _Bucket] = {}
         self.num_plain_steps = 0
 
-    @staticmethod
-    def bucket(batch: int) -> int:
-        return 1 << max(0, (batch - 1).bit_length())
+    bucket = staticmethod(batch_bucket)
 
     def use_speculation(self, batch: int) -> bool:
         if self.policy == "always" or batch < self.min_batch:

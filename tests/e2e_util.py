@@ -113,3 +113,17 @@ def homogeneity_pvalue(a, b, min_count=10) -> float:
     table = np.array(rows)
     table = table[:, table.sum(0) > 0]
     return stats.chi2_contingency(table)[1]
+
+
+class Borrowed:
+    """A launcher (such as a shared deployment fixture) whose shutdown() is left to its owner,
+    so a test's Client can be closed without taking it down."""
+
+    def __init__(self, launcher):
+        self._launcher = launcher
+
+    def __getattr__(self, name):
+        return getattr(self._launcher, name)
+
+    def shutdown(self) -> None:
+        pass

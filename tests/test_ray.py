@@ -20,7 +20,7 @@ import zmq
 import ray  # the `test` extra installs ray[serve]
 
 from conftest import save_tiny_model
-from e2e_util import make_config, random_prompts, wait_until
+from e2e_util import Borrowed, make_config, random_prompts, wait_until
 from protocol.codec import encode
 from protocol.messages import GenerateRequest, SamplingParams
 from protocol.transport import curve_keypair, set_curve_client
@@ -50,20 +50,6 @@ def deployment(setup):
     dep = deploy(cfg, "pack")
     yield dep
     dep.shutdown()
-
-
-class _Borrowed:
-    """The deployment fixture as a launcher whose shutdown() is a no-op, so a test's Client
-    can be closed without taking the shared deployment down."""
-
-    def __init__(self, dep):
-        self._dep = dep
-
-    def __getattr__(self, name):
-        return getattr(self._dep, name)
-
-    def shutdown(self) -> None:
-        pass
 
 
 def _stream_all(client, prompts, fault=None):
@@ -96,7 +82,7 @@ def test_two_gpus_one_node_matches_local_launcher(setup, deployment):
     _, prompts, reference = setup
     assert deployment.gpu_ids() == {"target": "0", "draft": "1"}
     assert deployment.transports == {"spec": "ipc", "client": "ipc"}
-    with Client(deployment.cfg, launcher=_Borrowed(deployment)) as client:
+    with Client(deployment.cfg, launcher=Borrowed(deployment)) as client:
         ids, stats = _stream_all(client, prompts)
         assert ids == reference
         assert sum(s.num_draft_tokens for s in stats) > 0  # the draft actor really speculated
@@ -135,7 +121,7 @@ def test_placement_held_by_other_work_times_out_naming_what_is_free(setup, deplo
 
 def test_killed_draft_actor_degrades_then_is_replaced(setup, deployment):
     _, prompts, reference = setup
-    with Client(deployment.cfg, launcher=_Borrowed(deployment)) as client:
+    with Client(deployment.cfg, launcher=Borrowed(deployment)) as client:
         old = deployment.actors["draft"]
         old_pid = deployment.pids()["draft"]
         ids, stats = _stream_all(client, prompts, fault=lambda: ray.kill(old))
@@ -227,7 +213,7 @@ def test_two_nodes_spread_uses_tcp_with_curve(setup):
             assert not _answered(dep.client_addr, None)  # no CURVE at all
             assert not _answered(dep.client_addr, curve_keypair()[0])  # the wrong server key
             assert _answered(dep.client_addr, dep.client_curve_server_key)  # control: the right key
-            with Client(cfg, launcher=_Borrowed(dep)) as client:
+            with Client(cfg, launcher=Borrowed(dep)) as client:
                 ids, stats = _stream_all(client, prompts[:2])
                 assert ids == reference[:2]
                 assert sum(s.num_draft_tokens for s in stats) > 0  # the spec link works over CURVE too

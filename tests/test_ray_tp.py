@@ -12,7 +12,7 @@ import pytest
 import ray  # the `test` extra installs ray[serve]
 
 from conftest import save_tiny_model
-from e2e_util import make_config, perturbed_copy, random_prompts, wait_until
+from e2e_util import Borrowed, make_config, perturbed_copy, random_prompts, wait_until
 from protocol.messages import SamplingParams
 from spec_runtime.client import Client
 from spec_runtime.ray import deploy
@@ -44,7 +44,7 @@ def test_two_ranks_and_a_draft_on_ray_match_one_rank_locally(setup):
         assert list(dep.actors) == ["target", "target-rank1", "draft"]
         assert [b["CPU"] for b in dep.placement_group.bundle_specs] == [1.0, 1.0, 1.0]
         assert dep.tp_rendezvous[0] == "127.0.0.1"  # one node: loopback
-        client = Client(dep.cfg, launcher=_Borrowed(dep))
+        client = Client(dep.cfg, launcher=Borrowed(dep))
         assert [r.token_ids for r in client.generate_batch(prompts, GREEDY)] == reference
         # A dead rank is a dead target: the requests fail, dead_child() says so.
         ray.kill(dep.actors["target-rank1"])
@@ -55,14 +55,3 @@ def test_two_ranks_and_a_draft_on_ray_match_one_rank_locally(setup):
         dep.shutdown()
 
 
-class _Borrowed:
-    """The deployment as a launcher whose shutdown() is left to the test."""
-
-    def __init__(self, dep):
-        self._dep = dep
-
-    def __getattr__(self, name):
-        return getattr(self._dep, name)
-
-    def shutdown(self) -> None:
-        pass
