@@ -41,7 +41,9 @@ def run_mode(args, mode: str) -> list[dict]:
     from spec_runtime.config import ModelConfig, RuntimeConfig, SchedulerConfig, SpeculativeConfig
 
     cfg = RuntimeConfig(
-        target=ModelConfig(path=args.target, device=args.target_device, cuda_graphs=not args.no_cuda_graphs),
+        target=ModelConfig(path=args.target, device=args.target_device, cuda_graphs=not args.no_cuda_graphs,
+                           tensor_parallel_size=args.tensor_parallel_size,
+                           gpu_memory_utilization=args.target_gpu_memory_utilization),
         draft=ModelConfig(path=args.draft, device=args.draft_device, cuda_graphs=not args.no_cuda_graphs),
         spec=SpeculativeConfig(mode=mode, k=args.k, fan_out=args.fan_out, fan_out_miss=args.fan_out_miss,
                                backup=args.backup, tree_budget=args.tree_budget, work_ahead=args.work_ahead,
@@ -164,6 +166,10 @@ def main() -> None:
     p.add_argument("--draft", required=True)
     p.add_argument("--target-device", default="cuda:0")
     p.add_argument("--draft-device", default="cuda:1")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="target ranks, on --target-device and the devices after it")
+    p.add_argument("--target-gpu-memory-utilization", type=float, default=0.85,
+                   help="lower it where the draft shares a target rank's GPU")
     p.add_argument("--modes", type=_tuple(str), default=("ar", "sd", "ssd"))
     p.add_argument("--k", type=int, default=8)
     p.add_argument("--fan-out", type=_tuple(int), default=())

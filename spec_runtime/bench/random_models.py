@@ -1,8 +1,8 @@
 """Real-size models with random bf16 weights, built directly on the GPU (benchmarks only).
 
 Benchmarks time the real architectures without their checkpoints. `BENCH_ARCHS`
-holds the four shapes of docs/benchmarks.md (Llama 3.1 8B, Qwen3 32B, Llama 3.2 1B,
-Qwen3 0.6B) as ModelArch values; `random_model` allocates on the device (no host
+holds the shapes of docs/benchmarks.md (Llama 3.1 8B, Qwen3 32B, Llama 3 70B, Llama 3.2
+1B, Qwen3 0.6B) as ModelArch values; `random_model` allocates on the device (no host
 copy) and fills the weights in place. The model loader reaches this module only for
 a `random:<shape>` model name (`load_random_model`).
 """
@@ -36,6 +36,7 @@ def _arch(model_type: str, hidden: int, layers: int, inter: int, heads: int, kv_
 BENCH_ARCHS: dict[str, ModelArch] = {
     "target-8b": _arch("llama", 4096, 32, 14336, 32, 8, 128, 128256, 500000.0, False, 1e-5, None),
     "target-32b": _arch("qwen3", 5120, 64, 25600, 64, 8, 128, 151936, 1000000.0, False, 1e-6, None),
+    "target-70b": _arch("llama", 8192, 80, 28672, 64, 8, 128, 128256, 500000.0, False, 1e-5, None),
     "draft-1b": _arch("llama", 2048, 16, 8192, 32, 8, 64, 128256, 500000.0, True, 1e-5, _LLAMA3_ROPE),
     "draft-0.6b": _arch("qwen3", 1024, 28, 3072, 16, 8, 128, 151936, 1000000.0, True, 1e-6, None),
 }
