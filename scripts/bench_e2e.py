@@ -152,6 +152,7 @@ def _row(mode, temp, bs, wall, decode_wall, results, before, after, args) -> dic
         "draft_wait_ms_per_step": 1e3 * (after.draft_wait_s - before.draft_wait_s) / steps,
         "draft_work_ms_per_step": 1e3 * (after.draft_work_s - before.draft_work_s) / steps,
         "steps": steps,
+        "mean_ttft_s": float(np.mean([r.stats.ttft_s for r in results])),
     }
     # All-hit ideal: every round costs only the verify, E[tokens per round] / v, per sequence.
     row["ideal_tokens_per_s"] = bs * tokens_per_round / verify_s if verify_s > 0 else None

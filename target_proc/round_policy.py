@@ -28,12 +28,17 @@ The work-ahead runs while the target verifies, so only its overrun costs; one mi
 batch makes the whole answer wait for the jit chain, which is why `none` (a missed
 sequence verifies only its own token) can win at large batch.
 
+The model ranks options nobody has run yet. Once an option has run, its realized rate
+(tokens over the step's wait and busy time, the median of its last steps) stands in for
+the prediction: a running mean knocked off by one slow step (a request's first round, a
+kernel built on first use) must not keep the policy on a slower option.
+
 How it chooses: the largest tree with jit first, until it is measured; then one probe of
 SD rounds (measures c). From then on each step runs the best prediction. An option whose
 inputs are not measured yet is probed before it is run: the next smaller tree when the
 best one overruns the verify, plain decoding when its estimate (P taken as S) wins.
 Every `probe_every` steps the runner-up is probed for `probe_len` steps so its
-measurements stay current. A step measures an option only when the two requests before
+measurements stay current (every fourth probe goes to the other options in turn). A step measures an option only when the two requests before
 it made the same choice (its wait answers the request one back, from the cache built
 after the request two back). `jit` is the backup below batch 8.
 
@@ -45,6 +50,7 @@ shape), --backup (one backup), --work-ahead always (no SD rounds), --spec-policy
 from __future__ import annotations
 
 import logging
+import statistics
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
@@ -56,6 +62,7 @@ JIT_ONLY_BELOW = 8  # batch sizes that always use the jit backup
 _DECAY = 0.8  # weight of a running mean's past
 _MIN_SAMPLES = 2  # measurements of W[n] and h[n] before a tree shape is predicted
 _MARGIN = 0.03  # a choice changes only for a prediction this much faster
+_WINDOW = 8  # steps of each option's realized rate kept (their median is the rate)
 
 
 @dataclass(frozen=True)
@@ -103,6 +110,16 @@ class Costs:
     tokens: float | None = None
     extra_s: float = 0.0
     samples: Counter = field(default_factory=Counter)
+    realized: dict = field(default_factory=dict)  # RoundPlan -> deque of tokens/s of its steady steps
+
+    def realized_rate(self, plan: "RoundPlan") -> float | None:
+        """The median tokens/s of `plan`'s last steps, None below _MIN_SAMPLES of them."""
+        window = self.realized.get(plan)
+        return statistics.median(window) if window and len(window) >= _MIN_SAMPLES else None
+
+    def add_realized(self, plan: "RoundPlan", tokens: float, seconds: float) -> None:
+        if seconds > 0:
+            self.realized.setdefault(plan, deque(maxlen=_WINDOW)).append(tokens / seconds)
 
     def verify(self, work_ahead: bool) -> float | None:
         v = self.verify_s[work_ahead]
@@ -118,7 +135,16 @@ class Costs:
 
 
 def predict(plan: RoundPlan, batch: int, c: Costs) -> float | None:
-    """Predicted tokens/s of `plan` for `batch` sequences, or None while an input is unmeasured."""
+    """Tokens/s of `plan` for `batch` sequences: as realized where it has run, else as the
+    model predicts; None while an input is unmeasured."""
+    realized = c.realized_rate(plan)
+    if realized is not None:
+        return realized
+    return model_rate(plan, batch, c)
+
+
+def model_rate(plan: RoundPlan, batch: int, c: Costs) -> float | None:
+    """The module doc's prediction of `plan`'s tokens/s, or None while an input is unmeasured."""
     if plan.kind == "plain":
         p = c.plain_s if c.plain_s is not None else c.verify(False)  # a plain step runs the same padded verify
         return batch / p if p else None
@@ -141,6 +167,7 @@ class _Bucket:
     choice: RoundPlan | None = None
     probe: deque = field(default_factory=deque)  # plans still to run in a probe
     steps_since_probe: int = 0
+    num_probes: int = 0
 
 
 class RoundPolicy:
@@ -224,8 +251,13 @@ class RoundPolicy:
         b.steps_since_probe += 1
         others = [p for p in ranked if p != best]
         if others and b.steps_since_probe >= self.probe_every:
+            # The runner-up, and every other option in turn once in a while, so that one
+            # slow first measurement cannot rule an option out for good.
             b.steps_since_probe = 0
-            return self._start_probe(b, others[0])
+            b.num_probes += 1
+            turn = b.num_probes % 4
+            return self._start_probe(b, others[0] if turn or len(others) == 1 else
+                                     others[1 + (b.num_probes // 4) % (len(others) - 1)])
         return best
 
     def _unmeasured_alternative(self, batch: int, best: RoundPlan, rates: dict, opts: list[RoundPlan],
@@ -286,6 +318,7 @@ class RoundPolicy:
         if not plan.speculate:
             if not p1.speculate:
                 c.plain_s = _mean(c.plain_s, wait_s + busy_s)
+                c.add_realized(plan, batch, wait_s + busy_s)
             return
         if not num_specs:
             return
@@ -293,6 +326,9 @@ class RoundPolicy:
         c.verify_s[p1.work_ahead] = _mean(c.verify_s[p1.work_ahead], busy_s)
         if k2 != key or p2 is None:
             return
+        if p2 == p1 == plan:
+            # Sequences without a draft (a miss with no backup) produce one token.
+            c.add_realized(plan, drafted_tokens + batch - num_drafted, wait_s + busy_s)
         if not p2.work_ahead and p1.kind == "sd":
             c.chain_s = _mean(c.chain_s, wait_s)  # no cache: the answer was a chain drafted on request
         if p2.work_ahead and p2.branches == plan.branches and p1 == p2 and plan == p2:

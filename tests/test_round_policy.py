@@ -5,6 +5,7 @@ draft and target), so nothing here depends on this machine's speed."""
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 import pytest
 
@@ -214,3 +215,36 @@ def test_engine_counters_and_the_choice_are_exported():
     assert m['spec_runtime:spec_decode_round_choice{batch_size="16",choice="ssd 4 branches, backup none",'
              'model_name="m"}'] == 1
     assert not any('choice="sd"' in k for k in m)  # the old choice is gone
+
+
+def test_slow_first_rounds_do_not_rule_an_option_out():
+    """The first rounds of each kind wait 0.3 s (a cold start): the realized rates of the
+    later rounds, not a running mean of the first ones, decide."""
+    p = _policy(levels=[16], probe_every=16)
+    hist, plans, seen = [None, None], [], Counter()
+    for _ in range(400):
+        plan = p.choose(1)
+        p2, p1 = hist
+        seen[plan.kind] += 1
+        slow = 0.3 if seen[plan.kind] <= 4 else 0.0
+        kw = dict(wait_s=slow, busy_s=0.019)
+        if plan.speculate:
+            ssd = p2 is not None and p2.work_ahead
+            kw.update(wait_s=slow + (0.13 * 0.010 if ssd else 0.010), num_specs=1, num_hits=int(ssd),
+                      num_drafted=1, drafted_tokens=4, draft_work_s=0.015 + slow if ssd else 0.0)
+        p.record(1, plan, **kw)
+        plans.append(plan)
+        hist = [p1, plan]
+    assert p.summary()[1].startswith("ssd")
+    assert sum(pl.kind == "ssd" for pl in plans[-100:]) >= 70  # 5 of every 21 steps are probes
+    c = p.costs(1)
+    assert c.realized_rate(PLAIN) == pytest.approx(1 / 0.019)
+    assert c.realized_rate(SD) == pytest.approx(4 / 0.029)
+
+
+def test_a_realized_rate_stands_in_for_the_model():
+    c = Costs(verify_s={True: 0.02, False: 0.02}, chain_s=0.01, tokens=3.0)
+    assert predict(SD, 1, c) == pytest.approx(3.0 / 0.03)
+    for rate in (50.0, 500.0, 60.0):  # one outlier among three: the median
+        c.add_realized(SD, rate, 1.0)
+    assert predict(SD, 1, c) == pytest.approx(60.0)
