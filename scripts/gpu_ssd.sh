@@ -61,6 +61,7 @@ case "${PART:-check}" in
       --fan-out "${FAN_OUT:-$(python3 -c "print(','.join(['3'] * ($K + 1)))")}" \
       --prompt-lens "${PROMPTS:-512}" --batch-sizes "${BATCHES:-1,4,16}" --temperatures "${TEMPS:-0}" \
       --max-tokens "${MAX_TOKENS:-256}" --warmup-tokens "${WARMUP:-64}" --tree-shape "${TREE_SHAPE:-auto}" --work-ahead "${WORK_AHEAD:-auto}" --synthetic-acceptance "${ALPHA:-0.8}" --synthetic-ranks 0.5,0.2,0.1 \
+      --log-level "${LOG_LEVEL:-WARNING}" \
       --out "$OUT/e2e_${TAG:-$PAIR}.json" 2>&1 | grep -v "^ *$" | tee "$OUT/e2e_${TAG:-$PAIR}.log" | tail -60
     ;;
 esac
