@@ -3,8 +3,8 @@
 Builds the target's runner the way the target process does (target_proc.model: rank 0
 starts ranks 1..N-1, NCCL, CUDA graphs with the all-reduces captured) for a random-weight
 shape, and times `ModelRunner.run` on rank 0: the step broadcast to the other ranks,
-the padded graph replay, and the logits to the host (one sync per step, as a real step
-ends). Decode (q_len 1) and verify (q_len K+1) at each --batches size, every request with
+the padded graph replay, and the greedy tokens to the host (one sync per step, as a
+real step ends). Decode (q_len 1) and verify (q_len K+1) at each --batches size, every request with
 --context tokens of KV. Floor: the bytes of weights a decode step reads on one GPU
 (rank 0's shard) over the device-to-device copy bandwidth measured in the same run.
 
@@ -33,7 +33,7 @@ from bench_step import copy_bandwidth  # noqa: E402  (scripts/ is this file's di
 
 
 
-def bench(shape: str, tp: int, args, bw: float) -> dict:
+def bench(shape: str, tp: int, args, bw: float, on_done) -> dict:
     from spec_runtime.bench.random_models import decode_read_bytes
     from spec_runtime.config import ModelConfig, RuntimeConfig, SchedulerConfig, SpeculativeConfig
     from spec_runtime.engine.forward_batch import ForwardItem
@@ -61,11 +61,11 @@ def bench(shape: str, tp: int, args, bw: float) -> dict:
 
     def time_run(its) -> float:
         for _ in range(args.warmup):
-            runner.run(its).cpu()
+            runner.run(its).argmax(-1).cpu()  # sampled on the device, tokens to the host
         times = []
         for _ in range(args.iters):
             t = time.perf_counter()
-            runner.run(its).cpu()
+            runner.run(its).argmax(-1).cpu()  # sampled on the device, tokens to the host
             times.append((time.perf_counter() - t) * 1e3)
         return float(np.median(times))
 
@@ -79,6 +79,7 @@ def bench(shape: str, tp: int, args, bw: float) -> dict:
                   f"x{ms / floor_ms:.2f}", flush=True)
     out = dict(model=shape, tp=tp, startup_s=startup_s, read_bytes_per_gpu=rbytes, floor_ms=floor_ms,
                kv_blocks=runner.layout.num_blocks, rows=rows)
+    on_done(out)  # saved before the group is taken down
     if group is not None:
         group.stop()
     return out
@@ -106,19 +107,22 @@ def main() -> None:
     data = dict(device=torch.cuda.get_device_name(0) if cuda else "cpu", num_gpus=torch.cuda.device_count(),
                 torch=torch.__version__, python=platform.python_version(), copy_bw_tbs=bw / 1e12, context=args.context, k=args.k,
                 command=" ".join(sys.argv), runs=[])
+    def save(run: dict) -> None:
+        data["runs"].append(run)
+        with open(args.out, "w") as f:
+            json.dump(data, f, indent=1)
+
     for tp in (int(x) for x in args.tp.split(",")):
-        data["runs"].append(bench(args.model, tp, args, bw))
+        bench(args.model, tp, args, bw, save)
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
-        with open(args.out, "w") as f:
-            json.dump(data, f, indent=1)
     by_tp = {r["tp"]: {(x["kind"], x["batch"]): x["ms"] for x in r["rows"]} for r in data["runs"]}
     if 1 in by_tp and len(by_tp) > 1:
         for tp, steps in by_tp.items():
             if tp != 1:
                 for key, ms in steps.items():
-                    print(f"{key[0]:6s} b={key[1]:2d}: tp={tp} / tp=1 = {ms / by_tp[1][key]:.2f}")
+                    print(f"{key[0]:6s} b={key[1]:2d}: tp={tp} / tp=1 = {ms / by_tp[1][key]:.2f}", flush=True)
 
 
 if __name__ == "__main__":
