@@ -63,6 +63,7 @@ _DECAY = 0.8  # weight of a running mean's past
 _MIN_SAMPLES = 2  # measurements of W[n] and h[n] before a tree shape is predicted
 _MARGIN = 0.03  # a choice changes only for a prediction this much faster
 _WINDOW = 8  # steps of each option's realized rate kept (their median is the rate)
+STEADY_AFTER_ROUNDS = 3  # a sequence's rounds (its prefill included) before its steps measure costs
 
 
 @dataclass(frozen=True)
@@ -302,15 +303,20 @@ class RoundPolicy:
     # ---------------------------------------------------------------- measuring
 
     def record(self, batch: int, plan: RoundPlan, *, wait_s: float, busy_s: float, num_specs: int = 0,
-               num_hits: int = 0, num_drafted: int = 0, drafted_tokens: int = 0, draft_work_s: float = 0.0) -> None:
+               num_hits: int = 0, num_drafted: int = 0, drafted_tokens: int = 0, draft_work_s: float = 0.0,
+               steady: bool = True) -> None:
         """One step over `batch` sequences ran `plan`: it waited wait_s for speculations and
         spent busy_s on the verify and host work. num_specs speculations arrived, num_hits
         of them from the tree cache; num_drafted sequences had drafts and produced
-        drafted_tokens tokens; draft_work_s: the work-ahead the draft reported with them."""
+        drafted_tokens tokens; draft_work_s: the work-ahead the draft reported with them.
+        steady False (a sequence of the batch is in its first rounds, when the draft is
+        still prefilling its prompt): the step measures nothing."""
         key = self.bucket(batch)
         c = self._buckets.setdefault(key, _Bucket()).costs
         (k2, p2), (k1, p1) = self._history
         self._history.append((key, plan))
+        if not steady:
+            return
         if num_drafted:
             c.tokens = _mean(c.tokens, drafted_tokens / num_drafted)
         if k1 != key or p1 is None:
@@ -342,13 +348,14 @@ class RoundPolicy:
                 c.extra_s = _mean(c.extra_s, wait_s - modelled)
 
     def record_step(self, plan: RoundPlan, specs: dict, num_draft: list[int], num_accepted: list[int],
-                    wait_s: float, busy_s: float, draft_work_s: float) -> None:
+                    wait_s: float, busy_s: float, draft_work_s: float, steady: bool = True) -> None:
         """`record` from the worker's view of a step: the speculations that arrived (each
-        with .cache_hit), per sequence its drafts and accepted tokens."""
+        with .cache_hit), per sequence its drafts and accepted tokens. steady: no sequence
+        of the batch is in its first rounds (see `record`)."""
         drafted = [j + 1 for j, m in zip(num_accepted, num_draft) if m]
         self.record(len(num_draft), plan, wait_s=wait_s, busy_s=busy_s, num_specs=len(specs),
                     num_hits=sum(1 for s in specs.values() if s.cache_hit), num_drafted=len(drafted),
-                    drafted_tokens=sum(drafted), draft_work_s=draft_work_s)
+                    drafted_tokens=sum(drafted), draft_work_s=draft_work_s, steady=steady)
 
     # ---------------------------------------------------------------- reading
 

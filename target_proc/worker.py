@@ -48,7 +48,7 @@ from target_proc.no_draft import NoDraft
 from target_proc.outputs import merge_outputs, record_round, take_output
 from target_proc.prompt_logprobs import prompt_logprobs, split_prefill_logits
 from target_proc.sequence import IncrementalDetokenizer, Sequence, StopChecker
-from target_proc.round_policy import PLAIN, SD, RoundPlan, RoundPolicy
+from target_proc.round_policy import PLAIN, SD, STEADY_AFTER_ROUNDS, RoundPlan, RoundPolicy
 from target_proc.spec_policy import SpecPolicy
 from target_proc.verify import verify_inputs
 
@@ -291,7 +291,7 @@ class TargetWorker:
         """Feed the step's timings to the policy that chose its plan."""
         if self.rounds is not None:
             self.rounds.record_step(plan, specs, num_draft, num_accepted, t1 - t0, time.perf_counter() - t1,
-                                    draft_work_s)
+                                    draft_work_s, steady=all(s.stats.num_rounds > STEADY_AFTER_ROUNDS for s in seqs))
         elif self.draft.present:
             self.policy.record(len(seqs), plan.speculate, sum(n + 1 for n in num_accepted), time.perf_counter() - t0)
         self._last_flags = self._last_flags[1:] + (plan.work_ahead,)

@@ -248,3 +248,14 @@ def test_a_realized_rate_stands_in_for_the_model():
     for rate in (50.0, 500.0, 60.0):  # one outlier among three: the median
         c.add_realized(SD, rate, 1.0)
     assert predict(SD, 1, c) == pytest.approx(60.0)
+
+
+def test_steps_of_sequences_in_their_first_rounds_measure_nothing():
+    p = _policy(levels=[16])
+    for _ in range(3):
+        p.record(1, PLAIN, wait_s=0.5, busy_s=0.5, steady=False)
+    c = p.costs(1)
+    assert c.plain_s is None and c.realized_rate(PLAIN) is None
+    for _ in range(3):
+        p.record(1, PLAIN, wait_s=0.0, busy_s=0.02)
+    assert c.realized_rate(PLAIN) == pytest.approx(50.0)
