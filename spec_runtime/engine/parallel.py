@@ -178,18 +178,25 @@ class TPGroup:
         if self._stopped:
             return
         self._stopped = True
-        if self.is_leader and all(p.poll() is None for p in self.followers):
+        everyone = all(p.poll() is None for p in self.followers)
+        if self.is_leader and everyone:
             try:
                 self._broadcast(None, _STOP)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)  # the stop has reached every rank
             except Exception:  # noqa: BLE001 - a follower already gone: nothing to tell
                 logger.warning("could not tell the tensor-parallel followers to stop")
+                everyone = False
+        # Every rank leaves the group at the same time (NCCL's teardown waits for the
+        # others), before rank 0 waits for the followers to exit; with a rank gone, nobody
+        # would answer, so the process exits without it.
+        if dist.is_initialized() and everyone:
+            dist.destroy_process_group()
         for p in self.followers:
             try:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 p.kill()
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def start_followers(size: int, port: int, device: str) -> list[subprocess.Popen]:
