@@ -81,6 +81,34 @@ def test_exported_logits_match_the_directory(tiny_draft, tmp_path, gguf_type, ma
     assert (ref[1:] - ref[:-1]).abs().max().item() > 0.1
 
 
+def test_the_embedding_takes_its_own_type(tiny_draft, tmp_path):
+    """--embedding-type q5_1 with Q8_0 layers (the shipped draft's layout): the file holds
+    exactly the directory's model with those two roundings, and is smaller than all-Q8_0."""
+    from gguf import GGUFReader
+
+    out = str(tmp_path / "mixed.gguf")
+    result = export_gguf(tiny_draft, out, "q8_0", embedding_type="q5_1")
+    assert result.tensor_types == {"Q8_0": 14, "Q5_1": 1, "F32": 5}
+    types = {t.name: t.tensor_type.name for t in GGUFReader(out).tensors}
+    assert types["token_embd.weight"] == "Q5_1" and types["blk.0.attn_q.weight"] == "Q8_0"
+    assert result.num_bytes < export_gguf(tiny_draft, str(tmp_path / "q8.gguf")).num_bytes
+    tokens = torch.randint(3, 384, (24,), generator=torch.Generator().manual_seed(1)).tolist()
+    ours = _logits(out, tokens)
+    import gguf
+    from safetensors.torch import load_file, save_file
+
+    expected_dir, _ = _round_trip(tiny_draft, tmp_path / "round-trip", gguf.GGMLQuantizationType.Q8_0)
+    weights = load_file(os.path.join(expected_dir, "model.safetensors"))
+    raw = load_file(os.path.join(tiny_draft, "model.safetensors"))
+    emb = "model.embed_tokens.weight"
+    q = gguf.GGMLQuantizationType.Q5_1
+    weights[emb] = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(raw[emb].numpy(), q), q).copy())
+    save_file(weights, os.path.join(expected_dir, "model.safetensors"), metadata={"format": "pt"})
+    torch.testing.assert_close(ours, _logits(expected_dir, tokens), atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="gguf type"):
+        export_gguf(tiny_draft, str(tmp_path / "x.gguf"), embedding_type="q4_k")
+
+
 def test_exported_tokenizer_reads_ids_as_the_directory(tiny_draft, tmp_path):
     from spec_runtime.models.loader import load_tokenizer
 

@@ -109,6 +109,8 @@ def add_export_parser(sub) -> None:
     p.add_argument("draft_dir", metavar="DRAFT_DIR", help="the draft directory (`spec-runtime distill --out DIR`)")
     p.add_argument("--out", required=True, metavar="FILE.gguf", help="the file to write")
     p.add_argument("--gguf-type", default="q8_0", help=f"{_HELP['gguf_type']} (default: 'q8_0')")
+    p.add_argument("--embedding-type", default="", help="tensor type of the token embedding (and a tied LM head): "
+                   "q8_0, q5_1, f16 or f32 (default: --gguf-type). The shipped SmolLM2 draft uses q5_1 there")
     p.add_argument("--target", default=None, metavar="TARGET",
                    help="the draft's target, whose tokenizer the file carries: a .gguf file's tokenizer keys are "
                         "copied, a directory means the draft directory's own tokenizer (default: the target named "
@@ -127,7 +129,8 @@ def export_from_args(args: argparse.Namespace) -> int:
     if target == "":
         target = default_model_path()
     try:
-        result = export_gguf(args.draft_dir, args.out, args.gguf_type, tokenizer_from=target or "")
+        result = export_gguf(args.draft_dir, args.out, args.gguf_type, tokenizer_from=target or "",
+                             embedding_type=args.embedding_type)
     except FileNotFoundError as e:
         raise ValueError(str(e)) from None
     print(json.dumps({"path": result.path, "bytes": result.num_bytes, "tensor_types": result.tensor_types,

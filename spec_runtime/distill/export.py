@@ -10,6 +10,8 @@ and key projections permuted into llama.cpp's rotary layout, and the tokenizer.
   with `q5_1` as Q5_1 (a float16 scale and minimum per 32 5-bit values: 6 bits a
   weight); other matrices as F16; norm weights and other vectors as F32, since they are
   tiny and sensitive. `f16` stores every matrix as F16, `f32` stores everything as F32.
+  The token embedding (with a tied LM head, the largest matrix of a small draft) may
+  take its own type: Q5_1 there and Q8_0 elsewhere keeps a SmolLM2 draft under 15 MB.
 - Tokenizer: when the target is a GGUF file, its `tokenizer.*` keys (vocabulary,
   merges, token types, special ids, chat template) are copied unchanged, so the draft
   reads token ids exactly as the target does. Otherwise the draft directory's own
@@ -132,42 +134,12 @@ def _write_hf_tokenizer(writer, draft_dir: str, vocab_size: int, gguf) -> int:
     return len(by_id)
 
 
-def export_gguf(draft_dir: str, out_path: str, gguf_type: str = "q8_0", tokenizer_from: str = "") -> ExportResult:
-    """Write `draft_dir` as `out_path`. tokenizer_from: the draft's target; a .gguf target's
-    tokenizer keys are copied, a directory target means the draft directory's own tokenizer
-    ("" = the target named in the directory's distill.json, else the directory's tokenizer)."""
-    import gguf
-    from safetensors.numpy import load_file
-    from transformers import AutoConfig
-
-    if gguf_type not in GGUF_TYPES:
-        raise ValueError(f"gguf type must be one of {', '.join(GGUF_TYPES)}, got {gguf_type!r}")
-    if not os.path.isfile(os.path.join(draft_dir, "config.json")):
-        raise ValueError(f"{draft_dir!r} is not a model directory (no config.json)")
-    cfg = AutoConfig.from_pretrained(draft_dir)
-    if cfg.model_type not in _FAMILIES:
-        raise ValueError(f"GGUF export writes the llama family ({', '.join(_FAMILIES)}); {draft_dir!r} is "
-                         f"{cfg.model_type}: load the directory itself with --draft DIR")
+def _write_arch_keys(writer, cfg, name: str, gguf_type: str, gguf) -> tuple[int, int]:
+    """The `llama.*` architecture keys and the file type; (query heads, KV heads)."""
     rope = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise ValueError(f"{draft_dir!r} scales its rotary embedding ({rope}), which the GGUF export does not "
-                         "carry; load the directory itself with --draft DIR")
-    rope_theta = float(rope.get("rope_theta") or getattr(cfg, "rope_theta", None) or 10000.0)
-    files = sorted(f for f in os.listdir(draft_dir) if f.endswith(".safetensors"))
-    if not files:
-        raise ValueError(f"{draft_dir!r} has no safetensors weights")
-    if tokenizer_from:
-        source = tokenizer_source(tokenizer_from)
-    else:
-        target = _distilled_target(draft_dir)
-        source = "" if target is None else tokenizer_source(target)
-
     n_head, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_head
-    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
-    tmp = out_path + ".tmp"
-    writer = gguf.GGUFWriter(tmp, "llama")
-    writer.add_name(os.path.basename(os.path.normpath(draft_dir)))
+    writer.add_name(name)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_block_count(cfg.num_hidden_layers)
@@ -178,23 +150,44 @@ def export_gguf(draft_dir: str, out_path: str, gguf_type: str = "q8_0", tokenize
     if head_dim != cfg.hidden_size // n_head:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(rope_theta)
+    writer.add_rope_freq_base(float(rope.get("rope_theta") or getattr(cfg, "rope_theta", None) or 10000.0))
     writer.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
     writer.add_vocab_size(cfg.vocab_size)
     ftype = gguf.LlamaFileType
     writer.add_file_type({"q8_0": ftype.MOSTLY_Q8_0, "q5_1": ftype.MOSTLY_Q5_1, "f16": ftype.MOSTLY_F16,
                           "f32": ftype.ALL_F32}[gguf_type])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    if source:
-        num_tokens = _copy_tokenizer_keys(writer, source, gguf)
-    else:
-        num_tokens = _write_hf_tokenizer(writer, draft_dir, cfg.vocab_size, gguf)
-    if num_tokens > cfg.vocab_size:
-        raise ValueError(f"the tokenizer has {num_tokens} tokens, the draft only {cfg.vocab_size} embedding rows")
+    return n_head, n_kv
 
+
+def _check_draft_dir(draft_dir: str):
+    """The directory's transformers config, after the checks the export needs."""
+    from transformers import AutoConfig
+
+    if not os.path.isfile(os.path.join(draft_dir, "config.json")):
+        raise ValueError(f"{draft_dir!r} is not a model directory (no config.json)")
+    cfg = AutoConfig.from_pretrained(draft_dir)
+    if cfg.model_type not in _FAMILIES:
+        raise ValueError(f"GGUF export writes the llama family ({', '.join(_FAMILIES)}); {draft_dir!r} is "
+                         f"{cfg.model_type}: load the directory itself with --draft DIR")
+    rope = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ValueError(f"{draft_dir!r} scales its rotary embedding ({rope}), which the GGUF export does not "
+                         "carry; load the directory itself with --draft DIR")
+    if not any(f.endswith(".safetensors") for f in os.listdir(draft_dir)):
+        raise ValueError(f"{draft_dir!r} has no safetensors weights")
+    return cfg
+
+
+def _write_tensors(writer, draft_dir: str, cfg, heads: tuple[int, int], gguf_type: str, embedding_type: str,
+                   gguf) -> dict[str, int]:
+    """Every weight under its llama.cpp name, rotary projections permuted; GGML type -> count."""
+    from safetensors.numpy import load_file
+
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
     counts: dict[str, int] = {}
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
-    for file in files:
+    for file in sorted(f for f in os.listdir(draft_dir) if f.endswith(".safetensors")):
         for hf_name, data in load_file(os.path.join(draft_dir, file)).items():
             if "rotary_emb" in hf_name or (tied and hf_name == "lm_head.weight"):
                 continue
@@ -203,12 +196,45 @@ def export_gguf(draft_dir: str, out_path: str, gguf_type: str = "q8_0", tokenize
                 raise ValueError(f"{draft_dir!r}: no GGUF name for tensor {hf_name!r}")
             data = data.astype(np.float32)
             if hf_name.endswith("q_proj.weight"):
-                data = _permute_rotary(data, n_head)
+                data = _permute_rotary(data, heads[0])
             elif hf_name.endswith("k_proj.weight"):
-                data = _permute_rotary(data, n_kv)
-            qtype = _tensor_type(data, gguf_type, gguf)
+                data = _permute_rotary(data, heads[1])
+            kind = embedding_type if hf_name.endswith("embed_tokens.weight") else gguf_type
+            qtype = _tensor_type(data, kind, gguf)
             writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
             counts[qtype.name] = counts.get(qtype.name, 0) + 1
+    return counts
+
+
+def export_gguf(draft_dir: str, out_path: str, gguf_type: str = "q8_0", tokenizer_from: str = "",
+                embedding_type: str = "") -> ExportResult:
+    """Write `draft_dir` as `out_path`. tokenizer_from: the draft's target; a .gguf target's
+    tokenizer keys are copied, a directory target means the draft directory's own tokenizer
+    ("" = the target named in the directory's distill.json, else the directory's tokenizer).
+    embedding_type: the token embedding's type (the tied LM head's too; "" = gguf_type)."""
+    import gguf
+
+    embedding_type = embedding_type or gguf_type
+    for kind in (gguf_type, embedding_type):
+        if kind not in GGUF_TYPES:
+            raise ValueError(f"gguf type must be one of {', '.join(GGUF_TYPES)}, got {kind!r}")
+    cfg = _check_draft_dir(draft_dir)
+    if tokenizer_from:
+        source = tokenizer_source(tokenizer_from)
+    else:
+        target = _distilled_target(draft_dir)
+        source = "" if target is None else tokenizer_source(target)
+
+    tmp = out_path + ".tmp"
+    writer = gguf.GGUFWriter(tmp, "llama")
+    heads = _write_arch_keys(writer, cfg, os.path.basename(os.path.normpath(draft_dir)), gguf_type, gguf)
+    if source:
+        num_tokens = _copy_tokenizer_keys(writer, source, gguf)
+    else:
+        num_tokens = _write_hf_tokenizer(writer, draft_dir, cfg.vocab_size, gguf)
+    if num_tokens > cfg.vocab_size:
+        raise ValueError(f"the tokenizer has {num_tokens} tokens, the draft only {cfg.vocab_size} embedding rows")
+    counts = _write_tensors(writer, draft_dir, cfg, heads, gguf_type, embedding_type, gguf)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file(progress=False)
