@@ -1,6 +1,7 @@
 """How each SSD-mode step runs, per batch size, chosen from measured costs.
 
-Per batch-size bucket (a power of two) the options are:
+Per bucket of batch size and context length (each a power of two; contexts below 1024
+tokens share one bucket) the options are:
   - an SSD round at a tree shape n (branches per sequence, a level of
     SpeculativeConfig.tree_levels) with a miss backup (jit, or none);
   - a synchronous SD round: the draft answers with a chain drafted on request and does
@@ -63,6 +64,7 @@ _DECAY = 0.8  # weight of a running mean's past
 _MIN_SAMPLES = 2  # measurements of W[n] and h[n] before a tree shape is predicted
 _MARGIN = 0.03  # a choice changes only for a prediction this much faster
 _WINDOW = 8  # steps of each option's realized rate kept (their median is the rate)
+MIN_CONTEXT_BUCKET = 1024  # contexts below this share one bucket of costs
 STEADY_AFTER_ROUNDS = 3  # a sequence's rounds (its prefill included) before its steps measure costs
 
 
@@ -188,7 +190,8 @@ class RoundPolicy:
         self.probe_every = probe_every
         self.probe_len = probe_len
         self.warmup = warmup
-        self._buckets: dict[int, _Bucket] = {}
+        self._buckets: dict[tuple[int, int], _Bucket] = {}
+        self._current: dict[int, tuple[int, int]] = {}  # batch bucket -> the key of its last step
         self._history: deque = deque([(0, None), (0, None)], maxlen=2)  # (bucket, plan) of the last two steps
         self.num_ssd_rounds = 0
         self.num_sd_rounds = 0
@@ -204,6 +207,12 @@ class RoundPolicy:
 
     bucket = staticmethod(batch_bucket)
 
+    @staticmethod
+    def key(batch: int, context: int) -> tuple[int, int]:
+        """The bucket of `batch` sequences of `context` tokens on average: the verify and
+        the draft's tree work both grow with the context, so its costs are kept apart."""
+        return batch_bucket(batch), max(MIN_CONTEXT_BUCKET, batch_bucket(context))
+
     def options(self, batch: int) -> list[RoundPlan]:
         """Every plan allowed at this batch size: SSD shapes (largest first) x backups, SD, plain."""
         levels = self.tree_levels(batch)
@@ -215,9 +224,10 @@ class RoundPolicy:
 
     # ---------------------------------------------------------------- choosing
 
-    def choose(self, batch: int) -> RoundPlan:
-        """The plan of the step about to run over `batch` sequences."""
-        plan = self._choose(batch)
+    def choose(self, batch: int, context: int = 0) -> RoundPlan:
+        """The plan of the step about to run over `batch` sequences of `context` tokens
+        on average."""
+        plan = self._choose(batch, context)
         if plan.kind == "ssd":
             self.num_ssd_rounds += 1
         elif plan.kind == "sd":
@@ -226,8 +236,9 @@ class RoundPolicy:
             self.num_plain_steps += 1
         return plan
 
-    def _choose(self, batch: int) -> RoundPlan:
-        key = self.bucket(batch)
+    def _choose(self, batch: int, context: int) -> RoundPlan:
+        key = self.key(batch, context)
+        self._current[key[0]] = key
         b = self._buckets.setdefault(key, _Bucket())
         if b.probe:
             return b.probe.popleft()
@@ -291,18 +302,19 @@ class RoundPolicy:
         b.probe.extend([plan] * (self.probe_len + 1))  # the first two steps of a change measure nothing
         return b.probe.popleft()
 
-    def _set_choice(self, key: int, b: _Bucket, plan: RoundPlan, rates: dict) -> None:
+    def _set_choice(self, key: tuple[int, int], b: _Bucket, plan: RoundPlan, rates: dict) -> None:
         if plan == b.choice:
             return
         if b.choice is not None:
             self.num_switches += 1
         b.choice = plan
         others = ", ".join(f"{p.label()} {r:.0f}" for p, r in sorted(rates.items(), key=lambda x: -x[1]) if p != plan)
-        logger.info("batch size ~%d: %s (predicted %.0f tok/s; %s)", key, plan.label(), rates[plan], others or "no other")
+        logger.info("batch size ~%d, context up to %d tokens: %s (predicted %.0f tok/s; %s)", key[0], key[1],
+                    plan.label(), rates[plan], others or "no other")
 
     # ---------------------------------------------------------------- measuring
 
-    def record(self, batch: int, plan: RoundPlan, *, wait_s: float, busy_s: float, num_specs: int = 0,
+    def record(self, batch: int, plan: RoundPlan, *, context: int = 0, wait_s: float, busy_s: float, num_specs: int = 0,
                num_hits: int = 0, num_drafted: int = 0, drafted_tokens: int = 0, draft_work_s: float = 0.0,
                steady: bool = True) -> None:
         """One step over `batch` sequences ran `plan`: it waited wait_s for speculations and
@@ -311,7 +323,7 @@ class RoundPolicy:
         drafted_tokens tokens; draft_work_s: the work-ahead the draft reported with them.
         steady False (a sequence of the batch is in its first rounds, when the draft is
         still prefilling its prompt): the step measures nothing."""
-        key = self.bucket(batch)
+        key = self.key(batch, context)
         c = self._buckets.setdefault(key, _Bucket()).costs
         (k2, p2), (k1, p1) = self._history
         self._history.append((key, plan))
@@ -348,12 +360,12 @@ class RoundPolicy:
                 c.extra_s = _mean(c.extra_s, wait_s - modelled)
 
     def record_step(self, plan: RoundPlan, specs: dict, num_draft: list[int], num_accepted: list[int],
-                    wait_s: float, busy_s: float, draft_work_s: float, steady: bool = True) -> None:
+                    wait_s: float, busy_s: float, draft_work_s: float, steady: bool = True, context: int = 0) -> None:
         """`record` from the worker's view of a step: the speculations that arrived (each
         with .cache_hit), per sequence its drafts and accepted tokens. steady: no sequence
         of the batch is in its first rounds (see `record`)."""
         drafted = [j + 1 for j, m in zip(num_accepted, num_draft) if m]
-        self.record(len(num_draft), plan, wait_s=wait_s, busy_s=busy_s, num_specs=len(specs),
+        self.record(len(num_draft), plan, context=context, wait_s=wait_s, busy_s=busy_s, num_specs=len(specs),
                     num_hits=sum(1 for s in specs.values() if s.cache_hit), num_drafted=len(drafted),
                     drafted_tokens=sum(drafted), draft_work_s=draft_work_s, steady=steady)
 
@@ -365,9 +377,14 @@ class RoundPolicy:
                     num_sd_rounds=self.num_sd_rounds, num_round_switches=self.num_switches,
                     round_choices=self.summary())
 
-    def costs(self, batch: int) -> Costs:
-        return self._buckets.setdefault(self.bucket(batch), _Bucket()).costs
+    def costs(self, batch: int, context: int = 0) -> Costs:
+        return self._buckets.setdefault(self.key(batch, context), _Bucket()).costs
 
     def summary(self) -> dict[int, str]:
-        """The choice per bucket, for stats and logs."""
-        return {k: b.choice.label() for k, b in sorted(self._buckets.items()) if b.choice is not None}
+        """The choice per batch-size bucket (at the context of its last step), for stats and logs."""
+        out = {}
+        for batch_key, key in sorted(self._current.items()):
+            b = self._buckets.get(key)
+            if b is not None and b.choice is not None:
+                out[batch_key] = b.choice.label()
+        return out

@@ -83,6 +83,7 @@ class TargetWorker:
         self.outputs: dict[bytes, list[RequestOutput]] = {}
         self.timing = {"num_steps": 0, "verify_s": 0.0, "draft_wait_s": 0.0, "draft_work_s": 0.0}
         self.policy = SpecPolicy(cfg.sched.spec_policy, cfg.sched.spec_policy_probe_every)
+        self._context = 0
         # SSD: each step's plan (SSD round, SD round or plain step) from measured costs.
         self.rounds = RoundPolicy.for_config(cfg) if cfg.spec.mode == "ssd" else None
         # The work_ahead flags of the last three requests. A step waits for the answer to
@@ -239,6 +240,7 @@ class TargetWorker:
         t0 = time.perf_counter()
         # Plain steps (chosen by the policy) leave the draft in sync: it still gets each
         # outcome, as (0, t) against the speculation it sent, which nobody waits for.
+        self._context = sum(s.num_tokens for s in seqs) // len(seqs)  # the round policy's cost bucket
         plan = self._plan(len(seqs))
         speculate = plan.speculate
         specs = self.draft.collect(seqs) if speculate else {}
@@ -263,7 +265,7 @@ class TargetWorker:
         if not self.draft.present:
             return PLAIN
         if self.rounds is not None:
-            return self.rounds.choose(batch)
+            return self.rounds.choose(batch, self._context)
         return SD if self.policy.use_speculation(batch) else PLAIN
 
     def _accept(self, seqs, specs, num_draft, num_accepted, out_tokens, logprobs, speculate: bool) -> None:
@@ -291,7 +293,8 @@ class TargetWorker:
         """Feed the step's timings to the policy that chose its plan."""
         if self.rounds is not None:
             self.rounds.record_step(plan, specs, num_draft, num_accepted, t1 - t0, time.perf_counter() - t1,
-                                    draft_work_s, steady=all(s.stats.num_rounds > STEADY_AFTER_ROUNDS for s in seqs))
+                                    draft_work_s, steady=all(s.stats.num_rounds > STEADY_AFTER_ROUNDS for s in seqs),
+                                    context=self._context)
         elif self.draft.present:
             self.policy.record(len(seqs), plan.speculate, sum(n + 1 for n in num_accepted), time.perf_counter() - t0)
         self._last_flags = self._last_flags[1:] + (plan.work_ahead,)

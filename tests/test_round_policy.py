@@ -259,3 +259,28 @@ def test_steps_of_sequences_in_their_first_rounds_measure_nothing():
     for _ in range(3):
         p.record(1, PLAIN, wait_s=0.0, busy_s=0.02)
     assert c.realized_rate(PLAIN) == pytest.approx(50.0)
+
+
+def test_costs_are_kept_per_context_length():
+    """A batch at 8K tokens of context does not inherit the rates measured at 512: the
+    long-context bucket measures its own (here SD wins there, SSD at 512)."""
+    p = _policy()
+    simulate(p, 1, 150, **FITS)
+    assert p.summary() == {1: RoundPlan("ssd", 16, "jit").label()}
+    slow = dict(FITS, work_s={16: 0.045, 8: 0.040, 4: 0.038})
+    hist = [None, None]
+    for _ in range(200):  # the same policy, at 8192 tokens of context, where the draft is slow
+        plan = p.choose(1, 8192)
+        p2, p1 = hist
+        kw = dict(wait_s=0.0, busy_s=slow["verify_s"])
+        if plan.speculate:
+            ssd = p2 is not None and p2.work_ahead
+            n = p2.branches if ssd else 0
+            kw = dict(wait_s=(max(0.0, slow["work_s"][n] - 0.020) + 0.1 * 0.010) if ssd else 0.010, busy_s=0.020,
+                      num_specs=1, num_hits=int(ssd), num_drafted=1, drafted_tokens=3,
+                      draft_work_s=slow["work_s"][n] if ssd else 0.0)
+        p.record(1, plan, context=8192, **kw)
+        hist = [p1, plan]
+    assert p.summary() == {1: "sd"}  # the choice at the context of the last step
+    assert p.costs(1).realized_rate(RoundPlan("ssd", 16, "jit")) > p.costs(1, 8192).realized_rate(SD)
+    assert p.costs(1, 8192).chain_s == pytest.approx(0.010) and p.key(1, 100) == p.key(1, 1000) == (1, 1024)
