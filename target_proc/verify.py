@@ -1,6 +1,6 @@
 """The inputs of one verify step, prepared on the host and uploaded before the forward.
 
-rejection_sample (spec_runtime.sampling) wants dense per-batch tensors: draft ids padded
+rejection_sample (spec_runtime.rejection) wants dense per-batch tensors: draft ids padded
 to the longest speculation, the sparse q of each draft token, the sampling parameters
 and the position of d_1. The forward's logits are flat and ragged (1 + m rows for a
 sequence with m drafts; the runner drops the rows of its graph padding); `gather` picks

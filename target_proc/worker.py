@@ -39,7 +39,8 @@ from spec_runtime.config import RuntimeConfig
 from spec_runtime.engine.forward_batch import ForwardItem
 from spec_runtime.engine.kv_blocks import KVBlocks
 from spec_runtime.logits_process import LogitsProcess, token_logprobs
-from spec_runtime.sampling import SamplingTensors, rejection_sample
+from spec_runtime.rejection import rejection_sample
+from spec_runtime.sampling import SamplingTensors
 from spec_runtime.structured import Grammars
 from spec_runtime.validate import RequestError, validate_request
 from target_proc.draft_link import DraftLink

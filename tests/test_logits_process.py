@@ -14,7 +14,8 @@ import torch
 
 from protocol.messages import SamplingParams
 from spec_runtime.logits_process import LogitsProcess, token_logprobs
-from spec_runtime.sampling import SamplingTensors, hash32, rejection_sample, target_probs
+from spec_runtime.rejection import rejection_sample
+from spec_runtime.sampling import SamplingTensors, hash32, target_probs
 from test_sampling import _bigram, _check_dist, _draft_chain, _reference_probs
 
 EOS = 0

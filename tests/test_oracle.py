@@ -18,7 +18,8 @@ from spec_runtime.bench.oracle import (
     target_oracle,
     target_oracle_logits,
 )
-from spec_runtime.sampling import SamplingTensors, rejection_sample, target_probs
+from spec_runtime.rejection import rejection_sample
+from spec_runtime.sampling import SamplingTensors, target_probs
 
 N = 100_000
 

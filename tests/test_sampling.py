@@ -13,13 +13,13 @@ import pytest
 import torch
 from scipy import stats
 
+from spec_runtime.rejection import rejection_sample
 from spec_runtime.sampling import (
     STREAM_DRAFT,
     STREAM_TARGET,
     SamplingTensors,
     draft_sample,
     hash32,
-    rejection_sample,
     sample,
     saguaro_rescale,
     target_probs,
