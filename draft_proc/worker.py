@@ -172,30 +172,10 @@ class DraftWorker:
                                          f"[{b}], 1 <= k <= {self.cfg.spec.k}, branches >= 0 and backup one of "
                                          f"{BACKUP_CHOICES}"))
             return
-        # Their state moves on now: a prefetch would work ahead from a stale state.
-        for sid in np.asarray(req.seq_ids).tolist():
-            self.fresh.pop(sid, None)
-        ok: list[DraftSeq] = []
         # A sequence the draft did not work ahead for has no cache entries: its miss is a
         # synchronous SD round the target chose, not a cache miss.
         counted = self._worked_ahead
-        for i in range(b):
-            sid = int(req.seq_ids[i])
-            seq = self.seqs.get(sid)
-            token = int(req.token_ids[i])
-            try:
-                if seq is None:
-                    raise OutcomeError(f"unknown seq_id {sid}")
-                if not 0 <= token < self.vocab_size:
-                    raise OutcomeError(f"token id {token} is outside [0, {self.vocab_size})")
-                if self.ssd is not None:
-                    self.ssd.note_outcome(seq, int(req.num_accepted[i]), token)
-                seq.apply_outcome(int(req.num_accepted[i]), token, int(req.seq_lens[i]), int(req.rounds[i]))
-            except OutcomeError as e:
-                self.channel.send(ErrorReply(code="desync", message=str(e), seq_id=sid))
-                self.drop(sid)
-                continue
-            ok.append(seq)
+        ok = self._apply_outcomes(req)
         if not ok:
             return
         if self.ssd is not None:
@@ -221,6 +201,32 @@ class DraftWorker:
                 # The next round is synchronous SD: entries for this round's outcomes
                 # would answer a speculation that is no longer outstanding.
                 self.ssd.skip_work_ahead(ok)
+
+    def _apply_outcomes(self, req: SpecRequest) -> list[DraftSeq]:
+        """Apply each sequence's outcome (j, t) of the target's last round; a sequence whose
+        outcome does not fit its state gets a desync error and is dropped."""
+        # Their state moves on now: a prefetch would work ahead from a stale state.
+        for sid in np.asarray(req.seq_ids).tolist():
+            self.fresh.pop(sid, None)
+        ok: list[DraftSeq] = []
+        for i in range(len(req.seq_ids)):
+            sid = int(req.seq_ids[i])
+            seq = self.seqs.get(sid)
+            token = int(req.token_ids[i])
+            try:
+                if seq is None:
+                    raise OutcomeError(f"unknown seq_id {sid}")
+                if not 0 <= token < self.vocab_size:
+                    raise OutcomeError(f"token id {token} is outside [0, {self.vocab_size})")
+                if self.ssd is not None:
+                    self.ssd.note_outcome(seq, int(req.num_accepted[i]), token)
+                seq.apply_outcome(int(req.num_accepted[i]), token, int(req.seq_lens[i]), int(req.rounds[i]))
+            except OutcomeError as e:
+                self.channel.send(ErrorReply(code="desync", message=str(e), seq_id=sid))
+                self.drop(sid)
+                continue
+            ok.append(seq)
+        return ok
 
     def _observe_tree_window(self, now: float) -> None:
         """Tell TreeBudget how the last work-ahead fit the target's verify: the wait for

@@ -255,6 +255,19 @@ def _train(cfg: DistillConfig, draft, opt, sched, train, held_out, device: torch
     return step
 
 
+def _teacher_data(cfg: DistillConfig, target, tokenizer, eos_ids, prompts: list) -> tuple[list, list]:
+    """The target's continuations of `prompts` (cached in OUT's work directory), split
+    into training and held-out samples by prompt."""
+    samples = generate_samples(
+        target, tokenizer, prompts, eos_ids, max_new_tokens=cfg.max_new_tokens,
+        samples_per_prompt=cfg.samples_per_prompt, temperature=cfg.gen_temperature,
+        batch_size=cfg.gen_batch_size, top_k=cfg.top_k_logits, path=work_path(cfg.out, "teacher.pt"), seed=cfg.seed)
+    train, held_out = split_held_out(samples, len(prompts), cfg.held_out_fraction)
+    logger.info("teacher data: %d train samples (%d tokens), %d held-out (%d tokens)", len(train),
+                sum(s.topk_ids.shape[0] for s in train), len(held_out), sum(s.topk_ids.shape[0] for s in held_out))
+    return train, held_out
+
+
 def distill(cfg: DistillConfig) -> dict:
     """Run (or resume) a distillation; returns the summary also written to OUT/distill.json."""
     from transformers import get_cosine_schedule_with_warmup
@@ -269,13 +282,7 @@ def distill(cfg: DistillConfig) -> dict:
     if cfg.num_prompts:
         prompts = prompts[:cfg.num_prompts]
     prompts += _self_prompts(cfg, target, tokenizer, eos_ids)
-    samples = generate_samples(
-        target, tokenizer, prompts, eos_ids, max_new_tokens=cfg.max_new_tokens,
-        samples_per_prompt=cfg.samples_per_prompt, temperature=cfg.gen_temperature,
-        batch_size=cfg.gen_batch_size, top_k=cfg.top_k_logits, path=work_path(cfg.out, "teacher.pt"), seed=cfg.seed)
-    train, held_out = split_held_out(samples, len(prompts), cfg.held_out_fraction)
-    logger.info("teacher data: %d train samples (%d tokens), %d held-out (%d tokens)", len(train),
-                sum(s.topk_ids.shape[0] for s in train), len(held_out), sum(s.topk_ids.shape[0] for s in held_out))
+    train, held_out = _teacher_data(cfg, target, tokenizer, eos_ids, prompts)
 
     draft, dcfg, draft_params, target_params = _make_draft(cfg, target)
     del target

@@ -38,6 +38,20 @@ def _kernel_config(kernels: KernelConfig | None, tp_size: int) -> KernelConfig:
     return kernels
 
 
+def _check_pool_args(num_slots: int, max_model_len: int, num_scratch_rows: int, block_size: int, num_blocks: int,
+                     max_batch_size: int | None) -> None:
+    if block_size < 0 or num_blocks < 0:
+        raise ValueError(f"block_size and num_blocks must be >= 0, got {block_size} and {num_blocks}")
+    if num_slots < 1 and block_size < 1:
+        raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+    if block_size and not max_batch_size:
+        raise ValueError("a paged KV pool needs max_batch_size (the most sequences of one forward)")
+    if max_model_len < 1:
+        raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+    if num_scratch_rows < 0:
+        raise ValueError(f"num_scratch_rows must be >= 0, got {num_scratch_rows}")
+
+
 def _device(name: str) -> torch.device:
     """The device `name` names, made the current CUDA device (flashinfer and CUDA graphs
     launch on the current one); bare "cuda" is the current one."""
@@ -75,16 +89,7 @@ class ModelRunner:
         engine.parallel.TPGroup when the model is split over several (every rank builds
         its runner with the same arguments; rank 0's `run` leads the others'). Use
         `build`, which also tunes the kernels and captures the graphs."""
-        if block_size < 0 or num_blocks < 0:
-            raise ValueError(f"block_size and num_blocks must be >= 0, got {block_size} and {num_blocks}")
-        if num_slots < 1 and block_size < 1:
-            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
-        if block_size and not max_batch_size:
-            raise ValueError("a paged KV pool needs max_batch_size (the most sequences of one forward)")
-        if max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
-        if num_scratch_rows < 0:
-            raise ValueError(f"num_scratch_rows must be >= 0, got {num_scratch_rows}")
+        _check_pool_args(num_slots, max_model_len, num_scratch_rows, block_size, num_blocks, max_batch_size)
         self.cfg = cfg
         self.tp = tp
         tp_size, tp_rank = (tp.size, tp.rank) if tp is not None else (1, 0)

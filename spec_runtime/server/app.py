@@ -150,16 +150,8 @@ class _Server:
         # Tool-call markers may be special tokens: keep them in the text the parser reads.
         skip_special = False if parser and "skip_special_tokens" not in req.model_fields_set else None
         prompts, echoes = await self._prompts(req, chat, tools)
-        sps = []
-        for ids in prompts:  # every prompt is checked before any is submitted
-            self.check_prompt_ids(ids)
-            sp = to_sampling(req, len(ids), self.max_model_len, structured=structured,
-                             skip_special_tokens=skip_special)
-            for name, ids_ in (("stop_token_ids", sp.stop_token_ids), ("logit_bias", list(sp.logit_bias))):
-                for t in ids_:
-                    if not 0 <= t < self.vocab_size:
-                        raise APIError(400, f"{name}: token id {t} is outside [0, {self.vocab_size})", param=name)
-            sps.append(sp)
+        # Every prompt is checked before any is submitted.
+        sps = [self._sampling(req, ids, structured, skip_special) for ids in prompts]
         rids = ResponseIds(chat, self.model)
         n, num_top, num_prompt_top = req.num_choices, req.num_top_logprobs(), req.num_prompt_logprobs()
         tokenizer = (self._tokenizer("logprobs" if num_top is not None else "prompt_logprobs")
@@ -201,6 +193,16 @@ class _Server:
             return await whole_response(request, flights, choices, rids, usage)
         finally:
             end_all()
+
+    def _sampling(self, req, ids: list[int], structured, skip_special: bool | None):
+        """The sampling parameters of one prompt of `req`, its token ids checked."""
+        self.check_prompt_ids(ids)
+        sp = to_sampling(req, len(ids), self.max_model_len, structured=structured, skip_special_tokens=skip_special)
+        for name, ids_ in (("stop_token_ids", sp.stop_token_ids), ("logit_bias", list(sp.logit_bias))):
+            for t in ids_:
+                if not 0 <= t < self.vocab_size:
+                    raise APIError(400, f"{name}: token id {t} is outside [0, {self.vocab_size})", param=name)
+        return sp
 
     def _tool_parser(self, tools: ToolRequest | None) -> str | None:
         if tools is None or tools.choice == "none":
