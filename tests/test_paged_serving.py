@@ -46,10 +46,12 @@ class _Clients:
 _RUNNERS: dict = {}
 
 
-def _worker(target: str, *, num_kv_blocks: int = 0, prefix_caching: bool = True, max_batch_size: int = 4):
+def _worker(target: str, *, num_kv_blocks: int = 0, prefix_caching: bool = True, max_batch_size: int = 4,
+            max_num_batched_tokens: int = 0):
     cfg = RuntimeConfig(target=ModelConfig(path=target), spec=SpeculativeConfig(mode="ar"),
                         sched=SchedulerConfig(max_batch_size=max_batch_size, max_model_len=MAX_LEN, block_size=BS,
-                                              num_kv_blocks=num_kv_blocks, enable_prefix_caching=prefix_caching))
+                                              num_kv_blocks=num_kv_blocks, enable_prefix_caching=prefix_caching,
+                                              max_num_batched_tokens=max_num_batched_tokens))
     # One runner per pool shape; a fresh worker over it starts with every block free.
     key = (target, num_kv_blocks, max_batch_size)
     if key not in _RUNNERS:
