@@ -20,6 +20,10 @@ Host bookkeeping over engine.kv_blocks.KVBlocks; the worker runs the forwards it
   then does it join the running sequences (the worker samples its first token and tells
   the draft). When the pool runs short, that prefill gives its blocks back before any
   running sequence is preempted. Prompt-logprob requests are prefilled whole.
+- Shared prompts (n > 1 sends n requests with one prompt; clients often send one system
+  prompt at once): a waiting sequence whose full prompt blocks are among those a
+  prefill of this step computes waits one step and then finds them in the prefix cache,
+  so the shared part is prefilled once.
 - Up front: a request that could not run even alone in the pool is refused.
 """
 
@@ -92,9 +96,13 @@ class KVScheduler:
         adm = Admission()
         resumed_items: list[ForwardItem] = []
         num_prefill = 0
+        computing: set[bytes] = set()  # names of the full blocks this step's prefills compute
         while waiting and len(running) < self.max_num_seqs:
             seq = waiting[0]
             num_kv = seq.num_tokens - 1 if seq.preempted else seq.num_tokens  # positions to hold K/V
+            hashes = self._lookup_hashes(seq)
+            if computing.intersection(hashes):
+                break  # it shares blocks this step computes: next step it finds them cached
             chunked = self.budget is not None and seq.sampling.prompt_logprobs is None
             if chunked:
                 room = self.budget - (len(running) + 1) * (self.k + 1) - num_prefill  # if it joins the verify
@@ -118,6 +126,7 @@ class KVScheduler:
                 break
             waiting.popleft()
             self.prefilled.pop(seq.seq_id, None)
+            computing.update(hashes[start // self.kv.block_size:])
             running[seq.seq_id] = seq
             num_prefill += num_kv - start
             rows = self.kv.rows(seq.seq_id, num_kv)
@@ -134,6 +143,12 @@ class KVScheduler:
         self.step_tokens = 0
         self.count_step_tokens(sum(len(it.token_ids) for it in adm.items))
         return adm
+
+    def _lookup_hashes(self, seq: Sequence) -> list[bytes]:
+        """The prefix-cache names of seq's full blocks, for the ones that look it up."""
+        if seq.seq_id in self.prefilled or not (seq.preempted or seq.sampling.prompt_logprobs is None):
+            return []
+        return self.kv.lookup_hashes(seq.seq_id, seq.token_ids)
 
     def count_step_tokens(self, num_tokens: int) -> None:
         """Add a forward's tokens to the step under way (admit starts each step)."""
