@@ -19,7 +19,8 @@ Host bookkeeping over engine.kv_blocks.KVBlocks; the worker runs the forwards it
   what is left and stays at the head, holding its blocks, until its last piece; only
   then does it join the running sequences (the worker samples its first token and tells
   the draft). When the pool runs short, that prefill gives its blocks back before any
-  running sequence is preempted. Prompt-logprob requests are prefilled whole.
+  running sequence is preempted. A prompt-logprobs request's pieces return every
+  position's logits; its logprobs are gathered piece by piece.
 - Shared prompts (n > 1 sends n requests with one prompt; clients often send one system
   prompt at once): a waiting sequence whose full prompt blocks are among those a
   prefill of this step computes waits one step and then finds them in the prefix cache,
@@ -52,6 +53,9 @@ class Admission:
     new: list[Sequence] = field(default_factory=list)
     resumed: list[Sequence] = field(default_factory=list)
     items: list[ForwardItem] = field(default_factory=list)
+    # A piece of a chunked prefill and its forward (the last of `items`): logits "all" for
+    # a prompt-logprobs request, else "none".
+    piece: tuple[Sequence, ForwardItem] | None = None
 
 
 class KVScheduler:
@@ -103,7 +107,7 @@ class KVScheduler:
             hashes = self._lookup_hashes(seq)
             if computing.intersection(hashes):
                 break  # it shares blocks this step computes: next step it finds them cached
-            chunked = self.budget is not None and seq.sampling.prompt_logprobs is None
+            chunked = self.budget is not None
             if chunked:
                 room = self.budget - (len(running) + 1) * (self.k + 1) - num_prefill  # if it joins the verify
                 if room + self.k + 1 <= 0:
@@ -119,8 +123,10 @@ class KVScheduler:
                 if end > start:
                     self.prefilled[seq.seq_id] = end
                     self.num_prefill_chunks += 1
-                    resumed_items.append(ForwardItem(seq.token_ids[start:end], start,
-                                                     self.kv.rows(seq.seq_id, end), "none"))
+                    want_all = not seq.preempted and seq.sampling.prompt_logprobs is not None
+                    adm.piece = (seq, ForwardItem(seq.token_ids[start:end], start, self.kv.rows(seq.seq_id, end),
+                                                  "all" if want_all else "none"))
+                    resumed_items.append(adm.piece[1])
                     # Its forward runs before any other admission looks the cache up.
                     self.kv.commit(seq.seq_id, seq.token_ids, end)
                 break
@@ -216,4 +222,6 @@ class KVScheduler:
             self.commit(seq)
         else:
             self.kv.commit(seq.seq_id, seq.token_ids, num_prefilled)
+            if not seq.preempted:
+                seq.prompt_logprobs = None  # of the pieces computed: it starts over, or ends
         self.kv.free(seq.seq_id)

@@ -47,7 +47,7 @@ from target_proc.draft_link import DraftLink
 from target_proc.kv_schedule import KVScheduler
 from target_proc.no_draft import NoDraft
 from target_proc.outputs import merge_outputs, record_round, take_output
-from target_proc.prompt_logprobs import prompt_logprobs, split_prefill_logits
+from target_proc.prompt_logprobs import add_prompt_logprobs, split_prefill_logits
 from target_proc.sequence import IncrementalDetokenizer, Sequence, StopChecker
 from target_proc.round_policy import PLAIN, SD, STEADY_AFTER_ROUNDS, RoundPlan, RoundPolicy
 from target_proc.spec_policy import SpecPolicy
@@ -189,19 +189,20 @@ class TargetWorker:
         the first token of the new ones; preempted ones recompute their KV only."""
         adm = self.sched.admit(self.waiting, self.running)
         new = adm.new
+        if new:  # Tell the draft first: it prefills (SSD: and works ahead) while the target prefills.
+            self.draft.admit(new)
+        flat = self.runner.run(adm.items) if adm.items else None
+        if adm.piece is not None and adm.piece[1].logits == "all":  # its rows come last
+            seq, it = adm.piece
+            add_prompt_logprobs(seq, it.start_pos, flat[flat.shape[0] - len(it.token_ids):], last=False)
         if not new:
-            if adm.items:
-                self.runner.run(adm.items)
             return
-        # Tell the draft first: it prefills (and, in SSD mode, works ahead for the first
-        # outcome) while the target prefills.
-        self.draft.admit(new)
         # Logits rows: per new item (they come first), 1 ("last") or one per token ("all").
         logits, prompt_rows = split_prefill_logits(
-            self.runner.run(adm.items), [len(it.token_ids) if it.logits == "all" else 1 for it in adm.items[:len(new)]])
-        for seq, rows in zip(new, prompt_rows):
+            flat, [len(it.token_ids) if it.logits == "all" else 1 for it in adm.items[:len(new)]])
+        for seq, rows, it in zip(new, prompt_rows, adm.items):
             if seq.sampling.prompt_logprobs is not None:
-                seq.prompt_logprobs = prompt_logprobs(rows, seq.prompt_token_ids, seq.sampling.prompt_logprobs)
+                add_prompt_logprobs(seq, it.start_pos, rows, last=True)
         logits = self._transform(logits, new, [1] * len(new))  # [B, V]
         st = self._sampling_tensors(new)
         positions = torch.tensor([s.num_tokens for s in new], dtype=torch.int64, device=logits.device)

@@ -15,7 +15,7 @@ import pytest
 from collections import deque
 
 from e2e_util import make_config
-from protocol.messages import SamplingParams
+from protocol.messages import GenerateRequest, SamplingParams, TokenOutputs
 from spec_runtime.client import Client
 from spec_runtime.config import RuntimeConfig, SchedulerConfig
 from spec_runtime.engine.kv_blocks import KVBlocks, block_hash
@@ -60,7 +60,6 @@ def test_running_sequences_decode_while_a_long_prompt_is_chunked(tiny_pair):
     rng = np.random.default_rng(1)
     short = [rng.integers(3, 300, 5).tolist() for _ in range(2)]
     long = rng.integers(3, 300, 100).tolist()
-    from protocol.messages import GenerateRequest
     for rid, p, n in (("s0", short[0], 40), ("s1", short[1], 40)):
         clients.inbox.append((b"c", GenerateRequest(request_id=rid, prompt_token_ids=np.asarray(p),
                                                     sampling=SamplingParams(max_tokens=n, **GREEDY))))
@@ -93,6 +92,35 @@ def test_greedy_with_chunked_prefill_and_preemption_equals_whole_prompts(tiny_pa
     assert not tight.sched.prefilled and not tight.kv.tables
     whole, whole_clients = _worker(tiny_pair.target, prefix_caching=False, max_batch_size=3)
     assert got == _run(whole, whole_clients, prompts, 40)
+
+
+def _prompt_logprobs(worker, clients, prompt) -> object:
+    clients.inbox.append((b"c", GenerateRequest(request_id="p", prompt_token_ids=np.asarray(prompt),
+                                                sampling=SamplingParams(max_tokens=2, prompt_logprobs=2, **GREEDY))))
+    outs = []
+    while not any(o.finished for o in outs):
+        worker.poll_clients(block=False)
+        worker.admit()
+        if worker.running:
+            worker.step()
+        worker.flush_outputs()
+        outs += [o for m in clients.sent if isinstance(m, TokenOutputs) for o in m.outputs]
+        clients.sent.clear()
+    [first] = [o.prompt_logprobs for o in outs if o.prompt_logprobs is not None]
+    return first
+
+
+def test_prompt_logprobs_are_gathered_piece_by_piece(tiny_pair):
+    prompt = _long_prompts(1, seed=8)[0]
+    whole, whole_clients = _worker(tiny_pair.target, max_batch_size=3)
+    want = _prompt_logprobs(whole, whole_clients, prompt)
+    chunked, clients = _worker(tiny_pair.target, max_batch_size=3, max_num_batched_tokens=BUDGET)
+    got = _prompt_logprobs(chunked, clients, prompt)
+    st = _stats(chunked, clients)
+    assert st.num_prefill_chunks >= 2 and st.max_step_tokens <= BUDGET
+    assert len(got.logprobs) == len(prompt) - 1
+    assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
+    assert got.ranks == want.ranks and got.top_token_ids == want.top_token_ids
 
 
 def _seq(seq_id: int, num_tokens: int) -> Sequence:
