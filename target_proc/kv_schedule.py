@@ -4,9 +4,9 @@ Host bookkeeping over engine.kv_blocks.KVBlocks; the worker runs the forwards it
 
 - Admission, oldest first: a waiting sequence gets the blocks its next forward needs,
   reusing its cached prefix; it waits while the pool cannot hold it with a block to
-  spare per running sequence (so admitting one does not at once preempt another). The
-  prefills of one step hold at most max_model_len tokens, the forward GPU memory was
-  sized with.
+  spare per running sequence (so admitting one does not at once preempt another).
+  Without a step budget the prefills of one step hold at most max_model_len tokens, the
+  forward GPU memory was sized with.
 - Growth: before each step every running sequence, oldest first, gets the rows of its
   next verify. When the pool runs out, the most recently admitted sequence is preempted:
   its blocks go back (its full ones stay in the prefix cache), and it waits at the head
