@@ -285,6 +285,11 @@ class EngineStats(_Cold, tag="stats"):
     num_preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # Chunked prefill: prefill pieces that stopped short of their sequence's end (a prompt
+    # prefilled in c pieces adds c - 1), and the most tokens one step computed (its
+    # prefills and its verify together; --max-num-batched-tokens bounds it).
+    num_prefill_chunks: int = 0
+    max_step_tokens: int = 0
 
 
 class ErrorReply(_Cold, tag="error"):

@@ -180,6 +180,7 @@ class SchedulerConfig:
     block_size: int = _f(16, "Target: KV rows per block. Sequences take blocks as they grow and return them when they finish.")
     num_kv_blocks: int = _f(0, "Target: KV blocks in the pool. 0: on CUDA, what --gpu-memory-utilization leaves after the weights and a warm-up forward; on CPU, enough for --max-batch-size sequences of --max-model-len tokens.")
     enable_prefix_caching: bool = _f(True, "Target: reuse the KV blocks of a prompt prefix another request already computed (full blocks, matched by a hash of their tokens); unused ones are evicted least recently used first.")
+    max_num_batched_tokens: int = _f(8192, "Target: most tokens one step computes, prefill pieces and verify tokens together (vLLM's flag). A prompt longer than what is left is prefilled in chunks over several steps while the running sequences keep decoding, so a long prompt never stalls them for its whole prefill. 8192 is vLLM's default for its OpenAI server on GPUs of 70 GiB or more: large enough that prefill keeps the GPU busy, small enough to bound a step. 0, or a value >= --max-model-len: no chunking (a step prefills whole prompts, at most --max-model-len tokens of them). Must be >= --max-num-seqs x (K + 1) (every running sequence's verify fits in one step).")
     max_draft_seqs: int = _f(0, "Draft KV slots; 0 means max_batch_size.")
     spec_policy: Literal["always", "adaptive"] = _f("adaptive", "always: speculate every step; adaptive: per batch size, plain decoding where it is faster (it can win at large batch), logging each switch. SD: measured against speculative steps; SSD: one of the round policy's options (--work-ahead).")
     spec_policy_probe_every: int = _f(64, "Steps between re-measurements of the choice not in use (the adaptive policy; SSD's round policy probes its runner-up).")
@@ -193,12 +194,35 @@ class SchedulerConfig:
             raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
         if self.num_kv_blocks < 0:
             raise ValueError(f"num_kv_blocks must be >= 0 (0 sizes the pool automatically), got {self.num_kv_blocks}")
+        if self.max_num_batched_tokens < 0:
+            raise ValueError(f"max_num_batched_tokens must be >= 0 (0: no chunked prefill), got {self.max_num_batched_tokens}")
         if self.max_draft_seqs < 0:
             raise ValueError(f"max_draft_seqs must be >= 0 (0 means max_batch_size), got {self.max_draft_seqs}")
         if self.spec_policy not in ("always", "adaptive"):
             raise ValueError(f"spec_policy must be always or adaptive, got {self.spec_policy!r}")
         if self.spec_policy_probe_every < 2:
             raise ValueError("spec_policy_probe_every must be >= 2")
+
+
+def step_token_budget(sched: "SchedulerConfig", max_model_len: int | None = None) -> int | None:
+    """Tokens one target step may compute when prefill is chunked, or None when it is not
+    (--max-num-batched-tokens 0 or >= the context length: whole prompts, as many as fit
+    in max_model_len tokens, the forward the memory pool was sized with)."""
+    budget, limit = sched.max_num_batched_tokens, max_model_len or sched.max_model_len
+    return budget if 0 < budget < limit else None
+
+
+def check_step_budget(sched: "SchedulerConfig", k: int, max_num_seqs: int | None = None,
+                      max_model_len: int | None = None) -> None:
+    """Chunked prefill bounds every step, so the verify of every running sequence
+    (K + 1 tokens each) must fit in one step's budget."""
+    budget = step_token_budget(sched, max_model_len)
+    num_seqs = max_num_seqs or sched.max_batch_size
+    if budget is not None and budget < num_seqs * (k + 1):
+        raise ValueError(
+            f"max_num_batched_tokens ({budget}) must be >= max_num_seqs x (K + 1) = {num_seqs} x {k + 1} = "
+            f"{num_seqs * (k + 1)}, so that every running sequence's verify fits in one step; raise it, lower "
+            "max_num_seqs or K, or set it to 0 to prefill whole prompts")
 
 
 @dataclass(frozen=True)
@@ -239,6 +263,7 @@ class RuntimeConfig:
             raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
         if self.spec.mode == "ssd" and self.draft_name == NGRAM_DRAFT:
             raise ValueError("mode ssd needs a draft model (--draft PATH); the n-gram speculator has no tree to build")
+        check_step_budget(self.sched, self.spec.k if self.spec.mode != "ar" else 0)
         if self.draft.tensor_parallel_size != 1:
             raise ValueError("the draft runs on one device: draft tensor_parallel_size must be 1 "
                              f"(got {self.draft.tensor_parallel_size}); put it on its own GPU with --draft-device")

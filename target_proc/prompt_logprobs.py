@@ -30,8 +30,9 @@ def prefill_logits_mode(prompt_logprobs: int | None) -> str:
 
 def split_prefill_logits(logits: torch.Tensor, num_rows: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Split a prefill's flat logits [sum(num_rows), V] (request r has num_rows[r] rows:
-    1 for "last", its prompt length for "all") into each request's last row [R, V] and
+    1 for "last", its prompt length for "all"; rows after them are left out) into each request's last row [R, V] and
     its rows before the last (empty for "last")."""
+    logits = logits[:sum(num_rows)]  # rows of later items (a chunked prefill's piece) follow
     if all(n == 1 for n in num_rows):
         return logits, [logits[:0]] * len(num_rows)
     ends = torch.tensor(num_rows, device=logits.device).cumsum(0)
@@ -65,3 +66,21 @@ def prompt_logprobs(logits: torch.Tensor, prompt_token_ids: Sequence[int], num_t
         top_token_ids=torch.cat(top_ids).cpu().tolist() if num_top else [],
         top_logprobs=torch.cat(top_lps).cpu().tolist() if num_top else [],
     )
+
+
+def merge_prompt_logprobs(head: PromptLogprobs | None, tail: PromptLogprobs) -> PromptLogprobs:
+    """The prompt logprobs of two consecutive prefill pieces (chunked prefill) as one."""
+    if head is None:
+        return tail
+    return PromptLogprobs(logprobs=head.logprobs + tail.logprobs, ranks=head.ranks + tail.ranks,
+                          top_token_ids=head.top_token_ids + tail.top_token_ids,
+                          top_logprobs=head.top_logprobs + tail.top_logprobs)
+
+
+def add_prompt_logprobs(seq, start: int, rows: torch.Tensor, last: bool) -> None:
+    """Add a prefill piece's prompt logprobs to seq's: the piece fed prompt tokens from
+    `start` on and gave logits `rows` (one per token, or for the last piece the ones
+    before its last, which predicts the first generated token)."""
+    ids = seq.prompt_token_ids[start:] if last else seq.prompt_token_ids[start:start + rows.shape[0] + 1]
+    seq.prompt_logprobs = merge_prompt_logprobs(seq.prompt_logprobs,
+                                                prompt_logprobs(rows, ids, seq.sampling.prompt_logprobs))

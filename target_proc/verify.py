@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from protocol.sparse_q import NO_DRAFT, pack
+from spec_runtime.logits_process import token_logprobs
 from spec_runtime.sampling import SamplingTensors
 
 
@@ -54,3 +55,23 @@ def verify_inputs(seqs, specs, num_draft, q_lens, k_max, st, device) -> VerifyIn
         st=st,
         positions=dev(np.array([s.num_tokens for s in seqs], dtype=np.int64)),
     )
+
+
+def output_logprobs(seqs, logits: torch.Tensor, out_tokens: torch.Tensor):
+    """Host copies of (logprobs [B, S], top ids [B, S, N], top logprobs [B, S, N]) of the
+    output tokens from the raw target logits [B, S, V], or None when no row asks."""
+    if not any(s.sampling.logprobs for s in seqs):
+        return None
+    num_top = max(s.sampling.top_logprobs for s in seqs)
+    lp, top_ids, top_lp = token_logprobs(logits, out_tokens, num_top)
+    # sync: logprobs stream with their tokens
+    return (lp.cpu().tolist(), top_ids.cpu().tolist() if top_ids is not None else None,
+            top_lp.cpu().tolist() if top_lp is not None else None)
+
+
+def logprobs_at(logprobs, i: int, t: int) -> tuple:
+    """StopChecker.append's logprob arguments for row i, slot t of `output_logprobs`' result."""
+    if logprobs is None:
+        return (None, None, None)
+    lp, top_ids, top_lp = logprobs
+    return (lp[i][t], top_ids[i][t] if top_ids is not None else None, top_lp[i][t] if top_lp is not None else None)

@@ -35,10 +35,10 @@ from protocol.messages import (
     add_totals,
 )
 from protocol.sparse_q import DraftTokens
-from spec_runtime.config import RuntimeConfig
+from spec_runtime.config import RuntimeConfig, step_token_budget
 from spec_runtime.engine.forward_batch import ForwardItem
 from spec_runtime.engine.kv_blocks import KVBlocks
-from spec_runtime.logits_process import LogitsProcess, token_logprobs
+from spec_runtime.logits_process import LogitsProcess
 from spec_runtime.rejection import rejection_sample
 from spec_runtime.sampling import SamplingTensors
 from spec_runtime.structured import Grammars
@@ -47,11 +47,11 @@ from target_proc.draft_link import DraftLink
 from target_proc.kv_schedule import KVScheduler
 from target_proc.no_draft import NoDraft
 from target_proc.outputs import merge_outputs, record_round, take_output
-from target_proc.prompt_logprobs import prompt_logprobs, split_prefill_logits
+from target_proc.prompt_logprobs import add_prompt_logprobs, split_prefill_logits
 from target_proc.sequence import IncrementalDetokenizer, Sequence, StopChecker
 from target_proc.round_policy import PLAIN, SD, STEADY_AFTER_ROUNDS, RoundPlan, RoundPolicy
 from target_proc.spec_policy import SpecPolicy
-from target_proc.verify import verify_inputs
+from target_proc.verify import logprobs_at, output_logprobs, verify_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,8 @@ class TargetWorker:
         self.grammars = Grammars(runner.tokenizer, runner.vocab_size, runner.eos_token_ids)
         layout = runner.layout
         self.kv = KVBlocks(layout.num_blocks, layout.block_size, cfg.sched.enable_prefix_caching)
-        self.sched = KVScheduler(self.kv, self.k, self.max_model_len, cfg.sched.max_batch_size)
+        self.sched = KVScheduler(self.kv, self.k, self.max_model_len, cfg.sched.max_batch_size,
+                                 step_token_budget(cfg.sched, self.max_model_len))
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}
         self.by_request: dict[tuple[bytes, str], Sequence] = {}
@@ -188,19 +189,20 @@ class TargetWorker:
         the first token of the new ones; preempted ones recompute their KV only."""
         adm = self.sched.admit(self.waiting, self.running)
         new = adm.new
+        if new:  # Tell the draft first: it prefills (SSD: and works ahead) while the target prefills.
+            self.draft.admit(new)
+        flat = self.runner.run(adm.items) if adm.items else None
+        if adm.piece is not None and adm.piece[1].logits == "all":  # its rows come last
+            seq, it = adm.piece
+            add_prompt_logprobs(seq, it.start_pos, flat[flat.shape[0] - len(it.token_ids):], last=False)
         if not new:
-            if adm.items:
-                self.runner.run(adm.items)
             return
-        # Tell the draft first: it prefills (and, in SSD mode, works ahead for the first
-        # outcome) while the target prefills.
-        self.draft.admit(new)
         # Logits rows: per new item (they come first), 1 ("last") or one per token ("all").
         logits, prompt_rows = split_prefill_logits(
-            self.runner.run(adm.items), [len(it.token_ids) if it.logits == "all" else 1 for it in adm.items[:len(new)]])
-        for seq, rows in zip(new, prompt_rows):
+            flat, [len(it.token_ids) if it.logits == "all" else 1 for it in adm.items[:len(new)]])
+        for seq, rows, it in zip(new, prompt_rows, adm.items):
             if seq.sampling.prompt_logprobs is not None:
-                seq.prompt_logprobs = prompt_logprobs(rows, seq.prompt_token_ids, seq.sampling.prompt_logprobs)
+                add_prompt_logprobs(seq, it.start_pos, rows, last=True)
         logits = self._transform(logits, new, [1] * len(new))  # [B, V]
         st = self._sampling_tensors(new)
         positions = torch.tensor([s.num_tokens for s in new], dtype=torch.int64, device=logits.device)
@@ -216,12 +218,12 @@ class TargetWorker:
             positions,
         )
         tokens = res.output_token_ids[:, 0].cpu().tolist()  # sync: the host streams the first token
-        logprobs = self._logprobs(new, logits[:, None, :], res.output_token_ids[:, :1])
+        logprobs = output_logprobs(new, logits[:, None, :], res.output_token_ids[:, :1])
         now = time.monotonic()
         for i, (seq, tok) in enumerate(zip(new, tokens)):
             seq.stats.num_rounds += 1
             seq.stats.ttft_s = now - seq.arrival_s
-            if self.stop_checker.append(seq, tok, *_at(logprobs, i, 0)) or self._grammar_commit(seq, [tok]):
+            if self.stop_checker.append(seq, tok, *logprobs_at(logprobs, i, 0)) or self._grammar_commit(seq, [tok]):
                 self.finish(seq)
             else:
                 self.sched.commit(seq)
@@ -281,7 +283,7 @@ class TargetWorker:
                          plain=bool(self.k and not speculate))
             for t in range(j + 1):
                 # A complete grammar ends the sequence at its last token, as in AR decoding.
-                if (self.stop_checker.append(seq, out_tokens[i][t], *_at(logprobs, i, t))
+                if (self.stop_checker.append(seq, out_tokens[i][t], *logprobs_at(logprobs, i, t))
                         or self._grammar_commit(seq, out_tokens[i][t:t + 1])):
                     break
             if seq.finished:
@@ -321,6 +323,7 @@ class TargetWorker:
 
         # Upload the verify inputs before the forward is queued: then nothing between the
         # forward and the acceptance kernels waits on the GPU.
+        self.sched.count_step_tokens(sum(q_lens))
         inputs = verify_inputs(seqs, specs, num_draft, q_lens, k_max, self._sampling_tensors(seqs), self.runner.device)
         flat_logits = self._transform(self.runner.run(items), seqs, q_lens)
         target_logits = flat_logits[inputs.gather]  # [sum(q_lens), V] -> [B, k_max + 1, V]
@@ -336,7 +339,7 @@ class TargetWorker:
                                inputs.q_probs, inputs.st, inputs.positions)
         num_accepted = res.num_accepted.cpu()  # sync: the accepted prefix decides what the host does next
         out_tokens = res.output_token_ids.cpu()
-        logprobs = self._logprobs(seqs, target_logits, res.output_token_ids)
+        logprobs = output_logprobs(seqs, target_logits, res.output_token_ids)
         return num_draft, num_accepted.tolist(), out_tokens.tolist(), logprobs
 
     # ------------------------------------------------------------------ helpers
@@ -369,18 +372,6 @@ class TargetWorker:
         return LogitsProcess.build([s.sampling for s in seqs], [s.token_ids for s in seqs],
                                    [s.num_prompt_tokens for s in seqs], self.runner.eos_token_ids,
                                    self.runner.vocab_size, self.runner.device)
-
-    @staticmethod
-    def _logprobs(seqs: list[Sequence], logits: torch.Tensor, out_tokens: torch.Tensor):
-        """Host copies of (logprobs [B, S], top ids [B, S, N], top logprobs [B, S, N]) of the
-        output tokens from the raw target logits [B, S, V], or None when no row asks."""
-        if not any(s.sampling.logprobs for s in seqs):
-            return None
-        num_top = max(s.sampling.top_logprobs for s in seqs)
-        lp, top_ids, top_lp = token_logprobs(logits, out_tokens, num_top)
-        # sync: logprobs stream with their tokens
-        return (lp.cpu().tolist(), top_ids.cpu().tolist() if top_ids is not None else None,
-                top_lp.cpu().tolist() if top_lp is not None else None)
 
     def finish(self, seq: Sequence) -> None:
         """Free the KV blocks and the draft's state; the final output goes out with this step's."""
@@ -418,14 +409,9 @@ class TargetWorker:
             num_kv_blocks=self.kv.num_blocks,
             num_free_kv_blocks=self.kv.num_free_blocks,
             num_preemptions=self.sched.num_preemptions,
+            num_prefill_chunks=self.sched.num_prefill_chunks,
+            max_step_tokens=self.sched.max_step_tokens,
             prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits,
         )
 
-
-def _at(logprobs, i: int, t: int) -> tuple:
-    """StopChecker.append's logprob arguments for row i, slot t of `_logprobs`' result."""
-    if logprobs is None:
-        return (None, None, None)
-    lp, top_ids, top_lp = logprobs
-    return (lp[i][t], top_ids[i][t] if top_ids is not None else None, top_lp[i][t] if top_lp is not None else None)

@@ -46,10 +46,12 @@ class _Clients:
 _RUNNERS: dict = {}
 
 
-def _worker(target: str, *, num_kv_blocks: int = 0, prefix_caching: bool = True, max_batch_size: int = 4):
+def _worker(target: str, *, num_kv_blocks: int = 0, prefix_caching: bool = True, max_batch_size: int = 4,
+            max_num_batched_tokens: int = 0):
     cfg = RuntimeConfig(target=ModelConfig(path=target), spec=SpeculativeConfig(mode="ar"),
                         sched=SchedulerConfig(max_batch_size=max_batch_size, max_model_len=MAX_LEN, block_size=BS,
-                                              num_kv_blocks=num_kv_blocks, enable_prefix_caching=prefix_caching))
+                                              num_kv_blocks=num_kv_blocks, enable_prefix_caching=prefix_caching,
+                                              max_num_batched_tokens=max_num_batched_tokens))
     # One runner per pool shape; a fresh worker over it starts with every block free.
     key = (target, num_kv_blocks, max_batch_size)
     if key not in _RUNNERS:
@@ -110,6 +112,22 @@ def test_prefix_cache_hits_across_requests_sharing_a_system_prompt(tiny_pair):
     want = _run(cold, cold_clients, prompts, 6)
     assert [first["0"]] + [rest[str(i)] for i in range(3)] == [want[str(i)] for i in range(4)]
     assert _stats(cold, cold_clients).prefix_cache_hits == 0
+
+
+def test_requests_sharing_a_prompt_at_once_prefill_it_once(tiny_pair):
+    """n > 1 sends n requests with one prompt at once: the first prefills it, the others
+    wait one step and reuse its full blocks (7 before the last of 30 tokens)."""
+    worker, clients = _worker(tiny_pair.target)
+    prompt = np.random.default_rng(6).integers(3, 300, 30).tolist()
+    got = _run(worker, clients, [prompt] * 4, 6)
+    st = _stats(worker, clients)
+    assert st.prefix_cache_hits == 3 * 28 and st.prefix_cache_queries == 4 * 30
+    cold, cold_clients = _worker(tiny_pair.target, prefix_caching=False)
+    want = _run(cold, cold_clients, [prompt], 6)["0"]
+    assert [got[str(i)] for i in range(4)] == [want] * 4
+    # Prompts sharing only a system prompt (5 full blocks) at once: the same.
+    _run(worker, clients, _system_prompt_requests(worker.runner.vocab_size, 3, seed=7), 2)
+    assert _stats(worker, clients).prefix_cache_hits - st.prefix_cache_hits == 2 * 20
 
 
 def test_cached_tokens_reach_the_request_stats(tiny_pair):

@@ -61,3 +61,13 @@ def test_cached_prompt_tokens_are_reported_in_usage_and_metrics(server):
     assert values["spec_runtime:prefix_cache_hits_total"] >= 28
     assert values["spec_runtime:prefix_cache_queries_total"] >= 60
     assert "spec_runtime:num_preemptions_total" in values
+
+
+def test_n_choices_share_the_prompt_prefill(server):
+    prompt = list(range(200, 214))  # 14 tokens: 3 full blocks before the last token; 3 x 4 blocks fit the pool
+    before = server.client.engine_stats().prefix_cache_hits
+    r = httpx.post(server.url + "/v1/completions", json={**_body(prompt), "n": 3}, timeout=60).json()
+    assert len(r["choices"]) == 3 and len({c["text"] for c in r["choices"]}) == 1
+    # The first choice prefills the prompt; the other two reuse its full blocks, whether they
+    # reach the target in the same step (they wait one: test_paged_serving) or after it.
+    assert server.client.engine_stats().prefix_cache_hits - before == 2 * 12

@@ -159,6 +159,13 @@ class KVBlocks:
             hashes.append(block_hash(hashes[-1] if hashes else b"", token_ids[i * bs:(i + 1) * bs]))
         return hashes
 
+    def lookup_hashes(self, seq_id: int, token_ids: Sequence[int]) -> list[bytes]:
+        """Names of the full blocks `admit` looks up for token_ids (all but the last token);
+        empty without prefix caching."""
+        if not self.pool.enable_prefix_caching:
+            return []
+        return self._prefix_hashes(seq_id, token_ids, len(token_ids) - 1)
+
     def admit(self, seq_id: int, token_ids: Sequence[int], num_rows: int, num_prompt_tokens: int,
               headroom: int = 0, use_cache: bool = True) -> int | None:
         """Give seq_id a table of `num_rows` rows. With prefix caching, its leading full

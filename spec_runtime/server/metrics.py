@@ -103,6 +103,9 @@ ENGINE_COUNTERS = (
      "SSD: moves of the draft's tree to fewer branches per sequence."),
     ("tree_grows", "draft_tree_grows", "spec_decode_tree_grows",
      "SSD: moves of the draft's tree to more branches per sequence."),
+    ("prefill_chunks", "num_prefill_chunks", "num_prefill_chunks",
+     "Chunked prefill: prefill pieces that stopped short of their prompt's end, the rest left for later steps "
+     "(--max-num-batched-tokens)."),
 )
 
 # (attribute, name, help, buckets: "latency" or "length").
