@@ -13,7 +13,7 @@ MAX_FILE_LINES = 400
 MAX_FUNCTION_LINES = 60
 # Still over the limits, each with its size when last split.
 LONG_FILES = {
-    "target_proc/worker.py",  # 431: the target's loop, admission and verify steps
+    "target_proc/worker.py",  # 417: the target's loop, admission and verify steps
     "target_proc/draft_link.py",  # 411: the target's side of the draft link
 }
 LONG_FUNCTIONS = {
