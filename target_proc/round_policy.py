@@ -1,4 +1,4 @@
-"""How each SSD-mode step runs, per batch size, chosen from measured costs.
+"""How each SSD-mode step runs, per batch size and context length, chosen from measured costs.
 
 Per bucket of batch size and context length (each a power of two; contexts below 1024
 tokens share one bucket) the options are:
@@ -39,9 +39,11 @@ SD rounds (measures c). From then on each step runs the best prediction. An opti
 inputs are not measured yet is probed before it is run: the next smaller tree when the
 best one overruns the verify, plain decoding when its estimate (P taken as S) wins.
 Every `probe_every` steps the runner-up is probed for `probe_len` steps so its
-measurements stay current (every fourth probe goes to the other options in turn). A step measures an option only when the two requests before
-it made the same choice (its wait answers the request one back, from the cache built
-after the request two back). `jit` is the backup below batch 8.
+measurements stay current (every fourth probe goes to the other options in turn). A
+step measures an option only when the two requests before it made the same choice (its
+wait answers the request one back, from the cache built after the request two back),
+and only when no sequence of the batch is in its first STEADY_AFTER_ROUNDS rounds.
+`jit` is the backup below batch 8.
 
 Overrides pin what they name: --tree-shape fixed, --fan-out or --tree-budget (one tree
 shape), --backup (one backup), --work-ahead always (no SD rounds), --spec-policy always
