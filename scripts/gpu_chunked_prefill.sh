@@ -16,13 +16,8 @@
 # $OUT/chunked_prefill.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/gpu_chunked_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 TQDM_DISABLE=1
-if ls .whl/*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --target .site .whl/*.whl 2>&1 | grep -v WARNING | tail -3
-fi
-export PYTHONPATH=$PWD/.site:$PWD
+source scripts/gpu_common.sh
+set_up_run /tmp/gpu_chunked_out
 BUDGET=${BUDGET:-2048}; CONC=${CONC:-32}; MODE=${MODE:-sd}
 SHORT_IN=${SHORT_IN:-128}; SHORT_OUT=${SHORT_OUT:-256}; SHORT_NUM=${SHORT_NUM:-160}
 LONG_IN=${LONG_IN:-6000}; LONG_OUT=${LONG_OUT:-16}; LONG_NUM=${LONG_NUM:-12}; LONG_CONC=${LONG_CONC:-2}
@@ -39,14 +34,7 @@ for run in ${RUNS:-off on}; do
     --max-model-len "$MAX_LEN" --max-num-seqs $((CONC + LONG_CONC)) --max-num-batched-tokens "$budget" \
     --port "$port" > "$OUT/server_$run.log" 2>&1 &
   pid=$!
-  up=0
-  for _ in $(seq 1 "${START_TIMEOUT:-150}"); do
-    python3 -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)" \
-      "http://127.0.0.1:$port/health" 2> /dev/null && { up=1; break; }
-    kill -0 $pid 2> /dev/null || break
-    sleep 1
-  done
-  if [ $up = 1 ]; then
+  if wait_healthy "$port" "$pid"; then
     url="http://127.0.0.1:$port"
     # Untimed warm-up: both request shapes once, so neither run pays first-use costs in its figures.
     for shape in "$LONG_IN 4 $LONG_CONC" "$SHORT_IN 16 $CONC"; do

@@ -9,11 +9,8 @@
 # .whl/ are installed into .site/ first; JSON and logs go under $OUT (default /tmp/gpu_prefix_out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/gpu_prefix_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 TQDM_DISABLE=1
-python3 -m pip install -q --no-index --no-deps --target .site .whl/*.whl 2>&1 | grep -v WARNING | tail -3
-export PYTHONPATH=$PWD/.site:$PWD
+source scripts/gpu_common.sh
+set_up_run /tmp/gpu_prefix_out
 PREFIX=${PREFIX:-2000}; INPUT=${INPUT:-200}; OUTPUT=${OUTPUT:-128}; NUM=${NUM:-200}; CONC=${CONC:-32}
 MODE=${MODE:-sd}
 for run in ${RUNS:-on off}; do
@@ -24,14 +21,7 @@ for run in ${RUNS:-on off}; do
     --target-gpu-memory-utilization 0.5 --draft-gpu-memory-utilization 0.3 \
     --max-model-len 4096 --max-num-seqs "$CONC" --port "$port" $flag > "$OUT/server_$run.log" 2>&1 &
   pid=$!
-  up=0
-  for _ in $(seq 1 "${START_TIMEOUT:-150}"); do
-    python3 -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)" \
-      "http://127.0.0.1:$port/health" 2> /dev/null && { up=1; break; }
-    kill -0 $pid 2> /dev/null || break
-    sleep 1
-  done
-  if [ $up = 1 ]; then
+  if wait_healthy "$port" "$pid"; then
     python3 -m spec_runtime bench --base-url "http://127.0.0.1:$port" --random-prefix-len "$PREFIX" \
       --random-input-len "$INPUT" --output-len "$OUTPUT" --num-prompts "$NUM" --max-concurrency "$CONC" \
       --ignore-eos --disable-tqdm --save-result "$OUT/prefix_cache_$run.json" 2>&1 | tail -40

@@ -13,14 +13,10 @@
 # (default /tmp/gpu_ssd_out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/gpu_ssd_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 TQDM_DISABLE=1
+source scripts/gpu_common.sh
+set_up_run /tmp/gpu_ssd_out
 t0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
-python3 -m pip install -q --no-index --no-deps --target .site .whl/*.whl 2>&1 | grep -v WARNING | tail -3
-export PYTHONPATH=$PWD/.site:$PWD
-export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi_ws}
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 NGPU=$(nvidia-smi -L | wc -l)
 DRAFT_DEV=cuda:1; [ "$NGPU" -lt 2 ] && DRAFT_DEV=cuda:0

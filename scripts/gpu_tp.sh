@@ -7,15 +7,10 @@
 #   PARTS="steps e2e" bash scripts/gpu_tp.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/gpu_tp_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 TQDM_DISABLE=1
+source scripts/gpu_common.sh
+set_up_run /tmp/gpu_tp_out
 t0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --target .site .whl/*.whl 2>&1 | grep -v WARNING | tail -3
-fi
-export PYTHONPATH=$PWD/.site:$PWD FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi_ws}
 for part in ${PARTS:-steps e2e}; do
   case $part in
     steps)
