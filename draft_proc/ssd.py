@@ -118,11 +118,12 @@ class SSDEngine:
         return self._accepted / self._attempted
 
     def propose(self, seqs: list[DraftSeq], k: int, count_misses: bool = True,
-                use_backup: bool = True) -> tuple[list[DraftTokens], list[int]]:
+                backup_k: int | None = None) -> tuple[list[DraftTokens], list[int]]:
         """Answer each sequence from the tree cache (cache_hit), misses from the backup;
         and the hits per outcome depth. count_misses: False after a round without
-        work-ahead (a synchronous SD round, not a miss). use_backup: False answers misses
-        with no drafts this round (the request said so)."""
+        work-ahead (a synchronous SD round, not a miss). backup_k: tokens the backup
+        drafts for a miss this round (default k; 0 answers misses with no drafts)."""
+        backup_k = k if backup_k is None else backup_k
         out = [NO_DRAFT] * len(seqs)
         hits_by_depth = [0] * (self.k + 1)
         misses: list[int] = []
@@ -145,11 +146,11 @@ class SSDEngine:
             miss_seqs = [seqs[b] for b in misses]
             for s in miss_seqs:
                 s.last_missed = True
-            if self.backup is None or not use_backup:
+            if self.backup is None or not backup_k:
                 for s in miss_seqs:
                     s.set_speculation([], num_cached=min(s.num_cached, s.num_tokens - 1))
             else:
-                for b, spec in zip(misses, self.backup.propose(miss_seqs, k)):
+                for b, spec in zip(misses, self.backup.propose(miss_seqs, backup_k)):
                     out[b] = spec
         return out, hits_by_depth
 

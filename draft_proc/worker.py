@@ -43,8 +43,21 @@ from protocol.sparse_q import DraftTokens, pack
 logger = logging.getLogger(__name__)
 
 # SpecRequest.backup: "" the configured backup, "jit" the same (the round policy names it
-# only when the configured one is auto, i.e. jit), "none" no backup for this answer.
-BACKUP_CHOICES = ("", "jit", "none")
+# only when the configured one is auto, i.e. jit), "jit:N" a jit chain of N < K tokens,
+# "none" no backup for this answer.
+BACKUP_CHOICES = ("", "jit", "jit:N", "none")
+
+
+def backup_len(backup: str, k: int) -> int | None:
+    """Tokens the backup drafts for a miss: k for "" and "jit", N for "jit:N" (1 <= N <= k),
+    0 for "none"; None for anything else."""
+    if backup in ("", "jit"):
+        return k
+    if backup == "none":
+        return 0
+    if backup.startswith("jit:") and backup[4:].isdigit() and 1 <= int(backup[4:]) <= k:
+        return int(backup[4:])
+    return None
 STATS_PUSH_S = 0.5  # the longest the target's copy of the counters lags while answering
 
 
@@ -167,7 +180,7 @@ class DraftWorker:
         arrays = (req.seq_ids, req.rounds, req.num_accepted, req.token_ids, req.seq_lens)
         # Integer dtypes only: a float array could carry NaN, which int() refuses.
         if (any(np.asarray(a).shape != (b,) or not np.issubdtype(np.asarray(a).dtype, np.integer) for a in arrays)
-                or not 1 <= req.k <= self.cfg.spec.k or req.branches < 0 or req.backup not in BACKUP_CHOICES):
+                or not 1 <= req.k <= self.cfg.spec.k or req.branches < 0 or backup_len(req.backup, req.k) is None):
             self.channel.send(ErrorReply(code="bad_request", message=f"SpecRequest arrays must all be integer "
                                          f"[{b}], 1 <= k <= {self.cfg.spec.k}, branches >= 0 and backup one of "
                                          f"{BACKUP_CHOICES}"))
@@ -180,7 +193,7 @@ class DraftWorker:
             return
         if self.ssd is not None:
             specs, hits_by_depth = self.ssd.propose(ok, req.k, count_misses=counted,
-                                                    use_backup=req.backup != "none")
+                                                    backup_k=backup_len(req.backup, req.k))
         else:
             specs, hits_by_depth = self.speculator.propose(ok, req.k), []
         self.channel.send(self._response(req.step, req.k, ok, specs, hits_by_depth))

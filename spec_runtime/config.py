@@ -31,7 +31,12 @@ def shipped_draft_path() -> str:
     """The shipped SmolLM2 draft's path, or "" when this installation lacks the file."""
     return SHIPPED_DRAFT if os.path.isfile(SHIPPED_DRAFT) else ""
 
-DEFAULT_TREE_BUDGET = 64  # SSD: the largest tree when --tree-budget is not given
+# SSD tree budget when --tree-budget is not given: 64 branches over a batch of up to four
+# sequences; above that, 16 per sequence (a tree of that size still hits most of the time
+# and its step costs about what a 64-branch one does), at most 256 branches in all.
+DEFAULT_TREE_BUDGET = 64
+DEFAULT_BRANCHES_PER_SEQ = 16
+MAX_DEFAULT_TREE_BUDGET = 256
 TREE_LEVELS = 3  # SSD tree shapes per batch size: the budget's share, then 1/2 and 1/4 of it
 
 
@@ -87,9 +92,9 @@ class SpeculativeConfig:
     k: int = _f(4, "Speculation length K: draft tokens verified per round.")
     fan_out: tuple[int, ...] = _f((), "SSD fan-out F_0..F_K: branches forked at each depth j of the returned speculation. Empty: 3,2,1 at the first depths and 1 after, since rejection is likeliest early.")
     fan_out_miss: tuple[int, ...] = _f((), "Fan-out for sequences whose last look-up missed (rejection is likely early).")
-    tree_budget: int = _f(0, "SSD: most branches tree-decoded per round over the whole batch; per-sequence fan-out shrinks (deepest depths first) when batch x sum(F) exceeds it. 0: 64, and the round policy picks smaller trees where they pay (--work-ahead auto); a value pins the tree.")
-    tree_shape: Literal["auto", "fixed"] = _f("auto", "SSD: auto: per batch size, the round policy picks the branches per sequence (the budget's share, a half or a quarter of it) from the measured work-ahead time and hit rate of each; fixed: always the budget's share. --fan-out or --tree-budget also pin it.")
-    backup: Backup = _f("auto", "What answers a tree-cache miss: jit (the draft drafts K tokens on request), ngram, none (the target verifies only its own token); auto: jit below batch 8, and from 8 jit or none, whichever the measured costs predict faster.")
+    tree_budget: int = _f(0, "SSD: most branches tree-decoded per round over the whole batch; per-sequence fan-out shrinks (deepest depths first) when batch x sum(F) exceeds it. 0: 64 up to batch 4, then 16 per sequence up to 256 in all, and the round policy picks smaller trees where they pay (--work-ahead auto); a value pins the tree.")
+    tree_shape: Literal["auto", "fixed"] = _f("auto", "SSD: auto: per batch size, the round policy picks the branches per sequence (the budget's share, a half or a quarter of it) from the measured work-ahead time and hit rate of each; fixed: always the budget's share. --tree-budget also pins it (--fan-out sets where the branches go, not how many).")
+    backup: Backup = _f("auto", "What answers a tree-cache miss: jit (the draft drafts K tokens on request), ngram, none (the target verifies only its own token); auto: jit below batch 8, and from 8 jit, a short jit of K/4 tokens or none, whichever the measured costs predict faster.")
     work_ahead: Literal["auto", "always"] = _f("auto", "SSD: auto: per batch size, the round policy predicts the tokens/s of SSD rounds (per tree shape and backup), synchronous SD rounds and plain decoding (with --spec-policy adaptive) from measured costs and runs the fastest, re-measuring the runner-up now and then (each choice is logged and counted in the stats); always: SSD rounds every step.")
     ssd_prefetch: bool = _f(True, "SSD: on a new sequence, the draft works ahead for its first outcome while the target prefills, so the first look-up can hit.")
     draft_top_k: int = _f(64, "The draft samples only from this many of its most likely tokens; verification uses the same truncated draft distribution, so output stays exact, and what the draft sends per round does not grow with the vocabulary.")
@@ -141,12 +146,19 @@ class SpeculativeConfig:
 
     @property
     def max_tree_budget(self) -> int:
+        """Most branches of one per-branch decode step (the CUDA graphs' batch bound there)."""
         return self.tree_budget or DEFAULT_TREE_BUDGET
+
+    def tree_budget_for(self, num_seqs: int) -> int:
+        """Most branches one work-ahead over `num_seqs` sequences tree-decodes."""
+        if self.tree_budget:
+            return self.tree_budget
+        return min(MAX_DEFAULT_TREE_BUDGET, max(DEFAULT_TREE_BUDGET, DEFAULT_BRANCHES_PER_SEQ * pow2_at_least(num_seqs)))
 
     @property
     def tree_pinned(self) -> bool:
-        """Whether the tree shape is fixed (--tree-shape fixed, --fan-out or --tree-budget)."""
-        return self.tree_shape == "fixed" or bool(self.fan_out) or self.tree_budget > 0
+        """Whether the branch count is fixed (--tree-shape fixed or --tree-budget)."""
+        return self.tree_shape == "fixed" or self.tree_budget > 0
 
     def max_branches(self) -> int:
         return max(sum(self.fan_out_for(False)), sum(self.fan_out_for(True)), 1)
@@ -154,7 +166,7 @@ class SpeculativeConfig:
     def branches_per_seq(self, num_seqs: int) -> int:
         """Branches each sequence gets when `num_seqs` work ahead together: the tree budget
         split over the batch padded to a power of two (the tree step's graph shape)."""
-        return max(1, min(self.max_branches(), self.max_tree_budget // pow2_at_least(num_seqs)))
+        return max(1, min(self.max_branches(), self.tree_budget_for(num_seqs) // pow2_at_least(num_seqs)))
 
     def tree_levels(self, num_seqs: int) -> list[int]:
         """The tree shapes (branches per sequence) SSD may run at this batch size, largest first."""

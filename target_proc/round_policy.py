@@ -3,7 +3,8 @@
 Per bucket of batch size and context length (each a power of two; contexts below 1024
 tokens share one bucket) the options are:
   - an SSD round at a tree shape n (branches per sequence, a level of
-    SpeculativeConfig.tree_levels) with a miss backup (jit, or none);
+    SpeculativeConfig.tree_levels) with a miss backup: jit (a K-token chain drafted on
+    request), from batch 8 also a short jit (K/4 tokens: `jit:N`) or none;
   - a synchronous SD round: the draft answers with a chain drafted on request and does
     not work ahead (as `--mode sd`);
   - plain decoding: no speculation.
@@ -24,10 +25,13 @@ The prediction for B sequences:
   plain          B / P
   SD             B a / (S + c)
   SSD n, jit     B a / (S + max(0, W[n] - S) + (1 - h[n]^B) c + e)
+  SSD n, jit:N   B (h a + (1 - h) a_N) / (S + max(0, W[n] - S) + (1 - h[n]^B) c (N+1)/(K+1) + e)
   SSD n, none    B (h a + 1 - h) / (S + max(0, W[n] - S) + e)
-The work-ahead runs while the target verifies, so only its overrun costs; one miss in the
-batch makes the whole answer wait for the jit chain, which is why `none` (a missed
-sequence verifies only its own token) can win at large batch.
+where a_N is a for an N-token chain (the per-token acceptance that gives a at K, summed
+over N tokens). The work-ahead runs while the target verifies, so only its overrun
+costs; one miss in the batch makes the whole answer wait for the jit chain, which is why
+a short chain, or `none` (a missed sequence verifies only its own token), can win at
+large batch.
 
 The model ranks options nobody has run yet. Once an option has run, its realized rate
 (tokens over the step's wait and busy time, the median of its last steps) stands in for
@@ -43,7 +47,7 @@ measurements stay current (every fourth probe goes to the other options in turn)
 step measures an option only when the two requests before it made the same choice (its
 wait answers the request one back, from the cache built after the request two back),
 and only when no sequence of the batch is in its first STEADY_AFTER_ROUNDS rounds.
-`jit` is the backup below batch 8.
+`jit` is the backup below batch 8; from 8, jit, jit:N and none are all options.
 
 Overrides pin what they name: --tree-shape fixed, --fan-out or --tree-budget (one tree
 shape), --backup (one backup), --work-ahead always (no SD rounds), --spec-policy always
@@ -62,6 +66,7 @@ from target_proc.spec_policy import batch_bucket
 logger = logging.getLogger(__name__)
 
 JIT_ONLY_BELOW = 8  # batch sizes that always use the jit backup
+SHORT_JIT_DIV = 4  # the short jit drafts K // 4 tokens (none below K = 4)
 _DECAY = 0.8  # weight of a running mean's past
 _MIN_SAMPLES = 2  # measurements of W[n] and h[n] before a tree shape is predicted
 _MARGIN = 0.03  # a choice changes only for a prediction this much faster
@@ -130,25 +135,47 @@ class Costs:
         v = self.verify_s[work_ahead]
         return v if v is not None else self.verify_s[not work_ahead]
 
-    def ssd_wait(self, batch: int, branches: int, backup: str) -> float | None:
-        """The modelled wait of an SSD round, e left out; None until W and h are measured."""
+    def ssd_wait(self, batch: int, branches: int, backup: str, k: int = 0) -> float | None:
+        """The modelled wait of an SSD round, e left out; None until W and h are measured.
+        k: the full speculation length (scales the chain for a short jit, `jit:N`)."""
         s, w, h = self.verify(True), self.work_s.get(branches), self.hit_rate.get(branches)
         if s is None or w is None or h is None or self.samples[("w", branches)] < _MIN_SAMPLES:
             return None
-        miss = 0.0 if backup == "none" else (1.0 - h ** batch) * (self.chain_s or 0.0)
+        n = short_jit_len(backup)
+        chain = (self.chain_s or 0.0) * ((n + 1) / (k + 1) if n and k else 1.0)
+        miss = 0.0 if backup == "none" else (1.0 - h ** batch) * chain
         return max(0.0, w - s) + miss
 
 
-def predict(plan: RoundPlan, batch: int, c: Costs) -> float | None:
+def short_jit_len(backup: str) -> int:
+    """N of a short jit backup `jit:N`, 0 for any other backup."""
+    return int(backup[4:]) if backup.startswith("jit:") else 0
+
+
+def chain_tokens(tokens: float, k: int, n: int) -> float:
+    """Tokens per round (accepted + 1) of an n-token chain, given `tokens` for k tokens:
+    the per-token acceptance x with x + ... + x^k = tokens - 1, summed to n."""
+    target = min(max(tokens - 1.0, 0.0), float(k))
+    lo, hi = 0.0, 1.0
+    for _ in range(40):
+        x = (lo + hi) / 2
+        if sum(x ** i for i in range(1, k + 1)) < target:
+            lo = x
+        else:
+            hi = x
+    return 1.0 + sum(lo ** i for i in range(1, n + 1))
+
+
+def predict(plan: RoundPlan, batch: int, c: Costs, k: int = 0) -> float | None:
     """Tokens/s of `plan` for `batch` sequences: as realized where it has run, else as the
-    model predicts; None while an input is unmeasured."""
+    model predicts; None while an input is unmeasured. k: the full speculation length."""
     realized = c.realized_rate(plan)
     if realized is not None:
         return realized
-    return model_rate(plan, batch, c)
+    return model_rate(plan, batch, c, k)
 
 
-def model_rate(plan: RoundPlan, batch: int, c: Costs) -> float | None:
+def model_rate(plan: RoundPlan, batch: int, c: Costs, k: int = 0) -> float | None:
     """The module doc's prediction of `plan`'s tokens/s, or None while an input is unmeasured."""
     if plan.kind == "plain":
         p = c.plain_s if c.plain_s is not None else c.verify(False)  # a plain step runs the same padded verify
@@ -158,11 +185,13 @@ def model_rate(plan: RoundPlan, batch: int, c: Costs) -> float | None:
     if plan.kind == "sd":
         s = c.verify(False)
         return batch * c.tokens / (s + c.chain_s) if s is not None and c.chain_s is not None else None
-    wait = c.ssd_wait(batch, plan.branches, plan.backup)
+    wait = c.ssd_wait(batch, plan.branches, plan.backup, k)
     if wait is None:
         return None
     h = c.hit_rate[plan.branches]
-    tokens = batch * (h * c.tokens + 1.0 - h if plan.backup == "none" else c.tokens)
+    n = short_jit_len(plan.backup)
+    missed = 1.0 if plan.backup == "none" else chain_tokens(c.tokens, k, n) if n and k else c.tokens
+    tokens = batch * (h * c.tokens + (1.0 - h) * missed)
     return tokens / (c.verify(True) + max(0.0, wait + c.extra_s))
 
 
@@ -179,12 +208,18 @@ class RoundPolicy:
     """Per batch-size bucket, the plan of each step; see the module doc."""
 
     def __init__(self, tree_levels, *, allow_sd: bool = True, allow_plain: bool = True, backup_auto: bool = True,
-                 probe_every: int = 64, probe_len: int = 4, warmup: int = 4):
+                 probe_every: int = 64, probe_len: int = 4, warmup: int = 4, k: int = 0, short_jit: int = 0):
         """tree_levels(batch) -> the tree shapes SSD may run, largest first (one: pinned;
-        shapes are then left to the draft, as 0). backup_auto: choose jit or none per
-        round; False keeps the configured backup."""
+        shapes are then left to the draft, as 0). backup_auto: choose the backup per
+        round (jit, and from batch 8 also `jit:short_jit` when short_jit > 0, or none);
+        False keeps the configured backup. k: the speculation length (for the model of a
+        short jit)."""
         if probe_every < 2 or probe_len < 1 or warmup < 1:
             raise ValueError("need probe_every >= 2, probe_len >= 1 and warmup >= 1")
+        if short_jit < 0 or (short_jit and not 0 < short_jit < k):
+            raise ValueError(f"short_jit must be 0 or in [1, k), got {short_jit} with k={k}")
+        self.k = k
+        self.short_jit = short_jit
         self.tree_levels = tree_levels
         self.allow_sd = allow_sd
         self.allow_plain = allow_plain
@@ -205,7 +240,7 @@ class RoundPolicy:
         spec = cfg.spec
         return cls(spec.tree_levels, allow_sd=spec.work_ahead == "auto" and spec.backup != "none",
                    allow_plain=cfg.sched.spec_policy == "adaptive", backup_auto=spec.backup == "auto",
-                   probe_every=cfg.sched.spec_policy_probe_every)
+                   probe_every=cfg.sched.spec_policy_probe_every, k=spec.k, short_jit=spec.k // SHORT_JIT_DIV)
 
     bucket = staticmethod(batch_bucket)
 
@@ -219,7 +254,8 @@ class RoundPolicy:
         """Every plan allowed at this batch size: SSD shapes (largest first) x backups, SD, plain."""
         levels = self.tree_levels(batch)
         shapes = levels if len(levels) > 1 else [0]
-        backups = ["jit", "none"] if self.backup_auto and batch >= JIT_ONLY_BELOW else (
+        short = [f"jit:{self.short_jit}"] if self.short_jit else []
+        backups = ["jit", *short, "none"] if self.backup_auto and batch >= JIT_ONLY_BELOW else (
             ["jit"] if self.backup_auto else [""])
         out = [RoundPlan("ssd", n, b) for b in backups for n in shapes]
         return out + ([SD] if self.allow_sd else []) + ([PLAIN] if self.allow_plain else [])
@@ -251,7 +287,7 @@ class RoundPolicy:
             return first  # measure the largest tree first
         if self.allow_sd and c.chain_s is None:
             return self._start_probe(b, SD)
-        rates = {p: r for p in opts if (r := predict(p, batch, c)) is not None}
+        rates = {p: r for p in opts if (r := predict(p, batch, c, self.k)) is not None}
         if not rates:
             return first
         ranked = sorted(rates, key=rates.get, reverse=True)
@@ -292,10 +328,11 @@ class RoundPolicy:
                     continue
                 if c.work_s[larger.branches] <= s:
                     break  # the larger tree fits: a smaller one cannot be faster
-                h = c.hit_rate[larger.branches]
-                tokens = batch * (h * c.tokens + 1.0 - h if backup == "none" else c.tokens)
-                miss = 0.0 if backup == "none" else (1.0 - h ** batch) * (c.chain_s or 0.0)
-                if tokens / (s + miss + max(0.0, c.extra_s)) > (1 + _MARGIN) * rates[best]:
+                # The larger tree's rate as if it fit: its hit rate, the verify's time.
+                fit = Costs(verify_s=c.verify_s, chain_s=c.chain_s, work_s={0: 0.0},
+                            hit_rate={0: c.hit_rate[larger.branches]}, tokens=c.tokens, extra_s=c.extra_s,
+                            samples=Counter({("w", 0): _MIN_SAMPLES}))
+                if model_rate(RoundPlan("ssd", 0, backup), batch, fit, self.k) > (1 + _MARGIN) * rates[best]:
                     return smaller
                 break
         return None
@@ -327,11 +364,14 @@ class RoundPolicy:
         still prefilling its prompt): the step measures nothing."""
         key = self.key(batch, context)
         c = self._buckets.setdefault(key, _Bucket()).costs
+        logger.debug("step batch %d context %d: %s%s, wait %.2f ms, busy %.2f ms, %d/%d hits, %d tokens drafted "
+                     "by %d, work-ahead %.2f ms", batch, context, plan.label(), "" if steady else " (first rounds)",
+                     1e3 * wait_s, 1e3 * busy_s, num_hits, num_specs, drafted_tokens, num_drafted, 1e3 * draft_work_s)
         (k2, p2), (k1, p1) = self._history
         self._history.append((key, plan))
         if not steady:
             return
-        if num_drafted:
+        if num_drafted and not (p1 is not None and short_jit_len(p1.backup)):  # full-length speculations only
             c.tokens = _mean(c.tokens, drafted_tokens / num_drafted)
         if k1 != key or p1 is None:
             return
@@ -357,7 +397,7 @@ class RoundPolicy:
                 c.work_s[n] = _mean(c.work_s.get(n), draft_work_s)
                 c.samples[("w", n)] += 1
             c.hit_rate[n] = _mean(c.hit_rate.get(n), num_hits / num_specs)
-            modelled = c.ssd_wait(batch, n, p2.backup)
+            modelled = c.ssd_wait(batch, n, p2.backup, self.k)
             if modelled is not None:
                 c.extra_s = _mean(c.extra_s, wait_s - modelled)
 

@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 
 from spec_runtime.config import ModelConfig, RuntimeConfig, SchedulerConfig, SpeculativeConfig
-from target_proc.round_policy import PLAIN, SD, Costs, RoundPlan, RoundPolicy, predict
+from target_proc.round_policy import PLAIN, SD, Costs, RoundPlan, RoundPolicy, chain_tokens, predict, short_jit_len
 
 LEVELS = [16, 8, 4]
 
@@ -34,12 +34,15 @@ def simulate(policy, batch, steps, *, verify_s, chain_s, work_s, hit_rate, token
             if p2 is not None and p2.work_ahead:
                 n = p2.branches or LEVELS[0]
                 h, w = hit_rate[n], work_s[n]
-                none = p1.backup == "none"
-                wait = max(0.0, w - verify_s) + (0.0 if none else (1 - h ** batch) * chain_s)
+                none, short = p1.backup == "none", short_jit_len(p1.backup)
+                k = policy.k or 8
+                chain = chain_s * ((short + 1) / (k + 1) if short else 1.0)
+                wait = max(0.0, w - verify_s) + (0.0 if none else (1 - h ** batch) * chain)
                 hits = round(h * batch)
                 drafted = hits if none else batch
+                missed = chain_tokens(tokens, k, short) if short else tokens
                 kw = dict(wait_s=wait, busy_s=verify_s, num_specs=batch, num_hits=hits, num_drafted=drafted,
-                          drafted_tokens=int(tokens * drafted), draft_work_s=w)
+                          drafted_tokens=int(tokens * hits + missed * (drafted - hits)), draft_work_s=w)
             else:
                 kw = dict(wait_s=chain_s, busy_s=verify_s, num_specs=batch, num_drafted=batch,
                           drafted_tokens=int(tokens * batch))
@@ -108,6 +111,28 @@ def test_backup_none_at_large_batch_jit_at_small():
     assert all(o.backup != "none" for o in p.options(4))
 
 
+def test_a_short_jit_chain_wins_when_misses_are_common_and_the_chain_is_slow():
+    # Batch 16, half the look-ups miss: a K-token chain for the misses costs 20 ms a
+    # round, answering them with nothing loses their tokens; a 2-token chain is cheaper
+    # than the first and yields more than the second.
+    costs = dict(verify_s=0.030, chain_s=0.020, work_s={16: 0.020, 8: 0.015, 4: 0.012},
+                 hit_rate={16: 0.5, 8: 0.4, 4: 0.3}, tokens=4.3)
+    p = _policy(k=8, short_jit=2)
+    assert [o.backup for o in p.options(16) if o.branches == 16] == ["jit", "jit:2", "none"]
+    assert "jit:2" not in {o.backup for o in p.options(4)}  # below batch 8: jit only
+    simulate(p, 16, 400, **costs)
+    assert p.summary() == {16: RoundPlan("ssd", 16, "jit:2").label()}
+    # The model: a 2-token chain at the acceptance that gives 4.3 tokens at K = 8.
+    assert chain_tokens(4.3, 8, 8) == pytest.approx(4.3, abs=1e-6)
+    assert 2.3 < chain_tokens(4.3, 8, 2) < 2.6 and chain_tokens(1.0, 8, 2) == pytest.approx(1.0)
+    # From the config: K // 4 tokens, none below K = 4.
+    for k, short in ((8, 2), (4, 1), (3, 0)):
+        rp = RoundPolicy.for_config(RuntimeConfig(spec=SpeculativeConfig(mode="ssd", k=k), draft=ModelConfig(path="x")))
+        assert rp.short_jit == short
+    with pytest.raises(ValueError, match="short_jit"):
+        RoundPolicy(lambda b: [4], k=4, short_jit=4)
+
+
 def test_the_choice_follows_the_costs_when_they_change():
     p = _policy(probe_every=16)
     slow = dict(FITS, work_s={16: 0.045, 8: 0.040, 4: 0.038})
@@ -123,12 +148,13 @@ def test_overrides_pin_what_they_name():
     assert p.options(16) == [RoundPlan("ssd", 0, "")]
     plans = simulate(p, 16, 100, verify_s=0.005, chain_s=0.030, work_s={16: 0.040}, hit_rate={16: 0.5})
     assert set(plans) == {RoundPlan("ssd", 0, "")}
-    # From the config: --tree-budget, --fan-out and --tree-shape fixed pin the tree; --backup
+    # From the config: --tree-budget and --tree-shape fixed pin the tree (--fan-out only shapes it); --backup
     # pins the backup; --work-ahead always and --spec-policy always drop SD and plain steps.
     spec = SpeculativeConfig(mode="ssd", k=4)
     assert spec.tree_levels(1) == [8, 4, 2] and not spec.tree_pinned  # 3,2,1,1,1 = 8 branches at most
-    for pin in (dict(tree_budget=32), dict(fan_out=(3,) * 5), dict(tree_shape="fixed")):
+    for pin in (dict(tree_budget=32), dict(tree_shape="fixed")):
         assert len(SpeculativeConfig(mode="ssd", k=4, **pin).tree_levels(1)) == 1
+    assert SpeculativeConfig(mode="ssd", k=4, fan_out=(3,) * 5).tree_levels(1) == [15, 7, 3]
     cfg = RuntimeConfig(spec=SpeculativeConfig(mode="ssd", k=4, backup="ngram", work_ahead="always"),
                         sched=SchedulerConfig(spec_policy="always"), draft=ModelConfig(path="x"))
     rp = RoundPolicy.for_config(cfg)
@@ -136,7 +162,7 @@ def test_overrides_pin_what_they_name():
     default = RoundPolicy.for_config(RuntimeConfig(spec=SpeculativeConfig(mode="ssd", k=4),
                                                    draft=ModelConfig(path="x")))
     kinds = [o.kind for o in default.options(16)]
-    assert kinds.count("ssd") == 6 and "sd" in kinds and "plain" in kinds
+    assert kinds.count("ssd") == 9 and "sd" in kinds and "plain" in kinds  # 3 trees x jit, jit:1, none
 
 
 def test_predictions_follow_the_model():

@@ -365,3 +365,33 @@ def test_a_request_names_the_tree_shape_and_the_backup_and_stays_exact(model_dir
     h.drain()
     (err,) = h.chan.sent
     assert isinstance(err, m.ErrorReply) and err.code == "bad_request" and "backup" in err.message
+
+
+def test_a_short_jit_backup_drafts_fewer_tokens_for_a_miss(model_dir):
+    """backup "jit:N" answers a miss with the first N tokens of the chain the jit backup
+    drafts; N outside [1, K] is refused."""
+    h = Harness(model_dir, tree_shape="auto")
+    h.add(1)
+    h.drain()
+    h.worker.run_once()  # prefetch
+    h.request([(1, 0, h.chain(1, PROMPTS[1])[0][0])])
+    h.drain()
+    h.check_exact(h.response())
+    reject = next(t for t in range(3, 384) if t != h.last[1][1] and h.worker.ssd.cache.lookup(1, 1, t) is None)
+    h.request([(1, 1, reject)], backup="jit:2")
+    h.drain()
+    resp = h.response()
+    assert resp.cache_hit.tolist() == [False] and resp.num_draft_tokens.tolist() == [2]
+    assert resp.draft_token_ids[0, :2].tolist() == h.chain(1, h.tokens[1])[0][:2]
+    # The next round follows the 2-token speculation: a hit at depth 2 stays exact.
+    h.request([(1, 2, h.chain(1, h.tokens[1])[0][2])])
+    h.drain()
+    resp = h.response()
+    assert resp.cache_hit.tolist() == [True]
+    h.check_exact(resp)
+    for bad in ("jit:0", f"jit:{K + 1}", "jit:x"):
+        h.request([(1, 0, 5)], backup=bad)
+        h.drain()
+        (err,) = h.chan.sent
+        h.chan.sent.clear()
+        assert isinstance(err, m.ErrorReply) and err.code == "bad_request" and "backup" in err.message

@@ -73,7 +73,7 @@ def test_an_unmeasured_level_is_estimated_at_twice_the_work_below():
 
 @pytest.mark.parametrize("shape", ["auto", "fixed"])
 def test_tree_graph_shapes_cover_every_level(shape):
-    # --fan-out and --tree-budget pin the tree like --tree-shape fixed.
+    # --tree-budget pins the tree like --tree-shape fixed.
     pins = {} if shape == "auto" else dict(fan_out=(3,) * 5, tree_budget=64)
     spec = SpeculativeConfig(mode="ssd", k=4, tree_shape=shape, **pins)
     shapes = set(tree_shapes(spec, 16))
@@ -89,3 +89,16 @@ def test_tree_graph_shapes_cover_every_level(shape):
 def test_config_rejects_an_unknown_tree_shape():
     with pytest.raises(ValueError, match="tree_shape"):
         SpeculativeConfig(mode="ssd", tree_shape="big")
+
+
+def test_default_budget_grows_with_the_batch():
+    # 64 branches up to batch 4, then 16 per sequence, at most 256 in all; fan-out 3 at
+    # each of 9 depths allows 27 per sequence.
+    spec = SpeculativeConfig(mode="ssd", k=8, fan_out=(3,) * 9)
+    assert [branches_per_seq(spec, b) for b in (1, 2, 3, 4, 8, 16, 32, 64)] == [27, 27, 16, 16, 16, 16, 8, 4]
+    assert spec.tree_levels(16) == [16, 8, 4]
+    pinned = SpeculativeConfig(mode="ssd", k=8, fan_out=(3,) * 9, tree_budget=64)
+    assert [branches_per_seq(pinned, b) for b in (1, 4, 16, 32)] == [27, 16, 4, 2]
+    assert pinned.tree_levels(16) == [4]
+    # The tree graphs cover the largest tree step the default allows, 16 x 16.
+    assert max(b * q for b, q in tree_shapes(spec, 32)) == 256
