@@ -57,142 +57,30 @@ shape), --backup (one backup), --work-ahead always (no SD rounds), --spec-policy
 from __future__ import annotations
 
 import logging
-import statistics
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
+from target_proc.round_model import (  # noqa: F401 - re-exported
+    MIN_SAMPLES as _MIN_SAMPLES,
+    PLAIN,
+    SD,
+    Costs,
+    RoundPlan,
+    chain_tokens,
+    model_rate,
+    predict,
+    running_mean as _mean,
+    short_jit_len,
+)
 from target_proc.spec_policy import batch_bucket
 
 logger = logging.getLogger(__name__)
 
 JIT_ONLY_BELOW = 8  # batch sizes that always use the jit backup
 SHORT_JIT_DIV = 4  # the short jit drafts K // 4 tokens (none below K = 4)
-_DECAY = 0.8  # weight of a running mean's past
-_MIN_SAMPLES = 2  # measurements of W[n] and h[n] before a tree shape is predicted
 _MARGIN = 0.03  # a choice changes only for a prediction this much faster
-_WINDOW = 8  # steps of each option's realized rate kept (their median is the rate)
 MIN_CONTEXT_BUCKET = 1024  # contexts below this share one bucket of costs
 STEADY_AFTER_ROUNDS = 3  # a sequence's rounds (its prefill included) before its steps measure costs
-
-
-@dataclass(frozen=True)
-class RoundPlan:
-    """One step's choice. kind: "ssd", "sd" or "plain". branches: SSD branches per
-    sequence (0: the draft's own). backup: what answers the next round's misses ("": the
-    configured backup)."""
-
-    kind: str
-    branches: int = 0
-    backup: str = ""
-
-    @property
-    def speculate(self) -> bool:
-        return self.kind != "plain"
-
-    @property
-    def work_ahead(self) -> bool:
-        return self.kind == "ssd"
-
-    def label(self) -> str:
-        if self.kind != "ssd":
-            return self.kind
-        shape = f"{self.branches} branches" if self.branches else "configured tree"
-        return f"ssd {shape}, backup {self.backup or 'configured'}"
-
-
-SD = RoundPlan("sd")
-PLAIN = RoundPlan("plain")
-
-
-def _mean(old: float | None, x: float) -> float:
-    return x if old is None else _DECAY * old + (1 - _DECAY) * x
-
-
-@dataclass
-class Costs:
-    """The measurements of one batch-size bucket (see the module doc)."""
-
-    verify_s: dict[bool, float | None] = field(default_factory=lambda: {True: None, False: None})
-    plain_s: float | None = None
-    chain_s: float | None = None
-    work_s: dict[int, float] = field(default_factory=dict)
-    hit_rate: dict[int, float] = field(default_factory=dict)
-    tokens: float | None = None
-    extra_s: float = 0.0
-    samples: Counter = field(default_factory=Counter)
-    realized: dict = field(default_factory=dict)  # RoundPlan -> deque of tokens/s of its steady steps
-
-    def realized_rate(self, plan: "RoundPlan") -> float | None:
-        """The median tokens/s of `plan`'s last steps, None below _MIN_SAMPLES of them."""
-        window = self.realized.get(plan)
-        return statistics.median(window) if window and len(window) >= _MIN_SAMPLES else None
-
-    def add_realized(self, plan: "RoundPlan", tokens: float, seconds: float) -> None:
-        if seconds > 0:
-            self.realized.setdefault(plan, deque(maxlen=_WINDOW)).append(tokens / seconds)
-
-    def verify(self, work_ahead: bool) -> float | None:
-        v = self.verify_s[work_ahead]
-        return v if v is not None else self.verify_s[not work_ahead]
-
-    def ssd_wait(self, batch: int, branches: int, backup: str, k: int = 0) -> float | None:
-        """The modelled wait of an SSD round, e left out; None until W and h are measured.
-        k: the full speculation length (scales the chain for a short jit, `jit:N`)."""
-        s, w, h = self.verify(True), self.work_s.get(branches), self.hit_rate.get(branches)
-        if s is None or w is None or h is None or self.samples[("w", branches)] < _MIN_SAMPLES:
-            return None
-        n = short_jit_len(backup)
-        chain = (self.chain_s or 0.0) * ((n + 1) / (k + 1) if n and k else 1.0)
-        miss = 0.0 if backup == "none" else (1.0 - h ** batch) * chain
-        return max(0.0, w - s) + miss
-
-
-def short_jit_len(backup: str) -> int:
-    """N of a short jit backup `jit:N`, 0 for any other backup."""
-    return int(backup[4:]) if backup.startswith("jit:") else 0
-
-
-def chain_tokens(tokens: float, k: int, n: int) -> float:
-    """Tokens per round (accepted + 1) of an n-token chain, given `tokens` for k tokens:
-    the per-token acceptance x with x + ... + x^k = tokens - 1, summed to n."""
-    target = min(max(tokens - 1.0, 0.0), float(k))
-    lo, hi = 0.0, 1.0
-    for _ in range(40):
-        x = (lo + hi) / 2
-        if sum(x ** i for i in range(1, k + 1)) < target:
-            lo = x
-        else:
-            hi = x
-    return 1.0 + sum(lo ** i for i in range(1, n + 1))
-
-
-def predict(plan: RoundPlan, batch: int, c: Costs, k: int = 0) -> float | None:
-    """Tokens/s of `plan` for `batch` sequences: as realized where it has run, else as the
-    model predicts; None while an input is unmeasured. k: the full speculation length."""
-    realized = c.realized_rate(plan)
-    if realized is not None:
-        return realized
-    return model_rate(plan, batch, c, k)
-
-
-def model_rate(plan: RoundPlan, batch: int, c: Costs, k: int = 0) -> float | None:
-    """The module doc's prediction of `plan`'s tokens/s, or None while an input is unmeasured."""
-    if plan.kind == "plain":
-        p = c.plain_s if c.plain_s is not None else c.verify(False)  # a plain step runs the same padded verify
-        return batch / p if p else None
-    if c.tokens is None:
-        return None
-    if plan.kind == "sd":
-        s = c.verify(False)
-        return batch * c.tokens / (s + c.chain_s) if s is not None and c.chain_s is not None else None
-    wait = c.ssd_wait(batch, plan.branches, plan.backup, k)
-    if wait is None:
-        return None
-    h = c.hit_rate[plan.branches]
-    n = short_jit_len(plan.backup)
-    missed = 1.0 if plan.backup == "none" else chain_tokens(c.tokens, k, n) if n and k else c.tokens
-    tokens = batch * (h * c.tokens + (1.0 - h) * missed)
-    return tokens / (c.verify(True) + max(0.0, wait + c.extra_s))
 
 
 @dataclass
