@@ -23,7 +23,7 @@ def build(cfg, init, *, spec_secret_key: bytes | None = None):
         set_curve_server(chan.socket, spec_secret_key)
     chan.bind(init.spec_addr, allow_remote=spec_secret_key is not None)
     num_slots = cfg.sched.max_draft_seqs or cfg.sched.max_batch_size
-    worker = DraftWorker(cfg, chan, speculator, vocab_size, num_slots, ssd=ssd)
+    worker = DraftWorker(cfg, chan, speculator, vocab_size, num_slots, ssd=ssd, kv=info["kv"])
     ready = Ready(
         protocol_version=PROTOCOL_VERSION,
         role="draft",

@@ -1,9 +1,10 @@
 """Chain drafting with the draft model: K tokens per sequence, batched across sequences.
 
-Step 0 feeds every token whose KV the slot lacks (the whole prompt for a new sequence;
-x_n, or d_K and x_n after a full accept, otherwise) and samples d_1 from its last
-logits. Steps 1..K-1 feed d_i and sample d_{i+1}. The KV of d_1..d_{K-1} stays in the
-slot: if the target accepts them, the next round starts from there.
+Step 0 feeds every token whose KV the sequence lacks (the prompt past its cached prefix
+for a new sequence; x_n, or d_K and x_n after a full accept, otherwise) and samples d_1
+from its last logits. Steps 1..K-1 feed d_i and sample d_{i+1}. The KV of d_1..d_{K-1}
+stays in the sequence's rows (draft_proc/kv.py): if the target accepts them, the next
+round starts from there.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from functools import partial
 import numpy as np
 import torch
 
+from draft_proc.kv import SlotRows
 from draft_proc.speculator import Speculator
 from draft_proc.state import DraftSeq
 from protocol.sparse_q import NO_DRAFT, DraftTokens
@@ -21,12 +23,14 @@ from spec_runtime.sampling import SamplingTensors, draft_sample, saguaro_rescale
 
 
 class ModelDrafter(Speculator):
-    def __init__(self, runner, spec_cfg, logits_transform=None):
+    def __init__(self, runner, spec_cfg, logits_transform=None, kv=None):
         """logits_transform(logits [N, V], seqs, positions [N]) -> logits: the synthetic
-        acceptance oracle in benchmarks; None otherwise."""
+        acceptance oracle in benchmarks; None otherwise. kv: the sequences' rows
+        (draft_proc.kv.DraftKV over a paged runner; default: by slot, SlotRows)."""
         self.runner = runner
         self.cfg = spec_cfg
         self.layout = runner.layout
+        self.kv = kv if kv is not None else SlotRows(runner.layout)
         self.max_model_len = runner.layout.max_model_len
         self.logits_transform = logits_transform
 
@@ -131,7 +135,7 @@ class ModelDrafter(Speculator):
         return out_tokens, torch.stack(q_ids, 1).cpu().numpy(), torch.stack(q_probs, 1).cpu().numpy()
 
     def catch_up_items(self, seqs: list[DraftSeq]) -> list[ForwardItem]:
-        """Feed every confirmed token the slot has no KV for; logits of the last one.
+        """Feed every confirmed token the sequence has no KV for; logits of the last one.
 
         That is one token (t) or two (d_K and t after a full accept); always feeding two
         (re-feeding x_{n-1} when only t is new) gives every sequence the same shape, so
@@ -143,7 +147,7 @@ class ModelDrafter(Speculator):
             start = min(s.num_cached, n - 1)
             if start == n - 1 and n >= 2:
                 start = n - 2
-            items.append(ForwardItem(s.token_ids[start:], start, self.layout.slot_rows(s.slot, n), "last"))
+            items.append(ForwardItem(s.token_ids[start:], start, self.kv.rows(s, n), "last"))
         return items
 
     def propose(self, seqs: list[DraftSeq], k: int) -> list[DraftTokens]:
@@ -155,11 +159,10 @@ class ModelDrafter(Speculator):
         for steps in sorted(set(k_eff.tolist()) - {0}):
             idx = np.flatnonzero(k_eff == steps)
             rows = [seqs[b] for b in idx]
-            layout = self.layout
+            kv = self.kv
 
             def later(i, rows=rows):
-                return [ForwardItem([0], s.num_tokens + i - 1, layout.slot_rows(s.slot, s.num_tokens + i), "last")
-                        for s in rows]
+                return [ForwardItem([0], s.num_tokens + i - 1, kv.rows(s, s.num_tokens + i), "last") for s in rows]
 
             positions = np.array([s.num_tokens for s in rows], dtype=np.int64)
             tokens, q_ids, q_probs = self.decode_chain(self.catch_up_items(rows), later, rows, positions, steps)

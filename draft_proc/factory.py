@@ -9,15 +9,19 @@ NGRAM_VOCAB_BOUND = 2**31 - 1
 
 
 def make_speculators(cfg):
-    """-> (speculator, ssd engine or None, vocab size for validation, info for Ready)."""
+    """-> (speculator, ssd engine or None, vocab size for validation, info): info has the
+    Ready fields (kv_capacity, model_name) and "kv", the draft_proc.kv.DraftKV that
+    holds the sequences' KV blocks (None for the n-gram speculator)."""
     spec = cfg.spec
     max_len = cfg.sched.max_model_len
     if cfg.draft_name == "ngram":
         if spec.mode == "ssd":
             raise ValueError("--mode ssd needs a draft model (--draft PATH); the n-gram speculator has no tree to build")
-        return NgramSpeculator(spec.ngram_min, spec.ngram_max, max_len), None, NGRAM_VOCAB_BOUND, {"model_name": "ngram"}
+        return (NgramSpeculator(spec.ngram_min, spec.ngram_max, max_len), None, NGRAM_VOCAB_BOUND,
+                {"model_name": "ngram", "kv": None})
 
     from draft_proc.drafter import ModelDrafter
+    from draft_proc.kv import DraftKV
     from spec_runtime.engine.runner import ModelRunner
 
     num_slots = cfg.sched.max_draft_seqs or cfg.sched.max_batch_size
@@ -31,15 +35,20 @@ def make_speculators(cfg):
     # limit, up to tree_budget branches), the two-token catch-up after an outcome, the
     # K+1-token SSD glue, and the shared-prefix tree steps.
     max_batch = max(num_slots, spec.max_tree_budget) if spec.mode == "ssd" else num_slots
-    runner = ModelRunner.build(cfg.draft_model, kernels=cfg.kernels, num_slots=num_slots, max_model_len=max_len,
-                               num_scratch_rows=scratch, max_batch_size=max_batch, graph_q_lens=(1, 2, spec.k + 1),
-                               tree_shapes=shapes, tree_local_rows=local_rows)
+    # Paged KV: on CUDA the blocks fill what --gpu-memory-utilization leaves on the draft's
+    # device; on the CPU, num_slots contexts of max_len tokens.
+    runner = ModelRunner.build(cfg.draft_model, kernels=cfg.kernels, max_model_len=max_len,
+                               block_size=cfg.sched.block_size, num_scratch_rows=scratch, max_batch_size=max_batch,
+                               num_blocks=0 if cfg.draft_model.device != "cpu" else -(-num_slots * max_len
+                                                                                       // cfg.sched.block_size),
+                               graph_q_lens=(1, 2, spec.k + 1), tree_shapes=shapes, tree_local_rows=local_rows)
+    kv = DraftKV(runner.layout, spec.k, num_slots, cfg.sched.enable_prefix_caching)
     transform = None
     if spec.synthetic_acceptance:  # benchmarks only
         from spec_runtime.bench.oracle import draft_oracle
 
         transform = draft_oracle(spec.synthetic_acceptance)
-    drafter = ModelDrafter(runner, spec, logits_transform=transform)
+    drafter = ModelDrafter(runner, spec, logits_transform=transform, kv=kv)
     ssd = None
     if spec.mode == "ssd":
         from draft_proc.ssd import SSDEngine
@@ -51,5 +60,5 @@ def make_speculators(cfg):
             "none": None,
         }[spec.backup]
         ssd = SSDEngine(drafter, backup, spec)
-    info = {"kv_capacity": runner.layout.num_rows, "model_name": runner.model_name}
+    info = {"kv_capacity": runner.layout.num_blocks * runner.layout.block_size, "model_name": runner.model_name, "kv": kv}
     return drafter, ssd, runner.vocab_size, info

@@ -6,10 +6,10 @@ draft K tokens now; ngram; none: no drafts, the target verifies only its own tok
 Then, while the target verifies what it was just sent, the draft works ahead:
 
   glue:        one forward over [x_n, d_1..d_m] per sequence: writes their KV to the
-               slot and yields the draft's distribution at every depth 0..m;
+               sequence's rows and yields the draft's distribution at every depth 0..m;
   fork:        the top-F_j tokens at depth j (excluding d_{j+1}), see tree_cache.py;
   tree decode: K steps over all branches of all sequences in one batch; a branch
-               attends to its slot's rows [0, n + j) and its own scratch rows. The
+               attends to its sequence's rows [0, n + j) and its own scratch rows. The
                branches of a sequence are the tokens of one request under a
                shared-prefix mask (forward_batch.TreeMask): the prefix [0, n) is read
                once per sequence per step, and a step's metadata is built once per
@@ -85,6 +85,7 @@ class SSDEngine:
         self.drafter = drafter
         self.runner = drafter.runner
         self.layout = drafter.layout
+        self.kv = drafter.kv
         self.backup = backup
         self.cfg = spec_cfg
         self.k = spec_cfg.k
@@ -220,14 +221,14 @@ class SSDEngine:
             # The backup drafted nothing, so the prompt was never prefilled: do it now.
             self.runner.run([
                 ForwardItem(s.token_ids[s.num_cached : s.num_tokens - 1], s.num_cached,
-                            self.layout.slot_rows(s.slot, s.num_tokens - 1), "none")
+                            self.kv.rows(s, s.num_tokens - 1), "none")
                 for s in lagging
             ])
         # Each sequence feeds its real length; the runner pads to its graph's shape.
         items = []
         for s in seqs:
             n, fed = s.num_tokens, [s.token_ids[-1]] + list(s.draft_token_ids)
-            items.append(ForwardItem(fed, n - 1, self.layout.slot_rows(s.slot, n - 1 + len(fed)), "all"))
+            items.append(ForwardItem(fed, n - 1, self.kv.rows(s, n - 1 + len(fed)), "all"))
         logits = self.runner.run(items)  # [sum(m + 1), V]
         positions = np.concatenate([np.arange(s.num_tokens, s.num_tokens + len(s.draft_token_ids) + 1) for s in seqs])
         row_seqs = [s for s in seqs for _ in range(len(s.draft_token_ids) + 1)]
@@ -282,8 +283,8 @@ class SSDEngine:
         for steps in sorted(set(lens.tolist()) - {0}):
             idx = np.flatnonzero(lens == steps)
             rows = [f_seqs[b] for b in idx]
-            prefix = [f_seqs[b].num_tokens + forks[b].depth for b in idx]  # slot rows [0, n + j)
-            prefix_rows = [self.layout.slot_rows(f_seqs[b].slot, p) for b, p in zip(idx, prefix)]
+            prefix = [f_seqs[b].num_tokens + forks[b].depth for b in idx]  # the sequence's rows [0, n + j)
+            prefix_rows = [self.kv.rows(f_seqs[b], p) for b, p in zip(idx, prefix)]
 
             def items(i, tok=None, idx=idx, prefix=prefix, prefix_rows=prefix_rows):
                 return [
@@ -317,16 +318,15 @@ class SSDEngine:
             order.setdefault(f.seq_id, []).append(b)
         by_id = {s.seq_id: s for s in f_seqs}
         prefixes, branches, select = [], [], []
-        max_len = self.layout.max_model_len
         for r, (sid, idx) in enumerate(order.items()):
             s = by_id[sid]
-            n, base = s.num_tokens, s.slot * max_len
-            prefixes.append(self.layout.slot_rows(s.slot, n))
+            n = s.num_tokens
+            seq_rows = self.kv.rows(s, n + max(forks[b].depth for b in idx))
+            prefixes.append(seq_rows[:n])
             brs = []
             for j, b in enumerate(idx):
                 f = forks[b]
-                local = np.concatenate([np.arange(base + n, base + n + f.depth, dtype=np.int64),
-                                        self.cache.scratch_rows(s.slot, f.branch, k)])
+                local = np.concatenate([seq_rows[n:n + f.depth], self.cache.scratch_rows(s.slot, f.branch, k)])
                 brs.append(TreeBranch(f.token_id, n + f.depth, local, f.depth + 1))
                 select.append(r * q_len + j)
             branches.append(brs)

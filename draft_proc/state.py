@@ -1,7 +1,7 @@
 """The draft's view of one sequence, and how an outcome moves it forward.
 
 Pure CPU bookkeeping, no torch. For sequence x_1..x_n (x_n = the target's last
-recovery/bonus token) the draft's KV slot is valid for positions [0, num_cached) of
+recovery/bonus token) the draft's KV rows are valid for positions [0, num_cached) of
 `token_ids + draft_token_ids`; a rejected draft token is undone by lowering num_cached
 (moving the length), never by copying.
 """
@@ -18,7 +18,7 @@ class OutcomeError(ValueError):
 @dataclass
 class DraftSeq:
     seq_id: int
-    slot: int
+    slot: int  # index among the draft's sequences: its SSD scratch rows (and its slot in a slot layout)
     token_ids: list[int]  # confirmed tokens x_1..x_n
     temperature: float = 0.0
     top_k: int = 0

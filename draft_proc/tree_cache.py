@@ -10,9 +10,10 @@ an accept, not a rejection at j). Each fork (j, t) becomes a branch whose next K
 tokens are tree-decoded; the cache maps the key (seq_id, j, t) to those tokens and to
 the q they were sampled from. A look-up that finds the key is a hit.
 
-Branch KV lives in scratch rows: branch i of the sequence in slot s owns rows
-scratch_base + (s * max_branches + i) * K + [0, K). The branch attends to its slot's
-rows [0, n + j) (the prefix and the accepted drafts) and to its own scratch rows.
+Branch KV lives in scratch rows: branch i of the sequence with index s (DraftSeq.slot,
+draft_proc/kv.py) owns rows scratch_base + (s * max_branches + i) * K + [0, K). The
+branch attends to its sequence's rows [0, n + j) (the prefix and the accepted drafts)
+and to its own scratch rows.
 """
 
 from __future__ import annotations

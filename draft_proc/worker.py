@@ -12,6 +12,11 @@ batch (SSDEngine.prefetch), so their first outcome can hit the tree cache. A mes
 always comes first: a sequence whose SpecRequest arrives before that idle moment just
 takes the normal path (a miss) and is never prefetched.
 
+KV: with a model draft each sequence holds KV blocks (draft_proc/kv.py), taken when it is
+added and as it grows, returned when it is released. A sequence the pool cannot hold
+gets an ErrorReply (code "no_kv") and is dropped; the target decodes it without
+speculation and re-adds it later.
+
 Counters (DraftStats) are pushed, never waited for: after an answer when the last push is
 STATS_PUSH_S old, and when the loop goes idle with counters that changed since. The
 target keeps the last ones, so its stats never wait on this process.
@@ -62,13 +67,18 @@ STATS_PUSH_S = 0.5  # the longest the target's copy of the counters lags while a
 
 
 class DraftWorker:
-    def __init__(self, cfg, channel, speculator: Speculator, vocab_size: int, num_slots: int, ssd=None):
+    def __init__(self, cfg, channel, speculator: Speculator, vocab_size: int, num_slots: int, ssd=None, kv=None):
+        """kv: the draft_proc.kv.DraftKV that holds the sequences' KV blocks (a model
+        draft); None: the sequences take the num_slots indices only (the n-gram
+        speculator, or a drafter over a slot layout)."""
         self.cfg = cfg
         self.channel = channel
         self.speculator = speculator
         self.vocab_size = vocab_size
         self.ssd = ssd  # draft_proc.ssd.SSDEngine in SSD mode
+        self.kv = kv
         self.free_slots = list(range(num_slots))[::-1]
+        self.num_no_kv = 0  # sequences refused or dropped for want of KV blocks
         self.seqs: dict[int, DraftSeq] = {}
         self.num_requests = 0
         self.answer_s = 0.0  # receive to send, summed over num_answers
@@ -151,13 +161,22 @@ class DraftWorker:
             err = "bad sampling parameters"
         if err is None and sid in self.seqs:
             self.drop(sid)  # a re-add replaces the old state
-        if err is None and not self.free_slots:
+        if err is None and self.kv is None and not self.free_slots:
             err = f"no free draft slot ({len(self.seqs)} sequences held)"
         if err is not None:
             self.channel.send(ErrorReply(code="bad_request", message=err, seq_id=sid))
             return
-        seq = DraftSeq(sid, self.free_slots.pop(), prompt.astype(np.int64).tolist(), msg.temperature, msg.top_k,
-                       msg.top_p, msg.seed)
+        tokens = prompt.astype(np.int64).tolist()
+        num_cached = 0
+        if self.kv is None:
+            slot = self.free_slots.pop()
+        else:
+            got = self.kv.admit(sid, tokens)
+            if isinstance(got, str):
+                self._no_kv(sid, got)
+                return
+            slot, num_cached = got
+        seq = DraftSeq(sid, slot, tokens, msg.temperature, msg.top_k, msg.top_p, msg.seed, num_cached=num_cached)
         self.seqs[sid] = seq
         self.speculator.add(seq)
         if self.ssd is not None and self.cfg.spec.ssd_prefetch:
@@ -170,7 +189,18 @@ class DraftWorker:
             self.speculator.release(seq)
             if self.ssd is not None:
                 self.ssd.release(seq)
-            self.free_slots.append(seq.slot)
+            if self.kv is None:
+                self.free_slots.append(seq.slot)
+            else:
+                self.kv.free(seq)
+
+    def _no_kv(self, sid: int, why: str) -> None:
+        """The pool cannot hold this sequence: the target decodes it without speculation."""
+        self.num_no_kv += 1
+        log = logger.warning if self.num_no_kv == 1 else logger.debug
+        log("draft cannot hold seq %d: %s; it decodes without speculation until blocks free up "
+            "(raise the draft's --gpu-memory-utilization, or lower --max-num-seqs)", sid, why)
+        self.channel.send(ErrorReply(code="no_kv", message=why, seq_id=sid))
 
     def on_spec_request(self, req: SpecRequest) -> None:
         t0 = time.perf_counter()
@@ -197,6 +227,9 @@ class DraftWorker:
         else:
             specs, hits_by_depth = self.speculator.propose(ok, req.k), []
         self.channel.send(self._response(req.step, req.k, ok, specs, hits_by_depth))
+        if self.kv is not None:
+            for seq in ok:  # their confirmed tokens' K/V is final now: name the full blocks
+                self.kv.commit(seq)
         self.answer_s += time.perf_counter() - t0
         self.num_answers += 1
         if time.monotonic() - self._pushed_at >= STATS_PUSH_S:
@@ -238,6 +271,11 @@ class DraftWorker:
                 self.channel.send(ErrorReply(code="desync", message=str(e), seq_id=sid))
                 self.drop(sid)
                 continue
+            if self.kv is not None:
+                if not self.kv.grow(seq):
+                    self.drop(sid)
+                    self._no_kv(sid, f"no free draft KV blocks to grow to {seq.num_tokens} tokens")
+                    continue
             ok.append(seq)
         return ok
 
@@ -288,4 +326,8 @@ class DraftWorker:
             num_answers=self.num_answers,
             num_tree_shrinks=self.ssd.budget.num_shrinks if self.ssd is not None else 0,
             num_tree_grows=self.ssd.budget.num_grows if self.ssd is not None else 0,
+            num_kv_blocks=self.kv.blocks.num_blocks if self.kv is not None else 0,
+            num_free_kv_blocks=self.kv.num_free_blocks if self.kv is not None else 0,
+            prefix_cache_queries=self.kv.counters()[0] if self.kv is not None else 0,
+            prefix_cache_hits=self.kv.counters()[1] if self.kv is not None else 0,
         )

@@ -69,8 +69,7 @@ class Ready(_Cold, tag="ready"):
     role: str
     pid: int
     vocab_size: int
-    # Tokens of KV capacity (all slots together).
-    kv_capacity: int
+    kv_capacity: int  # tokens of KV capacity (all blocks together)
     max_batch_size: int
     max_model_len: int
     eos_token_ids: list[int] = []
@@ -217,8 +216,7 @@ class RequestOutput(_Hot):
     # With top_logprobs: for each new token, the target's most likely ids and their logprobs.
     top_token_ids: list[list[int]] = []
     top_logprobs: list[list[float]] = []
-    # What ended the request with finish_reason "stop": the stop string or stop token id
-    # (None for EOS).
+    # What ended the request with finish_reason "stop": the stop string or token id (None for EOS).
     stop_reason: str | int | None = None
     # With SamplingParams.prompt_logprobs: the prompt's logprobs, on the first output only.
     prompt_logprobs: PromptLogprobs | None = None
@@ -246,34 +244,34 @@ class EngineStats(_Cold, tag="stats"):
     totals: RequestStats
     draft_num_seqs: int = -1
     draft_num_cache_entries: int = -1
-    # Timing totals since start (seconds) over num_steps decode/verify steps:
-    # target forward + acceptance, time blocked waiting for speculations, and the
-    # draft's own work-ahead time as it reported it (SSD).
+    # Timing totals since start (seconds) over num_steps decode/verify steps: target forward +
+    # acceptance, time blocked waiting for speculations, the draft's work-ahead as reported (SSD).
     num_steps: int = 0
     verify_s: float = 0.0
     draft_wait_s: float = 0.0
     draft_work_s: float = 0.0
     # Steps the speculation policy ran as plain decoding (spec_policy="adaptive").
     num_plain_steps: int = 0
-    # SSD: speculative steps after a request with work-ahead (SSD rounds) and without
-    # (synchronous SD rounds, chosen by the round policy).
+    # SSD: steps after a request with work-ahead (SSD rounds) and without (SD rounds).
     num_ssd_rounds: int = 0
     num_sd_rounds: int = 0
     # SSD: times the round policy's choice for a batch size changed (probes not counted),
     # and its choice per batch-size bucket ("ssd 27 branches, backup jit", "sd", "plain").
     num_round_switches: int = 0
     round_choices: dict[int, str] = {}
-    # The draft's own time to answer SpecRequests (as last reported): the part of
-    # draft_wait_s the draft spends working, the rest being transfer and queueing.
+    # The draft's own time to answer SpecRequests (as last reported): the part of draft_wait_s
+    # it spends working, the rest being transfer and queueing.
     draft_answer_s: float = 0.0
     draft_num_answers: int = 0
     # SSD (tree_shape auto): times the draft shrank or grew its tree to fit the verify.
     draft_tree_shrinks: int = 0
     draft_tree_grows: int = 0
+    # The draft's prefix caching (as last reported), as prefix_cache_queries/hits below.
+    draft_prefix_cache_queries: int = 0
+    draft_prefix_cache_hits: int = 0
     # SSD tree-cache hits by the depth j of the outcome they answered (index 0..K).
     hits_by_depth: list[int] = []
-    # Rounds that stopped waiting for the draft (late or gone); after each, no round waits
-    # on it again until it answers a probe.
+    # Rounds that stopped waiting for the draft (late or gone; none waits again until it answers).
     num_draft_timeouts: int = 0
     # The current draft timeout (seconds): --draft-timeout-s, or measured when unset.
     draft_timeout_s: float = 0.0
@@ -285,9 +283,8 @@ class EngineStats(_Cold, tag="stats"):
     num_preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
-    # Chunked prefill: prefill pieces that stopped short of their sequence's end (a prompt
-    # prefilled in c pieces adds c - 1), and the most tokens one step computed (its
-    # prefills and its verify together; --max-num-batched-tokens bounds it).
+    # Chunked prefill: pieces that stopped short of their sequence's end (c pieces add c - 1), and the
+    # most tokens one step computed (prefills and verify together; --max-num-batched-tokens bounds it).
     num_prefill_chunks: int = 0
     max_step_tokens: int = 0
 
@@ -329,17 +326,16 @@ class SpecRequest(_Hot, tag="req"):
     rounds: np.ndarray  # [B] int64
     num_accepted: np.ndarray  # [B] int32
     token_ids: np.ndarray  # [B] int64, recovery or bonus token
-    # Confirmed length of each sequence including token_ids[i]; the draft checks it
-    # against its own bookkeeping and answers ErrorReply(code="desync") on mismatch,
-    # after which the target re-adds the sequence.
+    # Confirmed length of each sequence including token_ids[i]; on a mismatch with its own
+    # bookkeeping the draft answers ErrorReply(code="desync") and the target re-adds the sequence.
     seq_lens: np.ndarray  # [B] int64
     # The K the target wants this round (<= configured K).
     k: int
     # SSD: whether the draft works ahead after answering (False: the next answer is a
     # chain drafted on request, a synchronous SD round; target_proc.round_policy).
     work_ahead: bool = True
-    # SSD: branches per sequence of the work-ahead (0: the draft's own choice), and what
-    # answers this request's cache misses ("": the configured backup; "jit"; "none").
+    # SSD: branches per sequence of the work-ahead (0: the draft's own choice), and what answers
+    # this request's cache misses ("": the configured backup; "jit"; "jit:N", N tokens; "none").
     branches: int = 0
     backup: str = ""
 
@@ -384,6 +380,11 @@ class DraftStats(_Cold, tag="dstats"):
     # SSD: TreeBudget's moves to fewer / more branches per sequence.
     num_tree_shrinks: int = 0
     num_tree_grows: int = 0
+    # The draft's KV pool, blocks free now, prefix caching in prompt tokens (as EngineStats).
+    num_kv_blocks: int = 0
+    num_free_kv_blocks: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class Shutdown(_Cold, tag="bye"):

@@ -281,6 +281,8 @@ class DraftLink:
             draft_num_answers=ds.num_answers if ds else 0,
             draft_tree_shrinks=ds.num_tree_shrinks if ds else 0,
             draft_tree_grows=ds.num_tree_grows if ds else 0,
+            draft_prefix_cache_queries=ds.prefix_cache_queries if ds else 0,
+            draft_prefix_cache_hits=ds.prefix_cache_hits if ds else 0,
             hits_by_depth=list(self.hits_by_depth),
             num_draft_timeouts=self.num_timeouts,
             draft_timeout_s=self.timeout_s,

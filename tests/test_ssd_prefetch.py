@@ -72,9 +72,9 @@ class Harness:
 
     def __init__(self, model_dir, mode="ssd", temperature=0.0, **spec):
         self.cfg = make_config(model_dir, model_dir, mode=mode, k=K, **spec)
-        speculator, ssd, vocab, _ = make_speculators(self.cfg)
+        speculator, ssd, vocab, info = make_speculators(self.cfg)
         self.chan = MemoryChannel()
-        self.worker = DraftWorker(self.cfg, self.chan, speculator, vocab, num_slots=4, ssd=ssd)
+        self.worker = DraftWorker(self.cfg, self.chan, speculator, vocab, num_slots=4, ssd=ssd, kv=info["kv"])
         self.prefetched: list[list[int]] = []
         if ssd is not None:  # record each prefetch batch, then run it
             real = ssd.prefetch

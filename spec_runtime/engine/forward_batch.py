@@ -12,12 +12,13 @@ rows = the sequence's prefix rows up to its fork point + its own scratch rows) n
 no other mask. On CUDA this is flashinfer's paged attention with page_size 1 (the
 row list is the page table); on the CPU it is SDPA over gathered rows.
 
-The KV pool is laid out in one of two ways. `PagedLayout` (the target): fixed-size
+The KV pool is laid out in one of two ways. `PagedLayout` (both processes): fixed-size
 blocks that sequences take as they grow, with a block table each
-(engine/kv_blocks.py). `SlotLayout` (the draft): sequence slot s owns rows
+(engine/kv_blocks.py), then scratch rows (the draft's SSD branches). `SlotLayout` (tests
+and tools that want fixed rows): sequence slot s owns rows
 [s * max_model_len, (s + 1) * max_model_len), so the row of position p is
-s * max_model_len + p; scratch rows (SSD branches) follow the slots. Either way a
-rejected token is undone by moving the length, never by copying.
+s * max_model_len + p; scratch rows follow the slots. Either way a rejected token is
+undone by moving the length, never by copying.
 
 A tree step (SSD) replaces the causal rule with a shared-prefix mask, `TreeMask`: a
 request is one sequence and its q tokens are its branches; its kv rows are the
@@ -57,15 +58,20 @@ class SlotLayout:
 
 @dataclass(frozen=True)
 class PagedLayout:
-    """A pool of num_blocks blocks of block_size rows; which sequence holds which block
-    is kv_blocks.KVBlocks' business."""
+    """A pool of num_blocks blocks of block_size rows, then num_scratch_rows rows (SSD
+    branches); which sequence holds which block is kv_blocks.KVBlocks' business."""
 
     num_blocks: int
     block_size: int
     max_model_len: int
+    num_scratch_rows: int = 0
 
     @property
     def num_rows(self) -> int:
+        return self.num_blocks * self.block_size + self.num_scratch_rows
+
+    @property
+    def scratch_base(self) -> int:
         return self.num_blocks * self.block_size
 
 

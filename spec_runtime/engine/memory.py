@@ -94,11 +94,11 @@ def fit_num_slots(model, backend: AttentionBackend, *, gpu_memory_utilization: f
 
 
 def fit_num_blocks(model, backend: AttentionBackend, *, gpu_memory_utilization: float, block_size: int,
-                   max_model_len: int, warmup_tokens: int, reserve_bytes: int = 0) -> int:
-    """KV blocks of block_size rows that fit beside the dummy row."""
+                   max_model_len: int, warmup_tokens: int, reserve_bytes: int = 0, num_scratch_rows: int = 0) -> int:
+    """KV blocks of block_size rows that fit beside num_scratch_rows and the dummy row."""
     kv = fit_kv_rows(model, backend, gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
                      warmup_tokens=warmup_tokens, reserve_bytes=reserve_bytes)
-    fit = (kv.rows - 1) // block_size
+    fit = (kv.rows - num_scratch_rows - 1) // block_size
     if fit < 1:
         raise kv.no_room(f"KV block of {block_size} rows")
     return int(fit)

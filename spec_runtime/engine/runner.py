@@ -69,7 +69,7 @@ class ModelRunner:
     Slot layout (num_slots > 0): `num_slots` sequences of `max_model_len` rows each
     (capped by the model's max_position_embeddings), then `num_scratch_rows` rows for
     SSD branches. Paged layout (block_size > 0): blocks of block_size rows that the
-    caller hands out (engine/kv_blocks.py).
+    caller hands out (engine/kv_blocks.py), then `num_scratch_rows` rows.
     """
 
     def __init__(self, cfg: ModelConfig, *, num_slots: int = 0, max_model_len: int, num_scratch_rows: int = 0,
@@ -110,7 +110,8 @@ class ModelRunner:
                                     graph_attention=self.kernel_cfg.attention_backend)
         max_batch_size = max_batch_size or num_slots
         if block_size:
-            self.layout = self._paged_layout(block_size, num_blocks, max_model_len, max_batch_size, graph_q_lens)
+            self.layout = self._paged_layout(block_size, num_blocks, max_model_len, max_batch_size, graph_q_lens,
+                                             tree_shapes, num_scratch_rows)
         else:
             if self.device.type == "cuda":
                 num_slots = self._fit(num_slots, max_model_len, max_batch_size, graph_q_lens, tree_shapes,
@@ -143,11 +144,13 @@ class ModelRunner:
         self.startup_phases["load_s"] = time.perf_counter() - t0
 
     def _paged_layout(self, block_size: int, num_blocks: int, max_model_len: int, max_batch_size: int,
-                      graph_q_lens: Sequence[int]) -> PagedLayout:
+                      graph_q_lens: Sequence[int], tree_shapes: Sequence[tuple[int, int]] = (),
+                      num_scratch_rows: int = 0) -> PagedLayout:
         """The block pool: num_blocks if given (on CUDA, at most what fits), else what
-        fits (CUDA) or max_batch_size contexts (CPU)."""
+        fits (CUDA) or max_batch_size contexts (CPU); then num_scratch_rows rows."""
         if self.device.type == "cuda":
-            fit = self._fit(0, max_model_len, max_batch_size, graph_q_lens, (), block_size=block_size)
+            fit = self._fit(0, max_model_len, max_batch_size, graph_q_lens, tree_shapes, block_size=block_size,
+                            num_scratch_rows=num_scratch_rows)
             if num_blocks > fit:
                 logger.warning("only %d of %d KV blocks fit in gpu_memory_utilization=%.2f",
                                fit, num_blocks, self.cfg.gpu_memory_utilization)
@@ -159,7 +162,7 @@ class ModelRunner:
         if num_blocks * block_size < max_model_len:
             logger.warning("the KV pool holds %d tokens, fewer than max_model_len %d: longer requests are refused",
                            num_blocks * block_size, max_model_len)
-        return PagedLayout(num_blocks, block_size, max_model_len)
+        return PagedLayout(num_blocks, block_size, max_model_len, num_scratch_rows)
 
     def _fit(self, num_slots: int, max_model_len: int, max_batch_size: int, graph_q_lens: Sequence[int],
              tree_shapes: Sequence[tuple[int, int]], *, num_scratch_rows: int = 0, block_size: int = 0) -> int:
@@ -175,7 +178,8 @@ class ModelRunner:
         common = dict(gpu_memory_utilization=cfg.gpu_memory_utilization, max_model_len=max_model_len,
                       warmup_tokens=max_model_len, reserve_bytes=logits_bytes)
         if block_size:
-            return fit_num_blocks(self.model, self.backend, block_size=block_size, **common)
+            return fit_num_blocks(self.model, self.backend, block_size=block_size, num_scratch_rows=num_scratch_rows,
+                                  **common)
         return fit_num_slots(self.model, self.backend, num_slots=num_slots, num_scratch_rows=num_scratch_rows,
                              **common)
 
