@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+
 from draft_proc.ngram import NgramSpeculator
+
+logger = logging.getLogger(__name__)
 
 # The n-gram speculator never indexes by token id; the target validates ids anyway.
 NGRAM_VOCAB_BOUND = 2**31 - 1
@@ -11,16 +15,17 @@ NGRAM_VOCAB_BOUND = 2**31 - 1
 def make_speculators(cfg):
     """-> (speculator, ssd engine or None, vocab size for validation, info for Ready)."""
     spec = cfg.spec
-    max_len = cfg.sched.max_model_len
+    max_len = cfg.sched.max_model_len  # 0: the draft model's own limit (the target's is never longer)
+    num_slots = draft_slots_requested(cfg)
     if cfg.draft_name == "ngram":
         if spec.mode == "ssd":
             raise ValueError("--mode ssd needs a draft model (--draft PATH); the n-gram speculator has no tree to build")
-        return NgramSpeculator(spec.ngram_min, spec.ngram_max, max_len), None, NGRAM_VOCAB_BOUND, {"model_name": "ngram"}
+        info = {"model_name": "ngram", "num_slots": num_slots, "max_model_len": max_len}
+        return NgramSpeculator(spec.ngram_min, spec.ngram_max, max_len or NGRAM_VOCAB_BOUND), None, NGRAM_VOCAB_BOUND, info
 
     from draft_proc.drafter import ModelDrafter
     from spec_runtime.engine.runner import ModelRunner
 
-    num_slots = cfg.sched.max_draft_seqs or cfg.sched.max_batch_size
     scratch, shapes, local_rows = 0, (), 0
     if spec.mode == "ssd":
         from draft_proc.ssd import scratch_rows_needed, tree_local_rows, tree_shapes
@@ -47,9 +52,22 @@ def make_speculators(cfg):
         backup = {
             "auto": drafter,  # the round policy asks for no backup per request where that pays
             "jit": drafter,
-            "ngram": NgramSpeculator(spec.ngram_min, spec.ngram_max, max_len),
+            "ngram": NgramSpeculator(spec.ngram_min, spec.ngram_max, runner.layout.max_model_len),
             "none": None,
         }[spec.backup]
         ssd = SSDEngine(drafter, backup, spec)
-    info = {"kv_capacity": runner.layout.num_rows, "model_name": runner.model_name}
+    layout = runner.layout
+    logger.info("draft: %d KV slots of %d rows (%s)", layout.num_slots, layout.max_model_len,
+                "what fits in its gpu_memory_utilization" if layout.num_slots < num_slots else "max_num_seqs")
+    info = {"kv_capacity": layout.num_rows, "model_name": runner.model_name, "num_slots": layout.num_slots,
+            "max_model_len": layout.max_model_len}
     return drafter, ssd, runner.vocab_size, info
+
+
+def draft_slots_requested(cfg) -> int:
+    """The draft's KV slots asked for: --max-draft-seqs, else --max-num-seqs, else the
+    device's default (on CUDA the runner keeps at most what fits)."""
+    from spec_runtime.config import default_max_num_seqs
+
+    sched = cfg.sched
+    return sched.max_draft_seqs or sched.max_batch_size or default_max_num_seqs(cfg.draft.device)
