@@ -86,3 +86,18 @@ def test_ready_reports_the_sized_values(target_512, tmp_path):
         assert (drafted.max_model_len, drafted.max_batch_size) == (256, 8)  # the draft's own limit, 8 slots
     finally:
         launcher.shutdown()
+
+
+def test_capacity_report_counts_full_length_sequences(target_512, tmp_path, capsys):
+    import kv_capacity
+
+    draft = save_tiny_model(tmp_path / "draft", "llama", seed=1)
+    common = ["--target", target_512, "--draft", draft, "--device", "cpu", "--max-model-len", "256"]
+    out = kv_capacity.main(common)
+    # CPU: 8 sequences (the default) of 256 tokens in the target's pool, 8 draft slots.
+    assert (out["target_full_seqs"], out["draft_slots"], out["before"], out["after"]) == (8, 8, 8, 8)
+    out = kv_capacity.main([*common, "--num-kv-blocks", "400", "--max-num-seqs", "16"])
+    assert out["target"]["max_num_seqs"] == 16 and out["draft_slots"] == 16
+    # The slot model's 8 against 16 draft slots; the target's 400 blocks hold 25 full sequences.
+    assert (out["target_full_seqs"], out["before"], out["after"]) == (25, 8, 16)
+    assert "concurrent 256-token sequences: before 8" in capsys.readouterr().out
