@@ -101,3 +101,17 @@ def test_capacity_report_counts_full_length_sequences(target_512, tmp_path, caps
     # The slot model's 8 against 16 draft slots; the target's 400 blocks hold 25 full sequences.
     assert (out["target_full_seqs"], out["before"], out["after"]) == (25, 8, 16)
     assert "concurrent 256-token sequences: before 8" in capsys.readouterr().out
+
+
+def test_fewer_draft_slots_than_target_sequences_are_warned(caplog):
+    from protocol.messages import Ready
+    from spec_runtime.launcher import _warn_few_draft_slots
+
+    def ready(role, n, name):
+        return Ready(protocol_version=1, role=role, pid=1, vocab_size=8, kv_capacity=0, max_batch_size=n,
+                     max_model_len=64, model_name=name)
+
+    _warn_few_draft_slots(ready("target", 256, "t"), ready("draft", 256, "d"))
+    assert "decode without speculation" not in caplog.text
+    _warn_few_draft_slots(ready("target", 256, "t"), ready("draft", 40, "d"))
+    assert "the draft holds 40 sequences, the target runs up to 256" in caplog.text
