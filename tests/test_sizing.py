@@ -115,3 +115,13 @@ def test_fewer_draft_slots_than_target_sequences_are_warned(caplog):
     assert "decode without speculation" not in caplog.text
     _warn_few_draft_slots(ready("target", 256, "t"), ready("draft", 40, "d"))
     assert "the draft holds 40 sequences, the target runs up to 256" in caplog.text
+
+
+def test_the_step_budget_caps_the_default(target_512, caplog):
+    caplog.set_level("INFO")
+    cfg = RuntimeConfig(target=ModelConfig(path=target_512), spec=SpeculativeConfig(mode="sd", k=4),
+                        sched=SchedulerConfig(block_size=BS, max_num_batched_tokens=20))
+    runner = target_runner(cfg)
+    assert runner.max_num_seqs == 20 // 5  # every running sequence's verify (K + 1 tokens) fits one step
+    assert "--max-num-batched-tokens / (K + 1)" in caplog.text
+    resolved_config(cfg, runner)  # passes the step-budget check
