@@ -22,7 +22,7 @@ def build(cfg, init, *, spec_secret_key: bytes | None = None):
     if spec_secret_key is not None:
         set_curve_server(chan.socket, spec_secret_key)
     chan.bind(init.spec_addr, allow_remote=spec_secret_key is not None)
-    num_slots = cfg.sched.max_draft_seqs or cfg.sched.max_batch_size
+    num_slots = info["num_slots"]
     worker = DraftWorker(cfg, chan, speculator, vocab_size, num_slots, ssd=ssd, kv=info["kv"])
     ready = Ready(
         protocol_version=PROTOCOL_VERSION,
@@ -31,7 +31,7 @@ def build(cfg, init, *, spec_secret_key: bytes | None = None):
         vocab_size=vocab_size,
         kv_capacity=info.get("kv_capacity", 0),
         max_batch_size=num_slots,
-        max_model_len=cfg.sched.max_model_len,
+        max_model_len=info["max_model_len"],
         model_name=info.get("model_name", "ngram"),
     )
     return ready, worker.run_forever

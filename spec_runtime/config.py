@@ -183,25 +183,35 @@ class SpeculativeConfig:
         return tuple(max(1, 3 - j) for j in range(self.k)) + (1,)
 
 
+MIN_MODEL_LEN = 16  # the shortest context --max-model-len (or a sized pool) may give
+CUDA_MAX_NUM_SEQS = 256  # --max-num-seqs unset on CUDA (vLLM's default), before the KV pools cap it
+CPU_MAX_NUM_SEQS = 8  # --max-num-seqs unset on CPU: small pools, fast start-up
+
+
+def default_max_num_seqs(device: str) -> int:
+    """--max-num-seqs when it is not given, before the KV pools cap it."""
+    return CUDA_MAX_NUM_SEQS if device.startswith("cuda") else CPU_MAX_NUM_SEQS
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous batching limits (target_proc)."""
 
-    max_batch_size: int = _f(8, "Most sequences decoded together; they share the target's KV blocks.")
-    max_model_len: int = _f(2048, "Context length: prompt + generated tokens (capped by the model).")
+    max_batch_size: int = _f(0, "Most sequences decoded together; they share the target's KV blocks. 0: on CUDA 256, capped by the target's KV blocks; on CPU 8 (logged at start-up).")
+    max_model_len: int = _f(0, "Context length: prompt + generated tokens (capped by the model). 0: the target's max_position_embeddings (the draft's if smaller), capped so one sequence fits the target's KV pool (logged at start-up).")
     block_size: int = _f(16, "Target: KV rows per block. Sequences take blocks as they grow and return them when they finish.")
     num_kv_blocks: int = _f(0, "Target: KV blocks in the pool. 0: on CUDA, what --gpu-memory-utilization leaves after the weights and a warm-up forward; on CPU, enough for --max-batch-size sequences of --max-model-len tokens.")
     enable_prefix_caching: bool = _f(True, "Target: reuse the KV blocks of a prompt prefix another request already computed (full blocks, matched by a hash of their tokens); unused ones are evicted least recently used first.")
     max_num_batched_tokens: int = _f(8192, "Target: most tokens one step computes, prefill pieces and verify tokens together (vLLM's flag). A prompt longer than what is left is prefilled in chunks over several steps while the running sequences keep decoding, so a long prompt never stalls them for its whole prefill. 8192 is vLLM's default for its OpenAI server on GPUs of 70 GiB or more: large enough that prefill keeps the GPU busy, small enough to bound a step. 0, or a value >= --max-model-len: no chunking (a step prefills whole prompts, at most --max-model-len tokens of them). Must be >= --max-num-seqs x (K + 1) (every running sequence's verify fits in one step).")
-    max_draft_seqs: int = _f(0, "Most sequences the draft holds at once (each takes KV blocks as it grows, and SSD scratch rows); 0 means max_batch_size. The others decode without speculation.")
+    max_draft_seqs: int = _f(0, "Most sequences the draft holds at once (each takes KV blocks as it grows, and SSD scratch rows); 0 means max_batch_size (when that is 0 too, its start-up default: 256 on CUDA or 8 on CPU). The others decode without speculation.")
     spec_policy: Literal["always", "adaptive"] = _f("adaptive", "always: speculate every step; adaptive: per batch size, plain decoding where it is faster (it can win at large batch), logging each switch. SD: measured against speculative steps; SSD: one of the round policy's options (--work-ahead).")
     spec_policy_probe_every: int = _f(64, "Steps between re-measurements of the choice not in use (the adaptive policy; SSD's round policy probes its runner-up).")
 
     def __post_init__(self) -> None:
-        if self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
-        if self.max_model_len < 16:
-            raise ValueError(f"max_model_len must be >= 16, got {self.max_model_len}")
+        if self.max_batch_size < 0:
+            raise ValueError(f"max_batch_size must be >= 1 (or 0: sized at start-up), got {self.max_batch_size}")
+        if self.max_model_len and self.max_model_len < MIN_MODEL_LEN:
+            raise ValueError(f"max_model_len must be >= {MIN_MODEL_LEN} (or 0: sized at start-up), got {self.max_model_len}")
         if not 1 <= self.block_size <= 1024:
             raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
         if self.num_kv_blocks < 0:

@@ -43,6 +43,15 @@ def format_startup(phases: dict[str, dict[str, float]]) -> str:
     )
 
 
+def _warn_few_draft_slots(target: Ready, draft: Ready) -> None:
+    """Say so when the draft holds fewer sequences than the target runs (the rest decode
+    without speculation)."""
+    if draft.model_name != "ngram" and draft.max_batch_size < target.max_batch_size:
+        logger.warning("the draft holds %d sequences, the target runs up to %d: the rest decode without "
+                       "speculation; lower --max-num-seqs or raise --max-draft-seqs", draft.max_batch_size,
+                       target.max_batch_size)
+
+
 class StartupError(RuntimeError):
     """A child process failed to start; the message names the process and the cause."""
 
@@ -117,6 +126,7 @@ class Launcher:
                 why = vocabulary_mismatch(cfg, self.children["target"].ready, self.children["draft"].ready)
                 if why is not None:
                     raise StartupError(why)
+                _warn_few_draft_slots(self.children["target"].ready, self.children["draft"].ready)
         except BaseException:
             self.shutdown()
             raise

@@ -19,10 +19,11 @@ def build(cfg, init, *, client_secret_key: bytes | None = None, draft_public_key
     client ROUTER a CURVE server and the spec link a CURVE client of the draft; a CURVE
     server may bind a non-loopback address. tp_rendezvous (host, port): where the
     tensor-parallel ranks that a Ray deployment started join this rank 0."""
-    from target_proc.model import start_tensor_parallel, target_runner
+    from target_proc.model import resolved_config, start_tensor_parallel, target_runner
 
     tp = start_tensor_parallel(cfg, tp_rendezvous)  # None on one device
     runner = target_runner(cfg, tp)
+    cfg = resolved_config(cfg, runner)  # the worker schedules with the sized defaults
     clients = RouterChannel(ClientMessage)
     if client_secret_key is not None:
         set_curve_server(clients.socket, client_secret_key)

@@ -13,15 +13,34 @@ from protocol.codec import encode_config
 
 
 def target_runner(cfg, tp=None):
-    """The target's ModelRunner (tp: this rank's TPGroup, or None on one device)."""
+    """The target's ModelRunner (tp: this rank's TPGroup, or None on one device).
+    --max-model-len and --max-num-seqs unset: sized here (engine/sizing.py); read
+    `runner.layout.max_model_len` and `runner.max_num_seqs`."""
+    from spec_runtime.config import default_max_num_seqs, step_token_budget
     from spec_runtime.engine.runner import ModelRunner
+    from spec_runtime.engine.sizing import model_context_limit, resolve_max_num_seqs
 
     # The runner pads verify forwards to K+1 tokens per sequence: one graph per batch size fits.
     q_lens = (1, cfg.spec.k + 1) if cfg.spec.mode != "ar" else (1,)
     sched = cfg.sched
-    return ModelRunner.build(cfg.target, kernels=cfg.kernels, block_size=sched.block_size,
-                             num_blocks=sched.num_kv_blocks, max_model_len=sched.max_model_len,
-                             max_batch_size=sched.max_batch_size, graph_q_lens=q_lens, tp=tp)
+    requested = sched.max_batch_size or default_max_num_seqs(cfg.target.device)
+    draft_limit = model_context_limit(cfg.draft_path) if cfg.spec.uses_draft_process and cfg.draft_path else 0
+    runner = ModelRunner.build(cfg.target, kernels=cfg.kernels, block_size=sched.block_size,
+                               num_blocks=sched.num_kv_blocks, max_model_len=sched.max_model_len,
+                               max_batch_size=requested, graph_q_lens=q_lens, tp=tp, context_limit=draft_limit)
+    budget = step_token_budget(sched, runner.layout.max_model_len)
+    step_cap = budget // (cfg.spec.k + 1 if cfg.spec.mode != "ar" else 1) if budget else 0
+    runner.max_num_seqs = resolve_max_num_seqs(sched.max_batch_size, requested, runner.layout.num_blocks, step_cap)
+    return runner
+
+
+def resolved_config(cfg, runner):
+    """cfg with the context length and sequence count the target's runner settled on."""
+    import dataclasses
+
+    sched = dataclasses.replace(cfg.sched, max_batch_size=runner.max_num_seqs,
+                                max_model_len=runner.layout.max_model_len)
+    return cfg.replace(sched=sched)
 
 
 def start_tensor_parallel(cfg, rendezvous: tuple[str, int] | None = None):

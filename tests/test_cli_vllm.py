@@ -62,11 +62,11 @@ def test_vllm_aliases_set_the_same_fields():
     # A role's own flag wins over the vLLM-wide one.
     cfg = _cfg("--dtype", "float16", "--draft-dtype", "float32")
     assert (cfg.target.dtype, cfg.draft.dtype) == ("float16", "float32")
-    assert _cfg().sched.max_batch_size == 8  # the default is unchanged
+    assert _cfg().sched.max_batch_size == 0  # unset: sized at start-up (tests/test_sizing.py)
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["--max-num-seqs", "0"], "--max-batch-size must be >= 1"),
+    (["--max-num-seqs", "-1"], "--max-batch-size must be >= 1"),
     (["--gpu-memory-utilization", "2"], "--gpu-memory-utilization must be in [0.05, 0.99], got 2.0"),
     (["--speculative-config", '{"method": "eagle"}'], "method 'eagle' is not supported"),
     (["--speculative-config", '{"method": "ngram", "model": "/m"}'], "method ngram takes no model"),
@@ -142,7 +142,7 @@ def test_config_file_model_key_is_the_target(tmp_path, tiny_llama_dir, served):
     ("max-num-seqs: [unclosed\n", "not valid YAML"),
     ("- a\n- b\n", "mapping of flag names"),
     ("target-cuda-graphs: maybe\n", "target-cuda-graphs must be true or false"),
-    ("max-num-seqs: 0\n", "--max-batch-size must be >= 1"),
+    ("max-num-seqs: -1\n", "--max-batch-size must be >= 1"),
 ])
 def test_bad_config_files_fail_before_start_one_line(content, needle, tmp_path, capsys, served):
     f = tmp_path / "c.yaml"

@@ -21,7 +21,7 @@ import zmq
 from e2e_util import wait_until
 from protocol import messages as m
 from protocol.transport import Channel, ipc_address, private_ipc_dir
-from spec_runtime.config import RuntimeConfig, SpeculativeConfig
+from spec_runtime.config import RuntimeConfig, SchedulerConfig, SpeculativeConfig
 from target_proc.draft_link import DraftLink
 from target_proc.sequence import Sequence
 from target_proc.worker import TargetWorker
@@ -127,7 +127,7 @@ def _worker(link: DraftLink) -> tuple[TargetWorker, list]:
     clients = SimpleNamespace(send_to=lambda ident, msg: sent.append((ident, msg)) or True)
     runner = SimpleNamespace(layout=SimpleNamespace(max_model_len=64, num_blocks=8, block_size=16), eos_token_ids=[0],
                              tokenizer=None, vocab_size=64)
-    cfg = RuntimeConfig(spec=SpeculativeConfig(mode="sd", k=K))
+    cfg = RuntimeConfig(spec=SpeculativeConfig(mode="sd", k=K), sched=SchedulerConfig(max_batch_size=8))
     return TargetWorker(cfg, runner, clients, link), sent
 
 

@@ -24,6 +24,7 @@ from spec_runtime.attention import make_backend
 from spec_runtime.config import KernelConfig, ModelConfig
 from spec_runtime.engine.forward_batch import ForwardBatch, ForwardItem, PagedLayout, SlotLayout, build_forward_batch
 from spec_runtime.engine.kv_cache import KVCache
+from spec_runtime.engine.sizing import cpu_pool_rows, pool_model_len
 from spec_runtime.models.loader import eos_token_ids, load_model, model_name, resolve_dtype
 
 logger = logging.getLogger(__name__)
@@ -46,8 +47,8 @@ def _check_pool_args(num_slots: int, max_model_len: int, num_scratch_rows: int, 
         raise ValueError(f"num_slots must be >= 1, got {num_slots}")
     if block_size and not max_batch_size:
         raise ValueError("a paged KV pool needs max_batch_size (the most sequences of one forward)")
-    if max_model_len < 1:
-        raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+    if max_model_len < 0:
+        raise ValueError(f"max_model_len must be >= 1 (or 0: the model's own limit), got {max_model_len}")
     if num_scratch_rows < 0:
         raise ValueError(f"num_scratch_rows must be >= 0, got {num_scratch_rows}")
 
@@ -76,7 +77,7 @@ class ModelRunner:
                  block_size: int = 0, num_blocks: int = 0,
                  max_batch_size: int | None = None, graph_q_lens: Sequence[int] = (1,),
                  tree_shapes: Sequence[tuple[int, int]] = (), tree_local_rows: int = 0,
-                 kernels: KernelConfig | None = None, tp=None) -> None:
+                 kernels: KernelConfig | None = None, tp=None, context_limit: int = 0) -> None:
         """On CUDA, `num_slots` is a cap (the pool gets what fits in gpu_memory_utilization;
         read `layout.num_slots`), and CUDA graphs are captured for up to `max_batch_size`
         requests (default num_slots) of each q_len in `graph_q_lens` (1 = decode, K+1 = verify),
@@ -85,6 +86,9 @@ class ModelRunner:
         block_size > 0 lays the pool out in blocks instead of slots: `num_blocks` of them
         (on CUDA, 0 takes what fits in gpu_memory_utilization; on CPU, 0 takes enough for
         max_batch_size sequences of max_model_len rows); read `layout.num_blocks`.
+        max_model_len 0: the model's max_position_embeddings (or `context_limit`, another
+        model's, if smaller), and in a paged pool at most what the pool holds; read
+        `layout.max_model_len`.
         kernels: the CUDA kernel choices (default KernelConfig()). tp: this process's
         engine.parallel.TPGroup when the model is split over several (every rank builds
         its runner with the same arguments; rank 0's `run` leads the others'). Use
@@ -100,10 +104,8 @@ class ModelRunner:
         self.startup_phases: dict[str, float] = {}
         self._load(tp_size, tp_rank)
         t0 = time.perf_counter()
-        if max_model_len > self.arch.max_position_embeddings:
-            logger.warning("max_model_len %d capped to the model's max_position_embeddings %d",
-                           max_model_len, self.arch.max_position_embeddings)
-            max_model_len = self.arch.max_position_embeddings
+        self.auto_model_len = not max_model_len
+        max_model_len = self._context_len(max_model_len, context_limit)
         num_heads, num_kv_heads = self.arch.num_heads // tp_size, self.arch.num_kv_heads // tp_size  # this rank's
         self.backend = make_backend(num_heads, num_kv_heads, self.arch.head_dim, self.dtype,
                                     self.device, sliding_window=self.arch.sliding_window,
@@ -143,6 +145,16 @@ class ModelRunner:
         self.model.kernels.fused = self.device.type == "cuda" and self.kernel_cfg.fused_ops
         self.startup_phases["load_s"] = time.perf_counter() - t0
 
+    def _context_len(self, max_model_len: int, context_limit: int) -> int:
+        """max_model_len as asked, capped by the model; 0: the model's own limit (and
+        context_limit's, if smaller)."""
+        limit = self.arch.max_position_embeddings
+        if not max_model_len:
+            return min(limit, context_limit) if context_limit else limit
+        if max_model_len > limit:
+            logger.warning("max_model_len %d capped to the model's max_position_embeddings %d", max_model_len, limit)
+        return min(max_model_len, limit)
+
     def _paged_layout(self, block_size: int, num_blocks: int, max_model_len: int, max_batch_size: int,
                       graph_q_lens: Sequence[int], tree_shapes: Sequence[tuple[int, int]] = (),
                       num_scratch_rows: int = 0) -> PagedLayout:
@@ -156,13 +168,11 @@ class ModelRunner:
                                fit, num_blocks, self.cfg.gpu_memory_utilization)
             num_blocks = min(num_blocks, fit) if num_blocks else fit
         elif not num_blocks:
-            num_blocks = -(-max_batch_size * max_model_len // block_size)
+            num_blocks = -(-cpu_pool_rows(max_batch_size, max_model_len) // block_size)
         if self.tp is not None:
             num_blocks = self.tp.min_int(num_blocks)  # every rank's pool holds the same rows
-        if num_blocks * block_size < max_model_len:
-            logger.warning("the KV pool holds %d tokens, fewer than max_model_len %d: longer requests are refused",
-                           num_blocks * block_size, max_model_len)
-        return PagedLayout(num_blocks, block_size, max_model_len, num_scratch_rows)
+        model_len = pool_model_len(num_blocks * block_size, max_model_len, self.auto_model_len, self.arch)
+        return PagedLayout(num_blocks, block_size, model_len, num_scratch_rows)
 
     def _fit(self, num_slots: int, max_model_len: int, max_batch_size: int, graph_q_lens: Sequence[int],
              tree_shapes: Sequence[tuple[int, int]], *, num_scratch_rows: int = 0, block_size: int = 0) -> int:
