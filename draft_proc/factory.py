@@ -35,12 +35,11 @@ def make_speculators(cfg):
     # limit, up to tree_budget branches), the two-token catch-up after an outcome, the
     # K+1-token SSD glue, and the shared-prefix tree steps.
     max_batch = max(num_slots, spec.max_tree_budget) if spec.mode == "ssd" else num_slots
-    # Paged KV: on CUDA the blocks fill what --gpu-memory-utilization leaves on the draft's
-    # device; on the CPU, num_slots contexts of max_len tokens.
+    # Paged KV: blocks for num_slots contexts of max_len tokens (on CUDA, at most what
+    # --gpu-memory-utilization leaves on the draft's device, which it may share).
     runner = ModelRunner.build(cfg.draft_model, kernels=cfg.kernels, max_model_len=max_len,
                                block_size=cfg.sched.block_size, num_scratch_rows=scratch, max_batch_size=max_batch,
-                               num_blocks=0 if cfg.draft_model.device != "cpu" else -(-num_slots * max_len
-                                                                                       // cfg.sched.block_size),
+                               num_blocks=-(-num_slots * max_len // cfg.sched.block_size),
                                graph_q_lens=(1, 2, spec.k + 1), tree_shapes=shapes, tree_local_rows=local_rows)
     kv = DraftKV(runner.layout, spec.k, num_slots, cfg.sched.enable_prefix_caching)
     transform = None
