@@ -27,30 +27,8 @@ def make_speculators(cfg):
 
     from draft_proc.drafter import ModelDrafter
     from draft_proc.kv import DraftKV
-    from spec_runtime.engine.runner import ModelRunner
-    from spec_runtime.engine.sizing import CPU_ROWS_PER_SEQ, cpu_pool_rows
 
-    scratch, shapes, local_rows = 0, (), 0
-    if spec.mode == "ssd":
-        from draft_proc.ssd import scratch_rows_needed, tree_local_rows, tree_shapes
-
-        scratch = scratch_rows_needed(spec, num_slots)
-        shapes, local_rows = tree_shapes(spec, num_slots), tree_local_rows(spec)
-    # Graph shapes: decode steps (q_len 1, also the per-branch tree steps near the context
-    # limit, up to tree_budget branches), the two-token catch-up after an outcome, the
-    # K+1-token SSD glue, and the shared-prefix tree steps.
-    max_batch = max(num_slots, spec.max_tree_budget) if spec.mode == "ssd" else num_slots
-    # Paged KV: blocks for num_slots contexts of max_len tokens (on CUDA, at most what
-    # --draft-gpu-memory-utilization leaves on the draft's device, which it may share; with
-    # max_len unset, what fits). On the CPU, the target's CPU pool for num_slots sequences.
-    bs = cfg.sched.block_size
-    if cfg.draft_model.device == "cpu":
-        num_blocks = -(-cpu_pool_rows(num_slots, max_len or CPU_ROWS_PER_SEQ) // bs)
-    else:
-        num_blocks = -(-num_slots * max_len // bs)
-    runner = ModelRunner.build(cfg.draft_model, kernels=cfg.kernels, max_model_len=max_len, block_size=bs,
-                               num_scratch_rows=scratch, max_batch_size=max_batch, num_blocks=num_blocks,
-                               graph_q_lens=(1, 2, spec.k + 1), tree_shapes=shapes, tree_local_rows=local_rows)
+    runner = _draft_runner(cfg, num_slots, max_len)
     kv = DraftKV(runner.layout, spec.k, num_slots, cfg.sched.enable_prefix_caching)
     transform = None
     if spec.synthetic_acceptance:  # benchmarks only
@@ -78,9 +56,39 @@ def make_speculators(cfg):
 
 
 def draft_slots_requested(cfg) -> int:
-    """The draft's KV slots asked for: --max-draft-seqs, else --max-num-seqs, else the
-    device's default (on CUDA the runner keeps at most what fits)."""
+    """The sequences the draft holds: --max-draft-seqs, else --max-num-seqs, else the
+    device's default."""
     from spec_runtime.config import default_max_num_seqs
 
     sched = cfg.sched
     return sched.max_draft_seqs or sched.max_batch_size or default_max_num_seqs(cfg.draft.device)
+
+
+def _draft_runner(cfg, num_slots: int, max_len: int):
+    """The draft's ModelRunner: a paged pool, SSD scratch rows and tree graphs in ssd mode."""
+    from spec_runtime.engine.runner import ModelRunner
+    from spec_runtime.engine.sizing import CPU_ROWS_PER_SEQ, cpu_pool_rows
+
+    spec = cfg.spec
+    scratch, shapes, local_rows = 0, (), 0
+    if spec.mode == "ssd":
+        from draft_proc.ssd import scratch_rows_needed, tree_local_rows, tree_shapes
+
+        scratch = scratch_rows_needed(spec, num_slots)
+        shapes, local_rows = tree_shapes(spec, num_slots), tree_local_rows(spec)
+    # Graph shapes: decode steps (q_len 1, also the per-branch tree steps near the context
+    # limit, up to tree_budget branches), the two-token catch-up after an outcome, the
+    # K+1-token SSD glue, and the shared-prefix tree steps.
+    max_batch = max(num_slots, spec.max_tree_budget) if spec.mode == "ssd" else num_slots
+    # Paged KV: blocks for num_slots contexts of max_len tokens (on CUDA, at most what
+    # --draft-gpu-memory-utilization leaves on the draft's device, which it may share; with
+    # max_len unset, what fits). On the CPU, the target's CPU pool for num_slots sequences.
+    bs = cfg.sched.block_size
+    if cfg.draft_model.device == "cpu":
+        num_blocks = -(-cpu_pool_rows(num_slots, max_len or CPU_ROWS_PER_SEQ) // bs)
+    else:
+        num_blocks = -(-num_slots * max_len // bs)
+    runner = ModelRunner.build(cfg.draft_model, kernels=cfg.kernels, max_model_len=max_len, block_size=bs,
+                               num_scratch_rows=scratch, max_batch_size=max_batch, num_blocks=num_blocks,
+                               graph_q_lens=(1, 2, spec.k + 1), tree_shapes=shapes, tree_local_rows=local_rows)
+    return runner

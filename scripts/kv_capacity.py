@@ -8,8 +8,9 @@ the draft's (draft_proc.factory), each alone on its device with its own
 - before: the slot model, where each sequence held max_model_len rows in both processes and
   --max-num-seqs defaulted to 8: min(8, target rows // L, draft slots);
 - after: --max-num-seqs as sized now (256 on CUDA capped by the target's blocks), the
-  full-length sequences the target's blocks hold at once, the draft's slots of L rows,
-  and the concurrent sequences of L tokens: the least of the three.
+  full-length sequences the target's blocks hold at once, those the draft's blocks hold
+  (at most the sequences it takes), and the concurrent sequences of L tokens: the least
+  of the three.
 On the CPU the pools are sized from the flags (no memory measurement); tests run it so.
 """
 
@@ -43,7 +44,7 @@ def capacity(cfg: RuntimeConfig) -> dict:
     _, _, _, info = make_speculators(cfg.replace(sched=SchedulerConfig(
         max_model_len=length, max_batch_size=cfg.sched.max_batch_size, max_draft_seqs=cfg.sched.max_draft_seqs)))
     full = target["num_blocks"] * target["block_size"] // length
-    draft_slots = info["num_slots"]
+    draft_slots = min(info["num_slots"], info["kv_capacity"] // length)
     return {
         "max_model_len": length, "target": target, "target_full_seqs": full, "draft_slots": draft_slots,
         "before": min(OLD_MAX_NUM_SEQS, full, draft_slots),
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"concurrent {length}-token sequences: before {out['before']} (slot model at most "
           f"{out['slot_model_at_most']}), after {out['after']} (max_num_seqs {out['target']['max_num_seqs']}, "
           f"target blocks {out['target_full_seqs']}, "
-          f"draft slots {out['draft_slots']})")
+          f"draft {out['draft_slots']})")
     return out
 
 
