@@ -66,7 +66,7 @@ def held_out_prompts(args) -> tuple[list[str], str]:
 def runtime_config(args, mode: str, k: int, fan_out: int = 0):
     from spec_runtime.config import ModelConfig, RuntimeConfig, SchedulerConfig, SpeculativeConfig
 
-    spec = {"fan_out": (fan_out,) * k + (1,), "work_ahead": "always"} if mode == "ssd" else {}
+    spec = {"fan_out": (fan_out,) * k + (1,), "work_ahead": "always", "tree_shape": "fixed"} if mode == "ssd" else {}
     return RuntimeConfig(
         target=ModelConfig(path=args.target, device=args.target_device),
         draft=ModelConfig(path=args.draft, device=args.draft_device),

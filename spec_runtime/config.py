@@ -52,6 +52,17 @@ def pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+# A draft on the target's GPU: the two processes' --gpu-memory-utilization shares together.
+MAX_SHARED_GPU_UTILIZATION = 0.95
+
+
+def _cuda_index(device: str) -> int | None:
+    """The GPU index of "cuda[:N]" (bare "cuda": 0), None for the CPU."""
+    if not device.startswith("cuda"):
+        return None
+    return int(device.split(":", 1)[1]) if ":" in device else 0
+
+
 def _f(default: Any, help: str, **kw: Any) -> Any:
     """A field whose help text the CLI shows (spec_runtime.cli builds flags from fields)."""
     if isinstance(default, (list, dict, set)):
@@ -289,6 +300,25 @@ class RuntimeConfig:
         if self.draft.tensor_parallel_size != 1:
             raise ValueError("the draft runs on one device: draft tensor_parallel_size must be 1 "
                              f"(got {self.draft.tensor_parallel_size}); put it on its own GPU with --draft-device")
+
+    def check_shared_gpu(self) -> None:
+        """Raise ValueError for a draft model on one of the target's GPUs (devices as one
+        host names them; the launcher checks) with both KV pools sized from memory
+        (--max-model-len unset): each process counts only its own use, so their shares of
+        the GPU must fit together."""
+        if not self.spec.uses_draft_process or not self.draft_path or self.sched.max_model_len:
+            return
+        t, d = _cuda_index(self.target.device), _cuda_index(self.draft.device)
+        if t is None or d is None or not t <= d < t + self.target.tensor_parallel_size:
+            return
+        total = self.target.gpu_memory_utilization + self.draft.gpu_memory_utilization
+        if total > MAX_SHARED_GPU_UTILIZATION:
+            raise ValueError(
+                f"the draft shares cuda:{d} with the target and both size their KV from memory, but their shares "
+                f"sum to {total:.2f} (target {self.target.gpu_memory_utilization}, draft "
+                f"{self.draft.gpu_memory_utilization}); give them at most {MAX_SHARED_GPU_UTILIZATION} together, "
+                "e.g. --gpu-memory-utilization 0.7 --draft-gpu-memory-utilization 0.2, or set --max-model-len "
+                "(the draft then takes --max-num-seqs contexts of it)")
 
     @property
     def draft_path(self) -> str:

@@ -109,6 +109,7 @@ class Launcher:
     def __init__(self, cfg: RuntimeConfig, *, child_modules: dict[str, str] | None = None):
         """child_modules: the module each role's process runs ({"draft": "draft_proc"} and
         {"target": "target_proc"} unless given; tests start fault-injecting children this way)."""
+        cfg.check_shared_gpu()  # before anything starts
         self.cfg = cfg
         self.child_modules = {"target": "target_proc", "draft": "draft_proc", **(child_modules or {})}
         remove_stale_ipc_dirs()

@@ -125,3 +125,28 @@ def test_the_step_budget_caps_the_default(target_512, caplog):
     assert runner.max_num_seqs == 20 // 5  # every running sequence's verify (K + 1 tokens) fits one step
     assert "--max-num-batched-tokens / (K + 1)" in caplog.text
     resolved_config(cfg, runner)  # passes the step-budget check
+
+
+def test_a_draft_on_the_targets_gpu_needs_shares_that_fit_together():
+    from spec_runtime.config import ModelConfig, RuntimeConfig, SchedulerConfig, SpeculativeConfig
+    from spec_runtime.launcher import Launcher
+
+    def check(draft_device="cuda:0", draft_mem=0.85, max_model_len=0, tp=1):
+        RuntimeConfig(target=ModelConfig(path="t", device="cuda:0", tensor_parallel_size=tp),
+                      draft=ModelConfig(path="d", device=draft_device, gpu_memory_utilization=draft_mem),
+                      spec=SpeculativeConfig(mode="sd"), sched=SchedulerConfig(max_model_len=max_model_len),
+                      ).check_shared_gpu()
+
+    # Both pools sized from memory on one GPU: 0.85 + 0.85 cannot both be had.
+    with pytest.raises(ValueError, match="--draft-gpu-memory-utilization"):
+        check()
+    with pytest.raises(ValueError, match="shares cuda:1"):
+        check(draft_device="cuda:1", tp=2)  # cuda:1 is the target's second rank
+    check(draft_mem=0.1)  # shares that fit
+    check(max_model_len=4096)  # the draft takes --max-num-seqs contexts of 4096 tokens only
+    check(draft_device="cuda:1")  # a GPU of its own
+    check(draft_device="cpu")
+    # The launcher refuses before it starts anything (no GPU needed to see it).
+    with pytest.raises(ValueError, match="shares cuda:0"):
+        Launcher(RuntimeConfig(target=ModelConfig(path="t", device="cuda:0"), draft=ModelConfig(path="d", device="cuda"),
+                               spec=SpeculativeConfig(mode="sd"), sched=SchedulerConfig(max_model_len=0)))

@@ -83,9 +83,9 @@ def _kinds(schema: dict, top: bool = True) -> set[str]:
 
 
 @pytest.mark.slow
-def test_64_random_schemas_per_mode(smollm2_gguf_path):
+def test_200_random_schemas_per_mode(smollm2_gguf_path):
     rng = random.Random(1)
-    schemas = [random_schema(rng) for _ in range(64)]
+    schemas = [random_schema(rng) for _ in range(200)]
     # Every kind of value the generator makes is among them, nested objects and arrays too.
     assert set().union(*map(_kinds, schemas)) == {"string", "integer", "number", "boolean", "enum", "null_or_int",
                                                   "array", "object"}
