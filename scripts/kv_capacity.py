@@ -7,7 +7,7 @@ the draft's (draft_proc.factory), each alone on its device with its own
 --gpu-memory-utilization (as with --draft-device on a second GPU). Prints:
 - before: the slot model, where each sequence held max_model_len rows in both processes and
   --max-num-seqs defaulted to 8: min(8, target rows // L, draft slots);
-- after: --max-num-seqs as sized now (256 on CUDA capped by the target's blocks), the
+- after: --max-num-seqs as sized at start-up (256 on CUDA capped by the target's blocks), the
   full-length sequences the target's blocks hold at once, those the draft's blocks hold
   (at most the sequences it takes), and the concurrent sequences of L tokens: the least
   of the three.
