@@ -33,16 +33,10 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from protocol.codec import ProtocolError, encode
-from protocol.messages import (
-    AddSequence,
-    DraftStats,
-    DraftStatsRequest,
-    ErrorReply,
-    Release,
-    SpecResponse,
-)
+from protocol.messages import AddSequence, DraftStats, DraftStatsRequest, ErrorReply, Release, SpecResponse
 from protocol.sparse_q import DraftTokens
 from target_proc.draft_timeout import DraftTimeout
+from target_proc.outputs import draft_fields
 from target_proc.sequence import Sequence
 from target_proc.speculation import Outcome, awaited_rows, inconsistent, spec_request
 
@@ -272,21 +266,8 @@ class DraftLink:
 
     def engine_fields(self) -> dict:
         """The draft's part of EngineStats, from the counters it pushed last."""
-        ds = self.last_stats
-        return dict(
-            draft_alive=self.alive,
-            draft_num_seqs=ds.num_seqs if ds else -1,
-            draft_num_cache_entries=ds.num_cache_entries if ds else -1,
-            draft_answer_s=ds.answer_s if ds else 0.0,
-            draft_num_answers=ds.num_answers if ds else 0,
-            draft_tree_shrinks=ds.num_tree_shrinks if ds else 0,
-            draft_tree_grows=ds.num_tree_grows if ds else 0,
-            draft_prefix_cache_queries=ds.prefix_cache_queries if ds else 0,
-            draft_prefix_cache_hits=ds.prefix_cache_hits if ds else 0,
-            hits_by_depth=list(self.hits_by_depth),
-            num_draft_timeouts=self.num_timeouts,
-            draft_timeout_s=self.timeout_s,
-        )
+        return draft_fields(self.last_stats, alive=self.alive, hits_by_depth=self.hits_by_depth,
+                            num_timeouts=self.num_timeouts, timeout_s=self.timeout_s)
 
     # ---------------------------------------------------------------- sync internals
 

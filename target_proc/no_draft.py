@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from target_proc.sequence import Sequence
 from protocol.sparse_q import DraftTokens
+from target_proc.outputs import draft_fields
+from target_proc.sequence import Sequence
 
 
 class NoDraft:
@@ -42,6 +43,4 @@ class NoDraft:
         return 0.0
 
     def engine_fields(self) -> dict:
-        return dict(draft_alive=False, draft_num_seqs=-1, draft_num_cache_entries=-1, draft_answer_s=0.0,
-                    draft_num_answers=0, draft_tree_shrinks=0, draft_tree_grows=0, hits_by_depth=[],
-                    num_draft_timeouts=0, draft_timeout_s=0.0)
+        return draft_fields(None)

@@ -7,9 +7,29 @@ client (protocol.messages.add_totals adds finished requests into the engine tota
 
 from __future__ import annotations
 
-from protocol.messages import RequestOutput, RequestStats
+from protocol.messages import DraftStats, RequestOutput, RequestStats
 from protocol.sparse_q import DraftTokens
 from target_proc.sequence import Sequence
+
+
+def draft_fields(ds: DraftStats | None, *, alive: bool = False, hits_by_depth=(), num_timeouts: int = 0,
+                 timeout_s: float = 0.0) -> dict:
+    """The draft's part of EngineStats: the counters it pushed last (ds; None: no draft,
+    or none pushed yet) and the link's own."""
+    return dict(
+        draft_alive=alive,
+        draft_num_seqs=ds.num_seqs if ds else -1,
+        draft_num_cache_entries=ds.num_cache_entries if ds else -1,
+        draft_answer_s=ds.answer_s if ds else 0.0,
+        draft_num_answers=ds.num_answers if ds else 0,
+        draft_tree_shrinks=ds.num_tree_shrinks if ds else 0,
+        draft_tree_grows=ds.num_tree_grows if ds else 0,
+        draft_prefix_cache_queries=ds.prefix_cache_queries if ds else 0,
+        draft_prefix_cache_hits=ds.prefix_cache_hits if ds else 0,
+        hits_by_depth=list(hits_by_depth),
+        num_draft_timeouts=num_timeouts,
+        draft_timeout_s=timeout_s,
+    )
 
 
 def record_round(st: RequestStats, num_draft: int, num_accepted: int, spec: DraftTokens | None, *,
