@@ -43,7 +43,7 @@ from protocol.messages import (
     SpecRequest,
     SpecResponse,
 )
-from protocol.sparse_q import DraftTokens, pack
+from protocol.sparse_q import NO_DRAFT, DraftTokens, pack
 
 logger = logging.getLogger(__name__)
 
@@ -224,6 +224,10 @@ class DraftWorker:
         if self.ssd is not None:
             specs, hits_by_depth = self.ssd.propose(ok, req.k, count_misses=counted,
                                                     backup_k=backup_len(req.backup, req.k))
+        elif backup_len(req.backup, req.k) == 0:  # the target decodes plainly: take in the outcomes only
+            for s in ok:
+                s.set_speculation([], num_cached=min(s.num_cached, s.num_tokens - 1))
+            specs, hits_by_depth = [NO_DRAFT] * len(ok), []
         else:
             specs, hits_by_depth = self.speculator.propose(ok, req.k), []
         self.channel.send(self._response(req.step, req.k, ok, specs, hits_by_depth))

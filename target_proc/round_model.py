@@ -39,7 +39,10 @@ class RoundPlan:
 
 
 SD = RoundPlan("sd")
-PLAIN = RoundPlan("plain")
+# A plain step asks the draft only to take in the outcomes (no work-ahead, backup none): it
+# drafts nothing that nobody waits for, so it neither slows a verify on a shared GPU nor
+# falls behind. A speculating step right after one gets answers without drafts.
+PLAIN = RoundPlan("plain", backup="none")
 
 
 def running_mean(old: float | None, x: float) -> float:

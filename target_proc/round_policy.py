@@ -270,8 +270,9 @@ class RoundPolicy:
             return
         if not num_specs:
             return
-        # The work-ahead after the last request ran beside this step's verify.
-        c.verify_s[p1.work_ahead] = _mean(c.verify_s[p1.work_ahead], busy_s)
+        if num_drafted:  # answers without drafts (after a plain step) verify one token
+            # The work-ahead after the last request ran beside this step's verify.
+            c.verify_s[p1.work_ahead] = _mean(c.verify_s[p1.work_ahead], busy_s)
         if k2 != key or p2 is None:
             return
         if p2 == p1 == plan:
