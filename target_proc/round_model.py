@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 DECAY = 0.8  # weight of a running mean's past
 MIN_SAMPLES = 2  # measurements of W[n] and h[n] before a tree shape is predicted
 WINDOW = 8  # steps of each option's realized rate kept (their median is the rate)
+REALIZED_MIN = 3  # steps before a realized rate counts: the median of three outvotes one slow step
 
 
 @dataclass(frozen=True)
@@ -64,9 +65,9 @@ class Costs:
     realized: dict = field(default_factory=dict)  # RoundPlan -> deque of tokens/s of its steady steps
 
     def realized_rate(self, plan: "RoundPlan") -> float | None:
-        """The median tokens/s of `plan`'s last steps, None below MIN_SAMPLES of them."""
+        """The median tokens/s of `plan`'s last steps, None below REALIZED_MIN of them."""
         window = self.realized.get(plan)
-        return statistics.median(window) if window and len(window) >= MIN_SAMPLES else None
+        return statistics.median(window) if window and len(window) >= REALIZED_MIN else None
 
     def add_realized(self, plan: "RoundPlan", tokens: float, seconds: float) -> None:
         if seconds > 0:

@@ -310,3 +310,14 @@ def test_costs_are_kept_per_context_length():
     assert p.summary() == {1: "sd"}  # the choice at the context of the last step
     assert p.costs(1).realized_rate(RoundPlan("ssd", 16, "jit")) > p.costs(1, 8192).realized_rate(SD)
     assert p.costs(1, 8192).chain_s == pytest.approx(0.010) and p.key(1, 100) == p.key(1, 1000) == (1, 1024)
+
+
+def test_one_slow_step_does_not_set_a_realized_rate():
+    """A first-use stall (a kernel built on the first SD round) among the first steps of an
+    option: no rate from two steps, and the median of three outvotes it."""
+    c = Costs(verify_s={True: 0.02, False: 0.02}, chain_s=0.01, tokens=3.0)
+    c.add_realized(SD, 3.0, 0.6)  # 5 tok/s
+    c.add_realized(SD, 3.0, 0.015)
+    assert c.realized_rate(SD) is None and predict(SD, 1, c) == pytest.approx(100.0)
+    c.add_realized(SD, 3.0, 0.015)
+    assert c.realized_rate(SD) == pytest.approx(200.0)
