@@ -9,6 +9,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 DECAY = 0.8  # weight of a running mean's past
+OUTLIER = 4.0  # a running mean takes a sample at most this factor off it
 MIN_SAMPLES = 2  # measurements of W[n] and h[n] before a tree shape is predicted
 WINDOW = 8  # steps of each option's realized rate kept (their median is the rate)
 REALIZED_MIN = 3  # steps before a realized rate counts: the median of three outvotes one slow step
@@ -47,7 +48,13 @@ PLAIN = RoundPlan("plain", backup="none")
 
 
 def running_mean(old: float | None, x: float) -> float:
-    return x if old is None else DECAY * old + (1 - DECAY) * x
+    """The mean after x; a sample is first clamped to [old / OUTLIER, old * OUTLIER], so
+    one stall (a kernel built on first use) does not skew the mean for many steps."""
+    if old is None:
+        return x
+    if old > 0:
+        x = min(max(x, old / OUTLIER), old * OUTLIER)
+    return DECAY * old + (1 - DECAY) * x
 
 
 @dataclass
@@ -57,12 +64,20 @@ class Costs:
     verify_s: dict[bool, float | None] = field(default_factory=lambda: {True: None, False: None})
     plain_s: float | None = None
     chain_s: float | None = None
+    chain_window: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     work_s: dict[int, float] = field(default_factory=dict)
     hit_rate: dict[int, float] = field(default_factory=dict)
     tokens: float | None = None
     extra_s: float = 0.0
     samples: Counter = field(default_factory=Counter)
     realized: dict = field(default_factory=dict)  # RoundPlan -> deque of tokens/s of its steady steps
+
+    def add_chain(self, wait_s: float) -> None:
+        """One wait for a chain drafted on request. c is the least of the last WINDOW: a
+        chain's cost is what it takes undisturbed, and a stall (a kernel built on first
+        use, a work-ahead still finishing) only adds to it."""
+        self.chain_window.append(wait_s)
+        self.chain_s = min(self.chain_window)
 
     def realized_rate(self, plan: "RoundPlan") -> float | None:
         """The median tokens/s of `plan`'s last steps, None below REALIZED_MIN of them."""

@@ -16,7 +16,7 @@ draft's answers):
   S      the step's verify and host work, with and without a work-ahead beside it;
   P      a plain step;
   c      the wait for a chain drafted on request (SD rounds: the draft's chain step,
-         transfer included);
+         transfer included), the least of its last 8;
   W[n]   the draft's work-ahead at shape n (glue + K tree steps), as it reports it;
   h[n]   the share of look-ups that hit a tree of shape n;
   a      tokens per sequence per round with a full speculation (accepted + 1);
@@ -42,8 +42,12 @@ How it chooses: the largest tree with jit first, until it is measured; then one 
 SD rounds (measures c). From then on each step runs the best prediction. An option whose
 inputs are not measured yet is probed before it is run: the next smaller tree when the
 best one overruns the verify, plain decoding when its estimate (P taken as S) wins.
-Every `probe_every` steps the runner-up is probed for `probe_len` steps so its
-measurements stay current (every fourth probe goes to the other options in turn). A
+Every `probe_every` steps another option is probed for `probe_len` steps so its
+measurements stay current: the one the model predicts fastest when that beats the choice's
+realized rate (a realized rate from a few steps of a transition must not rule an option
+out), else the runner-up (every fourth probe goes to the other options in turn). A probe
+discards the option's earlier realized rate. Running means clamp each sample to within 4x
+of the mean, so one stall does not skew them. A
 step measures an option only when the two requests before it made the same choice (its
 wait answers the request one back, from the cache built after the request two back),
 and only when no sequence of the batch is in its first STEADY_AFTER_ROUNDS rounds.
@@ -193,6 +197,11 @@ class RoundPolicy:
             # slow first measurement cannot rule an option out for good.
             b.steps_since_probe = 0
             b.num_probes += 1
+            # An option whose model predicts it faster than the choice runs is probed first:
+            # its realized rate may come from a few steps of a transition.
+            hopeful = max(others, key=lambda p: model_rate(p, batch, c, self.k) or 0.0)
+            if (model_rate(hopeful, batch, c, self.k) or 0.0) > (1 + _MARGIN) * rates[best]:
+                return self._start_probe(b, hopeful)
             turn = b.num_probes % 4
             return self._start_probe(b, others[0] if turn or len(others) == 1 else
                                      others[1 + (b.num_probes // 4) % (len(others) - 1)])
@@ -226,6 +235,7 @@ class RoundPolicy:
         return None
 
     def _start_probe(self, b: _Bucket, plan: RoundPlan) -> RoundPlan:
+        b.costs.realized.pop(plan, None)  # the probe measures it afresh
         b.probe.extend([plan] * (self.probe_len + 1))  # the first two steps of a change measure nothing
         return b.probe.popleft()
 
@@ -279,7 +289,7 @@ class RoundPolicy:
             # Sequences without a draft (a miss with no backup) produce one token.
             c.add_realized(plan, drafted_tokens + batch - num_drafted, wait_s + busy_s)
         if not p2.work_ahead and p1.kind == "sd":
-            c.chain_s = _mean(c.chain_s, wait_s)  # no cache: the answer was a chain drafted on request
+            c.add_chain(wait_s)  # no cache: the answer was a chain drafted on request
         if p2.work_ahead and p2.branches == plan.branches and p1 == p2 and plan == p2:
             n = p2.branches
             if draft_work_s > 0:

@@ -321,3 +321,25 @@ def test_one_slow_step_does_not_set_a_realized_rate():
     assert c.realized_rate(SD) is None and predict(SD, 1, c) == pytest.approx(100.0)
     c.add_realized(SD, 3.0, 0.015)
     assert c.realized_rate(SD) == pytest.approx(200.0)
+
+
+def test_a_slow_first_probe_does_not_rule_out_the_fastest_option():
+    """SD is fastest, but the steps of its first probe ran slow (a kernel built on first
+    use, a work-ahead still finishing): the model still predicts it fastest, so a later
+    probe measures it afresh and the policy settles on it."""
+    p = _policy()
+    record, seen = p.record, Counter()
+
+    def slow_first_sd_steps(batch, plan, **kw):
+        if plan == SD and seen[plan] < 5:
+            seen[plan] += 1
+            kw["wait_s"] = kw.get("wait_s", 0.0) + {3: 0.6, 4: 0.03}.get(seen[plan], 0.0)
+        record(batch, plan, **kw)
+
+    p.record = slow_first_sd_steps
+    # SSD 71 tok/s, SD 100 (50 as its first probe measured it), plain 50.
+    slow = dict(FITS, work_s={16: 0.045, 8: 0.040, 4: 0.038})
+    plans = simulate(p, 1, 300, **slow)
+    assert seen[SD] == 5 and p.summary() == {1: "sd"}
+    # Re-probed at the first periodic probe (step ~50), not when its turn comes round.
+    assert plans[100:200].count(SD) >= 80
