@@ -106,7 +106,7 @@ class SpeculativeConfig:
     tree_budget: int = _f(0, "SSD: most branches tree-decoded per round over the whole batch; per-sequence fan-out shrinks (deepest depths first) when batch x sum(F) exceeds it. 0: 64 up to batch 4, then 16 per sequence up to 256 in all, and the round policy picks smaller trees where they pay (--work-ahead auto); a value pins the tree.")
     tree_shape: Literal["auto", "fixed"] = _f("auto", "SSD: auto: per batch size, the round policy picks the branches per sequence (the budget's share, a half or a quarter of it) from the measured work-ahead time and hit rate of each; fixed: always the budget's share. --tree-budget also pins it (--fan-out sets where the branches go, not how many).")
     backup: Backup = _f("auto", "What answers a tree-cache miss: jit (the draft drafts K tokens on request), ngram, none (the target verifies only its own token); auto: jit below batch 8, and from 8 jit, a short jit of K/4 tokens or none, whichever the measured costs predict faster.")
-    work_ahead: Literal["auto", "always"] = _f("auto", "SSD: auto: per batch size, the round policy predicts the tokens/s of SSD rounds (per tree shape and backup), synchronous SD rounds and plain decoding (with --spec-policy adaptive) from measured costs and runs the fastest, re-measuring the runner-up now and then (each choice is logged and counted in the stats); always: SSD rounds every step.")
+    work_ahead: Literal["auto", "always"] = _f("auto", "SSD: auto: per batch size, the round policy predicts the tokens/s of SSD rounds (per tree shape and backup), synchronous SD rounds and plain decoding (with --spec-policy adaptive) from measured costs and runs the fastest, re-measuring the runner-up now and then (each choice is logged and counted in the stats); always: SSD rounds every step. With the draft on one of the target's GPUs, auto runs no SSD rounds: the work-ahead would compete with the verify for the same GPU (SD rounds or plain steps, by measured costs).")
     ssd_prefetch: bool = _f(True, "SSD: on a new sequence, the draft works ahead for its first outcome while the target prefills, so the first look-up can hit.")
     draft_top_k: int = _f(64, "The draft samples only from this many of its most likely tokens; verification uses the same truncated draft distribution, so output stays exact, and what the draft sends per round does not grow with the vocabulary.")
     draft_temperature: float | None = _f(None, "Draft temperature; unset: the request's temperature.")
@@ -301,16 +301,21 @@ class RuntimeConfig:
             raise ValueError("the draft runs on one device: draft tensor_parallel_size must be 1 "
                              f"(got {self.draft.tensor_parallel_size}); put it on its own GPU with --draft-device")
 
+    @property
+    def draft_shares_target_gpu(self) -> bool:
+        """Whether a draft model runs on one of the target's CUDA devices."""
+        t, d = _cuda_index(self.target.device), _cuda_index(self.draft.device)
+        return (self.spec.uses_draft_process and bool(self.draft_path) and t is not None and d is not None
+                and t <= d < t + self.target.tensor_parallel_size)
+
     def check_shared_gpu(self) -> None:
         """Raise ValueError for a draft model on one of the target's GPUs (devices as one
         host names them; the launcher checks) with both KV pools sized from memory
         (--max-model-len unset): each process counts only its own use, so their shares of
         the GPU must fit together."""
-        if not self.spec.uses_draft_process or not self.draft_path or self.sched.max_model_len:
+        if self.sched.max_model_len or not self.draft_shares_target_gpu:
             return
-        t, d = _cuda_index(self.target.device), _cuda_index(self.draft.device)
-        if t is None or d is None or not t <= d < t + self.target.tensor_parallel_size:
-            return
+        d = _cuda_index(self.draft.device)
         total = self.target.gpu_memory_utilization + self.draft.gpu_memory_utilization
         if total > MAX_SHARED_GPU_UTILIZATION:
             raise ValueError(

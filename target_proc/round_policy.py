@@ -53,7 +53,9 @@ wait answers the request one back, from the cache built after the request two ba
 and only when no sequence of the batch is in its first STEADY_AFTER_ROUNDS rounds.
 `jit` is the backup below batch 8; from 8, jit, jit:N and none are all options.
 
-Overrides pin what they name: --tree-shape fixed, --fan-out or --tree-budget (one tree
+A draft on one of the target's GPUs gets no SSD rounds (unless SD rounds are ruled out):
+its work-ahead would compete with the verify for the same GPU (docs/benchmarks.md measures
+it). Overrides pin what they name: --tree-shape fixed, --fan-out or --tree-budget (one tree
 shape), --backup (one backup), --work-ahead always (no SD rounds), --spec-policy always
 (no plain steps). Pure bookkeeping, no torch.
 """
@@ -99,7 +101,8 @@ class _Bucket:
 class RoundPolicy:
     """Per batch-size bucket, the plan of each step; see the module doc."""
 
-    def __init__(self, tree_levels, *, allow_sd: bool = True, allow_plain: bool = True, backup_auto: bool = True,
+    def __init__(self, tree_levels, *, allow_ssd: bool = True, allow_sd: bool = True, allow_plain: bool = True,
+                 backup_auto: bool = True,
                  probe_every: int = 64, probe_len: int = 4, warmup: int = 4, k: int = 0, short_jit: int = 0):
         """tree_levels(batch) -> the tree shapes SSD may run, largest first (one: pinned;
         shapes are then left to the draft, as 0). backup_auto: choose the backup per
@@ -113,6 +116,7 @@ class RoundPolicy:
         self.k = k
         self.short_jit = short_jit
         self.tree_levels = tree_levels
+        self.allow_ssd = allow_ssd
         self.allow_sd = allow_sd
         self.allow_plain = allow_plain
         self.backup_auto = backup_auto
@@ -130,7 +134,13 @@ class RoundPolicy:
     @classmethod
     def for_config(cls, cfg) -> "RoundPolicy":
         spec = cfg.spec
-        return cls(spec.tree_levels, allow_sd=spec.work_ahead == "auto" and spec.backup != "none",
+        allow_sd = spec.work_ahead == "auto" and spec.backup != "none"
+        allow_ssd = not allow_sd or not cfg.draft_shares_target_gpu
+        if not allow_ssd:
+            logger.info("the draft shares the target's GPU (%s): no SSD rounds, whose work-ahead would compete with "
+                        "the verify for it; SD rounds or plain steps by measured costs (--work-ahead always runs SSD "
+                        "rounds anyway)", cfg.draft.device)
+        return cls(spec.tree_levels, allow_ssd=allow_ssd, allow_sd=allow_sd,
                    allow_plain=cfg.sched.spec_policy == "adaptive", backup_auto=spec.backup == "auto",
                    probe_every=cfg.sched.spec_policy_probe_every, k=spec.k, short_jit=spec.k // SHORT_JIT_DIV)
 
@@ -149,7 +159,7 @@ class RoundPolicy:
         short = [f"jit:{self.short_jit}"] if self.short_jit else []
         backups = ["jit", *short, "none"] if self.backup_auto and batch >= JIT_ONLY_BELOW else (
             ["jit"] if self.backup_auto else [""])
-        out = [RoundPlan("ssd", n, b) for b in backups for n in shapes]
+        out = [RoundPlan("ssd", n, b) for b in backups for n in shapes] if self.allow_ssd else []
         return out + ([SD] if self.allow_sd else []) + ([PLAIN] if self.allow_plain else [])
 
     # ---------------------------------------------------------------- choosing

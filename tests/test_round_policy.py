@@ -343,3 +343,21 @@ def test_a_slow_first_probe_does_not_rule_out_the_fastest_option():
     assert seen[SD] == 5 and p.summary() == {1: "sd"}
     # Re-probed at the first periodic probe (step ~50), not when its turn comes round.
     assert plans[100:200].count(SD) >= 80
+
+
+@pytest.mark.parametrize("target_dev, draft_dev, work_ahead, ssd", [
+    ("cuda:0", "cuda:0", "auto", False),   # one GPU: the work-ahead would slow the verify
+    ("cuda:0", "cuda:1", "auto", True),    # its own GPU
+    ("cuda:0", "cuda:0", "always", True),  # pinned
+    ("cpu", "cpu", "auto", True),
+])
+def test_no_ssd_rounds_for_a_draft_on_the_targets_gpu(target_dev, draft_dev, work_ahead, ssd):
+    cfg = RuntimeConfig(spec=SpeculativeConfig(mode="ssd", k=4, work_ahead=work_ahead),
+                        target=ModelConfig(path="t", device=target_dev), draft=ModelConfig(path="x", device=draft_dev))
+    assert cfg.draft_shares_target_gpu == (target_dev == draft_dev == "cuda:0")
+    kinds = {o.kind for o in RoundPolicy.for_config(cfg).options(4)}
+    assert ("ssd" in kinds) == ssd and ("sd" in kinds) == (work_ahead == "auto")
+    if not ssd:
+        p = RoundPolicy.for_config(cfg)
+        simulate(p, 4, 50, **FITS)
+        assert p.num_ssd_rounds == 0 and p.summary()[4] == "sd"
