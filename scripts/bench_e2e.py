@@ -182,7 +182,7 @@ def main() -> None:
     p.add_argument("--fan-out-miss", type=_tuple(int), default=())
     p.add_argument("--backup", default="auto", help="SSD: auto (chosen per batch size), jit, ngram or none")
     p.add_argument("--tree-budget", type=int, default=0, help="SSD: most branches per round over the batch "
-                   "(0: 64, and smaller trees where the round policy predicts them faster)")
+                   "(0: 64 up to batch 4, then 16 per sequence up to 256, and smaller trees where the round policy predicts them faster)")
     p.add_argument("--tree-shape", default="auto", help="SSD: auto (the round policy picks it) or fixed")
     p.add_argument("--work-ahead", default="auto", help="SSD: auto (SSD/SD rounds or plain steps by measured "
                    "costs) or always")
