@@ -149,7 +149,7 @@ class SSDEngine:
                 s.last_missed = True
             if self.backup is None or not backup_k:
                 for s in miss_seqs:
-                    s.set_speculation([], num_cached=min(s.num_cached, s.num_tokens - 1))
+                    s.set_no_speculation()
             else:
                 for b, spec in zip(misses, self.backup.propose(miss_seqs, backup_k)):
                     out[b] = spec

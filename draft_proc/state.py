@@ -57,3 +57,8 @@ class DraftSeq:
         self.draft_token_ids = list(draft_token_ids)
         self.num_cached = num_cached
         self.awaiting_outcome = True
+
+    def set_no_speculation(self) -> None:
+        """An outstanding speculation of no tokens (the next outcome is (0, t)); KV stays
+        valid at most up to the token before the last, which the next forward feeds."""
+        self.set_speculation([], num_cached=min(self.num_cached, self.num_tokens - 1))

@@ -226,7 +226,7 @@ class DraftWorker:
                                                     backup_k=backup_len(req.backup, req.k))
         elif backup_len(req.backup, req.k) == 0:  # the target decodes plainly: take in the outcomes only
             for s in ok:
-                s.set_speculation([], num_cached=min(s.num_cached, s.num_tokens - 1))
+                s.set_no_speculation()
             specs, hits_by_depth = [NO_DRAFT] * len(ok), []
         else:
             specs, hits_by_depth = self.speculator.propose(ok, req.k), []

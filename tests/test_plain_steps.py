@@ -35,16 +35,15 @@ def test_plain_steps_draft_nothing_and_the_next_speculation_is_unchanged(tiny_ll
     first = _request(worker, chan, 1, 1, 1, 7, work_ahead=False)
     assert int(first.num_draft_tokens[0]) == K
     # Three plain steps: the outcome (0, t) of each; no forward may run for them.
-    runner = worker.speculator.runner if hasattr(worker.speculator, "runner") else None
-    calls = []
-    if runner is not None:
-        monkeypatch.setattr(runner, "run", lambda *a, **kw: calls.append(a) or pytest.fail("a plain step ran a forward"))
+    def no_forward(*args, **kwargs):
+        pytest.fail("a plain step ran a forward")
+
+    monkeypatch.setattr(worker.speculator.runner, "run", no_forward)
     tokens = [11, 12, 13]
     for i, t in enumerate(tokens):
         resp = _request(worker, chan, 2 + i, 1, 2 + i, t, work_ahead=False, backup=PLAIN.backup)
         assert int(resp.num_draft_tokens[0]) == 0
     monkeypatch.undo()
-    assert not calls
     after = _request(worker, chan, 5, 1, 5, 30, work_ahead=False)
     # A draft that saw prompt + 7 + the plain steps' tokens as its prompt.
     cold, cold_chan = _worker(tiny_llama_dir, mode=mode)
