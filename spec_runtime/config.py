@@ -260,14 +260,18 @@ def check_step_budget(sched: "SchedulerConfig", k: int, max_num_seqs: int | None
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Which kernels the CUDA forward runs (the CPU forward always runs plain torch ops)."""
+    """Which kernels the forward runs: the CUDA choices, and the CPU's projections."""
 
     fused_ops: bool = _f(True, "CUDA: torch.compile'd fused RMSNorm (with the residual add), SiLU-and-mul and RoPE cos/sin, and one Triton kernel for q/k norm + RoPE + the KV write; off: the same math as eager torch ops.")
     small_linear: Literal["auto", "on", "off"] = _f("auto", "CUDA, one-token forwards: the Triton projection kernel with the norms, residual adds and SiLU-and-mul folded in (kernels/small_linear.py). auto: timed against cuBLAS on the model's own weights at start-up, the faster kept; on/off: forced. Needs fused_ops.")
     tune_small_linear: bool = _f(True, "CUDA: time the Triton projection kernel's block sizes on the model's own weights at start-up and keep the fastest per projection shape; off: the default blocks.")
     attention_backend: Literal["triton", "flashinfer"] = _f("triton", "CUDA attention for short uniform forwards (decode, verify, tree steps) and every CUDA graph: triton (no host planning) or flashinfer (planned on the host before each step). Prefill and ragged batches always use flashinfer.")
 
+    cpu_linear: Literal["onednn", "torch"] = _f("onednn", "CPU, float32: the projections and the LM head through oneDNN over weights packed once at load (a verify of a few tokens costs little more than a decode step); torch: F.linear (MKL), also where this torch build lacks oneDNN.")
+
     def __post_init__(self) -> None:
+        if self.cpu_linear not in ("onednn", "torch"):
+            raise ValueError(f"cpu_linear must be onednn or torch, got {self.cpu_linear!r}")
         if self.small_linear not in ("auto", "on", "off"):
             raise ValueError(f"small_linear must be auto, on or off, got {self.small_linear!r}")
         if self.attention_backend not in ("triton", "flashinfer"):

@@ -25,6 +25,7 @@ from spec_runtime.config import KernelConfig, ModelConfig
 from spec_runtime.engine.forward_batch import ForwardBatch, ForwardItem, PagedLayout, SlotLayout, build_forward_batch
 from spec_runtime.engine.kv_cache import KVCache
 from spec_runtime.engine.sizing import cpu_pool_rows, pool_model_len
+from spec_runtime.layers.linear import onednn_linear_available, pack_for_cpu
 from spec_runtime.models.loader import eos_token_ids, load_model, model_name, resolve_dtype
 
 logger = logging.getLogger(__name__)
@@ -141,9 +142,22 @@ class ModelRunner:
         self.model_name = model_name(cfg.path)
         self.vocab_size = self.arch.vocab_size
         self.eos_token_ids = eos_token_ids(cfg.path, self.arch, self.tokenizer, cfg.gguf_cache)
-        # The layers run the fused CUDA kernels where the config allows; eager ops on CPU.
+        # The layers run the fused CUDA kernels where the config allows; eager ops on CPU,
+        # with the projections over oneDNN-packed weights where it can.
         self.model.kernels.fused = self.device.type == "cuda" and self.kernel_cfg.fused_ops
+        self._pack_cpu_weights()
         self.startup_phases["load_s"] = time.perf_counter() - t0
+
+    def _pack_cpu_weights(self) -> None:
+        if self.device.type != "cpu" or self.kernel_cfg.cpu_linear != "onednn":
+            return
+        if self.dtype != torch.float32 or not onednn_linear_available():
+            logger.info("%s: projections through F.linear (oneDNN packing needs float32 and a torch build with "
+                        "oneDNN; dtype %s)", self.model_name, self.dtype)
+            return
+        t0 = time.perf_counter()  # part of load_s
+        n = pack_for_cpu(self.model)
+        logger.info("%s: %d weights packed for oneDNN in %.2f s", self.model_name, n, time.perf_counter() - t0)
 
     def _context_len(self, max_model_len: int, context_limit: int) -> int:
         """max_model_len as asked, capped by the model; 0: the model's own limit (and

@@ -1,7 +1,8 @@
 """The vocabulary embedding and the LM head.
 
 A model with tied embeddings has no LM head of its own: its logits are the
-embedding's `logits` (the same weight read as the output projection).
+embedding's `logits` (the same weight read as the output projection). On the CPU both
+can run the output projection over a oneDNN-packed copy (`pack_for_cpu`, layers/linear.py).
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from spec_runtime.layers.linear import pack_weight, packed_linear
 
 
 def _vocab_weight(vocab_size: int, hidden_size: int, dtype: torch.dtype) -> nn.Parameter:
@@ -22,11 +25,19 @@ class VocabEmbedding(nn.Module):
         super().__init__()
         self.weight = _vocab_weight(vocab_size, hidden_size, dtype)
 
+        self.packed_weight: torch.Tensor | None = None
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.weight)
 
+    def pack_for_cpu(self) -> None:
+        """Compute `logits` over a oneDNN-packed copy; the lookups keep the plain weight."""
+        self.packed_weight = pack_weight(self.weight)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] float32 (tied LM head)."""
+        if self.packed_weight is not None:
+            return packed_linear(hidden, self.packed_weight, None).float()
         return F.linear(hidden, self.weight).float()
 
 
@@ -36,6 +47,14 @@ class LMHead(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = _vocab_weight(vocab_size, hidden_size, dtype)
+        self.packed_weight: torch.Tensor | None = None
+
+    def pack_for_cpu(self) -> None:
+        """Compute `logits` over a oneDNN-packed copy; the plain weight is released."""
+        self.packed_weight = pack_weight(self.weight)
+        self.weight = None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return packed_linear(hidden, self.packed_weight, None).float()
         return F.linear(hidden, self.weight).float()

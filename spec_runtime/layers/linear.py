@@ -13,7 +13,10 @@ their `shard_ids`, so a model's loader checks that every shard arrived. (The loa
 is the module's, not an attribute of the parameter: `to_empty` off the meta device
 makes new parameters.)
 
-`forward` is cuBLAS (F.linear). `forward_one_token` runs the Triton one-token kernel
+`forward` is F.linear (cuBLAS on CUDA), or on the CPU oneDNN's linear over a weight
+packed once into the layout its kernels read (`pack_for_cpu`): there a product of a
+few rows (a verify) costs little more than one row (a decode step), where MKL's sgemm
+can take twice a one-row product's time (docs/kernels.md). `forward_one_token` runs the Triton one-token kernel
 (kernels/small_linear.py) with an RMSNorm before it, a SiLU-and-mul after it, or the
 residual add into its output folded in; the model calls it only where its
 KernelPlan says so (kernels/plan.py).
@@ -45,6 +48,33 @@ def _copy(dst: torch.Tensor, src) -> None:
     dst.copy_(src)
 
 
+def onednn_linear_available() -> bool:
+    """Whether this torch build has oneDNN's packed linear (CPU)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 CPU weight [out, in] in oneDNN's layout, for `packed_linear`. The layout
+    is chosen for a few rows per product (decode, verify and tree steps)."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        raise ValueError(f"oneDNN packing takes a float32 CPU weight, got {weight.dtype} on {weight.device}")
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 4)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T (+ b) with W packed by `pack_weight`."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def pack_for_cpu(model: nn.Module) -> int:
+    """Pack every linear layer's and LM head's weight of a float32 CPU model for oneDNN
+    (each module's `pack_for_cpu`); the number of weights packed."""
+    packable = [m for m in model.modules() if hasattr(m, "pack_for_cpu") and m is not model]
+    for m in packable:
+        m.pack_for_cpu()
+    return len(packable)
+
+
 def all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
     """Sum x over the tensor-parallel group, in place; nothing to do at tp_size 1."""
     if tp_size == 1:
@@ -72,6 +102,7 @@ class LinearBase(nn.Module):
         self.tp_size, self.tp_rank, self.split_dim = tp_size, tp_rank, split_dim
         self.plan = plan
         self.weight = nn.Parameter(torch.empty(*sizes, dtype=dtype))
+        self.packed_weight: torch.Tensor | None = None  # pack_for_cpu's copy of the weight
         # A row-parallel bias is whole on every rank and added once (rank 0).
         self.bias = nn.Parameter(torch.empty(sizes[0], dtype=dtype)) if bias else None
 
@@ -84,8 +115,19 @@ class LinearBase(nn.Module):
             loaded = loaded.narrow(dim, self.tp_rank * size, size)
         _copy(param.data, loaded)
 
+    def pack_for_cpu(self) -> None:
+        """Run `forward` through oneDNN over a packed copy of the weight; the plain weight
+        is released (`weight` becomes None), so the model holds one copy."""
+        self.packed_weight = pack_weight(self.weight)
+        self.weight = None
+
+    def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return packed_linear(x, self.packed_weight, bias)
+        return F.linear(x, self.weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._product(x, self.bias)
 
     def forward_one_token(self, x: torch.Tensor, *, norm: nn.Module | None = None, silu_mul: bool = False,
                           add_to: torch.Tensor | None = None, block=None) -> torch.Tensor:
@@ -159,5 +201,5 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        y = F.linear(x, self.weight, bias)
+        y = self._product(x, bias)
         return all_reduce(y, self.tp_size) if self.reduce_results else y
