@@ -4,7 +4,9 @@ rejection_sample (spec_runtime.rejection) wants dense per-batch tensors: draft i
 to the longest speculation, the sparse q of each draft token, the sampling parameters
 and the position of d_1. The forward's logits are flat and ragged (1 + m rows for a
 sequence with m drafts; the runner drops the rows of its graph padding); `gather` picks
-each sequence's verify rows out of them.
+each sequence's verify rows out of them. Also the per-step helpers the worker shares
+between its first-token and verify steps: sampling tensors, logit processors, and the
+benchmark transform of the forward's rows.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import numpy as np
 import torch
 
 from protocol.sparse_q import NO_DRAFT, pack
-from spec_runtime.logits_process import token_logprobs
+from spec_runtime.logits_process import LogitsProcess, token_logprobs
 from spec_runtime.sampling import SamplingTensors
 
 
@@ -75,3 +77,29 @@ def logprobs_at(logprobs, i: int, t: int) -> tuple:
         return (None, None, None)
     lp, top_ids, top_lp = logprobs
     return (lp[i][t], top_ids[i][t] if top_ids is not None else None, top_lp[i][t] if top_lp is not None else None)
+
+
+def sampling_tensors(seqs, device) -> SamplingTensors:
+    """The sequences' sampling parameters as device tensors (min_p only where one is set)."""
+    return SamplingTensors.from_params(
+        [(s.sampling.temperature, s.sampling.top_k, s.sampling.top_p, s.seed) for s in seqs], device,
+        min_p=[s.sampling.min_p for s in seqs] if any(s.sampling.min_p for s in seqs) else None,
+    )
+
+
+def logits_process(seqs, runner) -> LogitsProcess | None:
+    """The sequences' logit processors (penalties, bias, banned tokens), None if none has any."""
+    return LogitsProcess.build([s.sampling for s in seqs], [s.token_ids for s in seqs],
+                               [s.num_prompt_tokens for s in seqs], runner.eos_token_ids, runner.vocab_size,
+                               runner.device)
+
+
+def transform_rows(transform, logits: torch.Tensor, seqs, q_lens: list[int]) -> torch.Tensor:
+    """transform(logits, rows, positions) (the benchmark oracle), if set, over flat logits
+    [sum(q_lens), V]: sequence s has q_lens rows, predicting positions s.num_tokens,
+    s.num_tokens + 1, ..."""
+    if transform is None:
+        return logits
+    rows = [s for s, q in zip(seqs, q_lens) for _ in range(q)]
+    pos = np.concatenate([np.arange(s.num_tokens, s.num_tokens + q, dtype=np.int64) for s, q in zip(seqs, q_lens)])
+    return transform(logits, rows, pos)

@@ -18,7 +18,6 @@ import random
 import time
 from collections import deque
 
-import numpy as np
 import torch
 
 from protocol.codec import ProtocolError
@@ -38,9 +37,7 @@ from protocol.sparse_q import DraftTokens
 from spec_runtime.config import RuntimeConfig, step_token_budget
 from spec_runtime.engine.forward_batch import ForwardItem
 from spec_runtime.engine.kv_blocks import KVBlocks
-from spec_runtime.logits_process import LogitsProcess
 from spec_runtime.rejection import rejection_sample
-from spec_runtime.sampling import SamplingTensors
 from spec_runtime.structured import Grammars
 from spec_runtime.validate import RequestError, validate_request
 from target_proc.draft_link import DraftLink
@@ -51,7 +48,8 @@ from target_proc.prompt_logprobs import add_prompt_logprobs, split_prefill_logit
 from target_proc.sequence import IncrementalDetokenizer, Sequence, StopChecker
 from target_proc.round_policy import PLAIN, SD, STEADY_AFTER_ROUNDS, RoundPlan, RoundPolicy
 from target_proc.spec_policy import SpecPolicy
-from target_proc.verify import logprobs_at, output_logprobs, verify_inputs
+from target_proc.verify import (logits_process, logprobs_at, output_logprobs, sampling_tensors, transform_rows,
+                                verify_inputs)
 
 logger = logging.getLogger(__name__)
 
@@ -203,10 +201,10 @@ class TargetWorker:
         for seq, rows, it in zip(new, prompt_rows, adm.items):
             if seq.sampling.prompt_logprobs is not None:
                 add_prompt_logprobs(seq, it.start_pos, rows, last=True)
-        logits = self._transform(logits, new, [1] * len(new))  # [B, V]
-        st = self._sampling_tensors(new)
+        logits = transform_rows(self.logits_transform, logits, new, [1] * len(new))  # [B, V]
+        st = sampling_tensors(new, self.runner.device)
         positions = torch.tensor([s.num_tokens for s in new], dtype=torch.int64, device=logits.device)
-        proc = self._logits_process(new)
+        proc = logits_process(new, self.runner)
         res = rejection_sample(
             self.grammars.mask([s.grammar for s in new],
                                proc.apply(logits[:, None, :]) if proc is not None else logits[:, None, :]),
@@ -324,10 +322,10 @@ class TargetWorker:
         # Upload the verify inputs before the forward is queued: then nothing between the
         # forward and the acceptance kernels waits on the GPU.
         self.sched.count_step_tokens(sum(q_lens))
-        inputs = verify_inputs(seqs, specs, num_draft, q_lens, k_max, self._sampling_tensors(seqs), self.runner.device)
-        flat_logits = self._transform(self.runner.run(items), seqs, q_lens)
+        inputs = verify_inputs(seqs, specs, num_draft, q_lens, k_max, sampling_tensors(seqs, self.runner.device), self.runner.device)
+        flat_logits = transform_rows(self.logits_transform, self.runner.run(items), seqs, q_lens)
         target_logits = flat_logits[inputs.gather]  # [sum(q_lens), V] -> [B, k_max + 1, V]
-        proc = self._logits_process(seqs)
+        proc = logits_process(seqs, self.runner)
         if proc is not None:
             target_logits_p = proc.apply(target_logits, inputs.draft_token_ids)
         else:
@@ -344,15 +342,6 @@ class TargetWorker:
 
     # ------------------------------------------------------------------ helpers
 
-    def _transform(self, logits: torch.Tensor, seqs: list[Sequence], q_lens: list[int]) -> torch.Tensor:
-        """logits_transform, if set, over flat logits [sum(q_lens), V]: sequence s has q_lens
-        rows, predicting positions s.num_tokens, s.num_tokens + 1, ..."""
-        if self.logits_transform is None:
-            return logits
-        rows = [s for s, q in zip(seqs, q_lens) for _ in range(q)]
-        pos = np.concatenate([np.arange(s.num_tokens, s.num_tokens + q, dtype=np.int64) for s, q in zip(seqs, q_lens)])
-        return self.logits_transform(logits, rows, pos)
-
     def _grammar_commit(self, seq: Sequence, token_ids: list[int]) -> bool:
         """Commit a structured sequence's new tokens to its grammar; True (and the sequence
         finished) once the grammar is complete."""
@@ -360,18 +349,6 @@ class TargetWorker:
             return False
         seq.finished, seq.finish_reason = True, "stop"
         return True
-
-    def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
-        return SamplingTensors.from_params(
-            [(s.sampling.temperature, s.sampling.top_k, s.sampling.top_p, s.seed) for s in seqs],
-            self.runner.device,
-            min_p=[s.sampling.min_p for s in seqs] if any(s.sampling.min_p for s in seqs) else None,
-        )
-
-    def _logits_process(self, seqs: list[Sequence]) -> LogitsProcess | None:
-        return LogitsProcess.build([s.sampling for s in seqs], [s.token_ids for s in seqs],
-                                   [s.num_prompt_tokens for s in seqs], self.runner.eos_token_ids,
-                                   self.runner.vocab_size, self.runner.device)
 
     def finish(self, seq: Sequence) -> None:
         """Free the KV blocks and the draft's state; the final output goes out with this step's."""
