@@ -1,12 +1,11 @@
 """Structured outputs on SmolLM2-135M-Instruct (the real GGUF), in ar, sd and ssd.
 
 Random JSON schemas (tests/schema_util.py): every greedy output parses and validates
-against its schema, and ar, sd (n-gram draft) and ssd (SmolLM2 drafting for itself,
+against its schema, and ar, sd (n-gram draft) and ssd (the draft shipped for SmolLM2,
 unmasked, so the grammar rejects some of its tokens) give the same tokens. The SSD
-tree holds two branches per sequence (a rejection of d_1 and a full accept, the
-outcomes a self-draft under a grammar meets most): on two CPU cores the draft's
-work-ahead competes with the target for the cores, and a larger tree checks nothing
-more. The quick test takes a few schemas; the slow one takes 200 per mode. Also: the grammar's mask on
+tree holds two branches per sequence (a rejection of d_1 and a full accept): on two
+CPU cores the draft's work-ahead competes with the target for the cores, and a larger
+tree checks nothing more. The quick test takes a few schemas; the slow one takes 200 per mode. Also: the grammar's mask on
 draft tokens (Grammars.bitmask), regex and choice constraints, and a sampled (T = 1) run.
 """
 
@@ -22,7 +21,7 @@ import pytest
 from protocol.messages import SamplingParams, StructuredOutputs
 from schema_util import random_schema
 from spec_runtime.client import Client
-from spec_runtime.config import ModelConfig, RuntimeConfig, SchedulerConfig, SpeculativeConfig
+from spec_runtime.config import ModelConfig, RuntimeConfig, SchedulerConfig, SpeculativeConfig, shipped_draft_path
 
 MAX_TOKENS = 200
 
@@ -36,7 +35,7 @@ def _cfg(gguf: str, mode: str, draft: str = "", k: int = 4, **spec) -> RuntimeCo
 
 
 def _modes(gguf: str) -> dict[str, RuntimeConfig]:
-    return {"ar": _cfg(gguf, "ar"), "sd": _cfg(gguf, "sd", "ngram"), "ssd": _cfg(gguf, "ssd", gguf, fan_out=(1, 0, 0, 0, 1))}
+    return {"ar": _cfg(gguf, "ar"), "sd": _cfg(gguf, "sd", "ngram"), "ssd": _cfg(gguf, "ssd", shipped_draft_path(), fan_out=(1, 0, 0, 0, 1))}
 
 
 def _run(cfg: RuntimeConfig, schemas: list[dict]) -> list[tuple[list[int], str, str]]:
