@@ -24,7 +24,6 @@ class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = _vocab_weight(vocab_size, hidden_size, dtype)
-
         self.packed_weight: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -16,10 +16,11 @@ makes new parameters.)
 `forward` is F.linear (cuBLAS on CUDA), or on the CPU oneDNN's linear over a weight
 packed once into the layout its kernels read (`pack_for_cpu`): there a product of a
 few rows (a verify) costs little more than one row (a decode step), where MKL's sgemm
-can take twice a one-row product's time (docs/kernels.md). `forward_one_token` runs the Triton one-token kernel
-(kernels/small_linear.py) with an RMSNorm before it, a SiLU-and-mul after it, or the
-residual add into its output folded in; the model calls it only where its
-KernelPlan says so (kernels/plan.py).
+can take twice a one-row product's time (docs/kernels.md).
+
+`forward_one_token` runs the Triton one-token kernel (kernels/small_linear.py) with an
+RMSNorm before it, a SiLU-and-mul after it, or the residual add into its output folded
+in; the model calls it only where its KernelPlan says so (kernels/plan.py).
 """
 
 from __future__ import annotations
