@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spec_runtime.layers.linear import pack_weight, packed_linear
+from spec_runtime.layers.linear import pack_weight, project
 
 
 def _vocab_weight(vocab_size: int, hidden_size: int, dtype: torch.dtype) -> nn.Parameter:
@@ -35,9 +35,7 @@ class VocabEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] float32 (tied LM head)."""
-        if self.packed_weight is not None:
-            return packed_linear(hidden, self.packed_weight, None).float()
-        return F.linear(hidden, self.weight).float()
+        return project(hidden, self.weight, self.packed_weight).float()
 
 
 class LMHead(nn.Module):
@@ -54,6 +52,4 @@ class LMHead(nn.Module):
         self.weight = None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is not None:
-            return packed_linear(hidden, self.packed_weight, None).float()
-        return F.linear(hidden, self.weight).float()
+        return project(hidden, self.weight, self.packed_weight).float()

@@ -55,16 +55,19 @@ def onednn_linear_available() -> bool:
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A float32 CPU weight [out, in] in oneDNN's layout, for `packed_linear`. The layout
+    """A float32 CPU weight [out, in] in oneDNN's layout, for `project`. The layout
     is chosen for a few rows per product (decode, verify and tree steps)."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         raise ValueError(f"oneDNN packing takes a float32 CPU weight, got {weight.dtype} on {weight.device}")
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 4)
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x W^T (+ b) with W packed by `pack_weight`."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+def project(x: torch.Tensor, weight: torch.Tensor | None, packed: torch.Tensor | None,
+            bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ b): over W packed by `pack_weight` where there is one, else F.linear."""
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
 
 
 def pack_for_cpu(model: nn.Module) -> int:
@@ -122,13 +125,8 @@ class LinearBase(nn.Module):
         self.packed_weight = pack_weight(self.weight)
         self.weight = None
 
-    def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.packed_weight is not None:
-            return packed_linear(x, self.packed_weight, bias)
-        return F.linear(x, self.weight, bias)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._product(x, self.bias)
+        return project(x, self.weight, self.packed_weight, self.bias)
 
     def forward_one_token(self, x: torch.Tensor, *, norm: nn.Module | None = None, silu_mul: bool = False,
                           add_to: torch.Tensor | None = None, block=None) -> torch.Tensor:
@@ -202,5 +200,5 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        y = self._product(x, bias)
+        y = project(x, self.weight, self.packed_weight, bias)
         return all_reduce(y, self.tp_size) if self.reduce_results else y
