@@ -199,6 +199,46 @@ def test_flashinfer_causal_is_bottom_right() -> None:
     assert rel_err(out, ref) < TOL, f"flashinfer vs SDPA: {rel_err(out, ref):.2e}"
 
 
+def test_flashinfer_plans_queued_back_to_back() -> None:
+    """Prefill pieces queued with no sync between them (a long prompt's chunks while
+    nothing decodes): each forward gets its own plan, though the host plans the next
+    one while the GPU is still busy. Equal to the same forwards run one at a time."""
+    from spec_runtime.attention.cuda import CudaAttentionBackend
+    from spec_runtime.engine.forward_batch import build_forward_batch
+    from spec_runtime.engine.kv_cache import KVCache
+
+    hq, hkv, d, rows = 32, 8, 128, 16384
+    torch.manual_seed(0)
+    kv = KVCache(1, rows, hkv, d, torch.bfloat16, "cuda")
+    kv.k_cache[0].normal_()
+    kv.v_cache[0].normal_()
+    rng = np.random.default_rng(0)
+    batches, qs = [], []
+    for i in range(16):  # pieces of 1,000-2,000 tokens at offsets up to 6,000, sometimes with a short prompt
+        q_len, start = int(rng.integers(1000, 2000)), int(rng.integers(0, 6000))
+        items = [ForwardItem([1] * q_len, start, rng.choice(rows, start + q_len, replace=False), "none")]
+        if i % 2:
+            n = int(rng.integers(20, 200))
+            items.insert(0, ForwardItem([1] * n, 0, rng.choice(rows, n, replace=False), "last"))
+        batches.append(build_forward_batch(items, "cuda"))
+        qs.append(torch.randn(batches[-1].input_ids.shape[0], hq, d, device="cuda", dtype=torch.bfloat16))
+    fi = CudaAttentionBackend(hq, hkv, d, torch.bfloat16, "cuda")
+    torch.cuda.synchronize()
+    busy = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):  # the host runs ahead of the GPU from here on
+        busy = busy @ busy / 64
+    queued = []
+    for batch, q in zip(batches, qs):
+        fi.begin(batch)
+        queued.append(fi.attend(0, q, kv, batch))
+    torch.cuda.synchronize()
+    for i, (batch, q) in enumerate(zip(batches, qs)):
+        fi.begin(batch)
+        alone = fi.attend(0, q, kv, batch)
+        torch.cuda.synchronize()
+        assert rel_err(queued[i], alone) < 1e-3, f"forward {i}: {rel_err(queued[i], alone):.2e}"
+
+
 @pytest.mark.parametrize("hq,hkv,q_len,kv_lens", [
     (32, 8, 1, [1, 600, 37] + [300] * 13),  # 8B decode at batch 16
     (64, 8, 9, [9, 700, 128]),  # 32B verify of K+1 = 9: a 72-row tile

@@ -18,10 +18,12 @@ page is full (kv_last_page_len = 1).
 forwards and the graphs to flashinfer too (its use_cuda_graph wrappers, planned on the
 host before every replay); docs/kernels.md says how the two compare.
 
-flashinfer's `plan()` is host work (it reads the host indptr arrays and fills its int
-workspace with an async copy from one pinned buffer per wrapper), so a wrapper must
-not be planned again while its previous plan's copy is still queued; callers that
-use flashinfer for graphs stay at most one step ahead of the GPU (host_planned_graphs).
+flashinfer's `plan()` is host work: it reads the host indptr arrays, writes the plan
+into one pinned host buffer per wrapper and queues an async copy of it into the
+wrapper's int workspace. Planning a wrapper again overwrites that host buffer, so
+before it does, the backend waits for an event recorded after the previous plan's
+copy (`_plan`). Forwards queued back to back (prefill pieces with no decode between
+them) otherwise hand a forward still in the queue the plan of the next one.
 """
 
 from __future__ import annotations
@@ -129,13 +131,26 @@ class CudaAttentionBackend(AttentionBackend):
         self._prefill = self.fi.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, "NHD", backend=FI_BACKEND)
         self._active: _Active | None = None
+        self._plan_copied: dict[int, torch.cuda.Event] = {}  # id(wrapper) -> after its last plan's copy
 
     # ---- planning -------------------------------------------------------------
 
+    def _plan(self, wrapper, *args, **kwargs) -> None:
+        """wrapper.plan(*args, **kwargs), once the copy of its previous plan has run: the
+        host buffer it is copied from is the one this plan writes (see the module doc).
+        The wait ends when the GPU reaches that copy, not when the forward after it ends."""
+        done = self._plan_copied.get(id(wrapper))
+        if done is None:
+            done = self._plan_copied[id(wrapper)] = torch.cuda.Event()
+        else:
+            done.synchronize()  # sync: at most until the previous plan's copy has run
+        wrapper.plan(*args, **kwargs)
+        done.record(torch.cuda.current_stream(self.device))
+
     def _plan_decode(self, wrapper, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                      last_page_len: torch.Tensor) -> None:
-        wrapper.plan(
-            kv_indptr, kv_indices, last_page_len,
+        self._plan(
+            wrapper, kv_indptr, kv_indices, last_page_len,
             self.num_heads, self.num_kv_heads, self.head_dim, 1,
             pos_encoding_mode="NONE", q_data_type=self.dtype, kv_data_type=self.dtype,
             non_blocking=True, disable_split_kv=False,
@@ -143,8 +158,8 @@ class CudaAttentionBackend(AttentionBackend):
 
     def _plan_prefill(self, wrapper, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
                       kv_indices: torch.Tensor, last_page_len: torch.Tensor) -> None:
-        wrapper.plan(
-            qo_indptr, kv_indptr, kv_indices, last_page_len,
+        self._plan(
+            wrapper, qo_indptr, kv_indptr, kv_indices, last_page_len,
             self.num_heads, self.num_kv_heads, self.head_dim, 1,
             causal=True, pos_encoding_mode="NONE", q_data_type=self.dtype, kv_data_type=self.dtype,
             non_blocking=True, disable_split_kv=False,
