@@ -40,13 +40,16 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 MAX_TILE_M = 128
 
 
-@triton.jit
+# Q_LEN and NUM_SPLITS are plain arguments, not compile-time constants: eager forwards of
+# every q_len up to MAX_TILE_M / GROUP, at split counts that follow the context length, run
+# one compiled kernel per tile shape (BLOCK_M) instead of compiling on first use of each pair.
+@triton.jit(do_not_specialize=["Q_LEN", "NUM_SPLITS"])
 def _attn_split_kernel(
     q_ptr, k_ptr, v_ptr, kv_indptr_ptr, kv_indices_ptr, o_part_ptr, lse_part_ptr,
     prefix_len_ptr, lo_ptr, hi_ptr,
     stride_qt, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh,
-    scale,
-    Q_LEN: tl.constexpr, GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    scale, Q_LEN, NUM_SPLITS,
+    GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
     TREE: tl.constexpr,
 ):
@@ -119,10 +122,10 @@ def _attn_split_kernel(
     tl.store(lse_part_ptr + base * BLOCK_M + offs_m, lse, mask=m_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Q_LEN", "NUM_SPLITS"])
 def _attn_merge_kernel(
-    o_part_ptr, lse_part_ptr, out_ptr, stride_ot, stride_oh,
-    Q_LEN: tl.constexpr, GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    o_part_ptr, lse_part_ptr, out_ptr, stride_ot, stride_oh, Q_LEN, NUM_SPLITS,
+    GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     # One program per (request, kv head, tile row): every output row merges in parallel.
@@ -181,14 +184,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _attn_split_kernel[(r, hkv, num_splits)](
         q, k_cache, v_cache, kv_indptr, kv_indices, o_part, lse_part, prefix_len, lo, hi,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        scale,
-        Q_LEN=q_len, GROUP=group, NUM_KV_HEADS=hkv, NUM_SPLITS=num_splits, HEAD_DIM=d,
+        scale, q_len, num_splits,
+        GROUP=group, NUM_KV_HEADS=hkv, HEAD_DIM=d,
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_F32=_INTERPRET, TREE=tree is not None,
     )
     out = torch.empty_like(q)
     _attn_merge_kernel[(r * hkv, tile_m)](
-        o_part, lse_part, out, out.stride(0), out.stride(1),
-        Q_LEN=q_len, GROUP=group, NUM_KV_HEADS=hkv, NUM_SPLITS=num_splits, HEAD_DIM=d,
+        o_part, lse_part, out, out.stride(0), out.stride(1), q_len, num_splits,
+        GROUP=group, NUM_KV_HEADS=hkv, HEAD_DIM=d,
         BLOCK_M=block_m, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
     )
     return out
