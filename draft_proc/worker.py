@@ -221,6 +221,7 @@ class DraftWorker:
         ok = self._apply_outcomes(req)
         if not ok:
             return
+        t1 = time.perf_counter()
         if self.ssd is not None:
             specs, hits_by_depth = self.ssd.propose(ok, req.k, count_misses=counted,
                                                     backup_k=backup_len(req.backup, req.k))
@@ -230,12 +231,18 @@ class DraftWorker:
             specs, hits_by_depth = [NO_DRAFT] * len(ok), []
         else:
             specs, hits_by_depth = self.speculator.propose(ok, req.k), []
+        t2 = time.perf_counter()
         self.channel.send(self._response(req.step, req.k, ok, specs, hits_by_depth))
         if self.kv is not None:
             for seq in ok:  # their confirmed tokens' K/V is final now: name the full blocks
                 self.kv.commit(seq)
-        self.answer_s += time.perf_counter() - t0
+        t3 = time.perf_counter()
+        self.answer_s += t3 - t0
         self.num_answers += 1
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("answer step %d: %d seqs, %d hits; outcomes %.2f ms, drafts %.2f ms, send %.2f ms",
+                         req.step, len(ok), sum(bool(s.cache_hit) for s in specs), 1e3 * (t1 - t0),
+                         1e3 * (t2 - t1), 1e3 * (t3 - t2))
         if time.monotonic() - self._pushed_at >= STATS_PUSH_S:
             self.push_stats()
         if self.ssd is not None:

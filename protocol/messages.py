@@ -6,9 +6,8 @@ Vocabulary (used the same way everywhere):
                      sparse as its top-k (q_token_ids, q_probs) so a SpecResponse
                      does not grow with the vocabulary.
   - num_accepted:    j, how many draft tokens the target accepted (0..K).
-  - recovery/bonus:  the token the target sampled after the accepted prefix; a
-                     recovery token at the first rejection (j < K), a bonus token
-                     when all K were accepted (j == K). Both travel as `token_id`.
+  - recovery/bonus:  the token the target sampled after the accepted prefix: recovery at the
+                     first rejection (j < K), bonus when all K were accepted. Both travel as `token_id`.
   - round:           per-sequence counter; a response whose round does not match
                      the target's current round for that sequence is stale.
 
@@ -33,9 +32,8 @@ class _Hot(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, forbid
     pass
 
 
-# Cold messages are array_like too: msgspec refuses a tagged union that mixes
-# array_like and map-encoded Structs, and ErrorReply sits in unions with hot
-# messages. They differ from _Hot only in staying gc-tracked.
+# Cold messages are array_like too: msgspec refuses a tagged union that mixes array_like and
+# map-encoded Structs, and ErrorReply sits in unions with hot ones. Unlike _Hot they stay gc-tracked.
 class _Cold(msgspec.Struct, array_like=True, omit_defaults=True, forbid_unknown_fields=True):
     pass
 
@@ -244,12 +242,15 @@ class EngineStats(_Cold, tag="stats"):
     totals: RequestStats
     draft_num_seqs: int = -1
     draft_num_cache_entries: int = -1
-    # Timing totals since start (seconds) over num_steps decode/verify steps: target forward +
-    # acceptance, time blocked waiting for speculations, the draft's work-ahead as reported (SSD).
+    # Timing totals since start (seconds) over num_steps decode/verify steps: target forward + acceptance,
+    # time blocked on speculations, the draft's work-ahead as reported (SSD), the loop iterations that ran
+    # a step, whole (loop_s), and their admissions (admit_s: prefill forwards, first tokens).
     num_steps: int = 0
     verify_s: float = 0.0
     draft_wait_s: float = 0.0
     draft_work_s: float = 0.0
+    loop_s: float = 0.0
+    admit_s: float = 0.0
     # Steps the speculation policy ran as plain decoding (spec_policy="adaptive").
     num_plain_steps: int = 0
     # SSD: steps after a request with work-ahead (SSD rounds) and without (SD rounds).
@@ -275,9 +276,8 @@ class EngineStats(_Cold, tag="stats"):
     num_draft_timeouts: int = 0
     # The current draft timeout (seconds): --draft-timeout-s, or measured when unset.
     draft_timeout_s: float = 0.0
-    # The target's paged KV pool: its size and the blocks free now (cached ones nobody
-    # uses included), requests preempted since start, and prefix caching in tokens since
-    # start: prompt tokens looked up and found cached (vLLM's prefix_cache_queries/hits).
+    # The target's paged KV pool: its size and the blocks free now (cached ones nobody uses included),
+    # requests preempted, and prompt tokens looked up and found cached (vLLM's prefix_cache_queries/hits).
     num_kv_blocks: int = 0
     num_free_kv_blocks: int = 0
     num_preemptions: int = 0

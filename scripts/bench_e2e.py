@@ -14,9 +14,10 @@ Reported per (mode, temperature, batch): tokens/s (generated tokens over wall ti
 prefill included), decode tokens/s (tokens after the first over wall time less the mean
 time to first token: the rate the all-hit ideal describes), mean tokens per round,
 acceptance per position, tree-cache hit rate, target verify time per step (v), time
-blocked on the draft per step, the draft's work-ahead per round, and for SSD its
-all-hit ideal: E[tokens per round] / v. --repeats runs each batch several times and
-sums (one 128-token request at batch 1 is well under a second).
+blocked on the draft per step, the draft's work-ahead per round, the rest of a step's
+loop (admissions, host work), and for SSD its all-hit ideal: E[tokens per round] / v.
+--repeats runs each batch several times and sums (one 128-token request at batch 1 is
+well under a second).
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ def run_mode(args, mode: str) -> list[dict]:
                   f"{r['mean_tokens_per_round']:.2f} "
                   f"tok/round, hit {r['cache_hit_rate']}, v={r['verify_ms_per_step']:.2f} ms, "
                   f"wait={r['draft_wait_ms_per_step']:.2f} ms, work={r['draft_work_ms_per_step']:.2f} ms, "
+                  f"host={r['host_ms_per_step']:.2f} ms, admit={r['admit_ms_per_step']:.2f} ms, steps {r['steps']}, "
                   f"ssd/sd rounds {r['ssd_rounds']}/{r['sd_rounds']}, plain steps {r['plain_steps']}, "
                   f"tree shrinks/grows {r['tree_shrinks']}/{r['tree_grows']}, "
                   f"draft answer {r['draft_answer_ms'] or 0:.2f} ms",
@@ -155,6 +157,12 @@ def _row(mode, temp, bs, wall, decode_wall, results, before, after, args) -> dic
         "verify_ms_per_step": 1e3 * verify_s,
         "draft_wait_ms_per_step": 1e3 * (after.draft_wait_s - before.draft_wait_s) / steps,
         "draft_work_ms_per_step": 1e3 * (after.draft_work_s - before.draft_work_s) / steps,
+        # The rest of a step's loop iteration: admissions (prefills), and host work outside the
+        # verify and the wait (outcomes sent, tokens appended, the round policy, streaming).
+        "admit_ms_per_step": 1e3 * (after.admit_s - before.admit_s) / steps,
+        "host_ms_per_step": 1e3 * ((after.loop_s - before.loop_s) - (after.admit_s - before.admit_s)
+                                   - (after.verify_s - before.verify_s)
+                                   - (after.draft_wait_s - before.draft_wait_s)) / steps,
         "steps": steps,
         "mean_ttft_s": float(np.mean([r.stats.ttft_s for r in results])),
         "mean_queue_s": float(np.mean([r.stats.queue_s for r in results])),

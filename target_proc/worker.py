@@ -81,17 +81,17 @@ class TargetWorker:
         self.rng = random.Random(cfg.seed)
         self.totals = RequestStats(accepted_per_position=[0] * self.k, drafted_per_position=[0] * self.k)
         self.outputs: dict[bytes, list[RequestOutput]] = {}
-        self.timing = {"num_steps": 0, "verify_s": 0.0, "draft_wait_s": 0.0, "draft_work_s": 0.0}
+        self.timing = dict.fromkeys(("verify_s", "draft_wait_s", "draft_work_s", "loop_s", "admit_s"), 0.0)
+        self.timing["num_steps"] = 0
         self.policy = SpecPolicy(cfg.sched.spec_policy, cfg.sched.spec_policy_probe_every)
         self._context = 0
         # SSD: each step's plan (SSD round, SD round or plain step) from measured costs.
         self.rounds = RoundPolicy.for_config(cfg) if cfg.spec.mode == "ssd" else None
-        # The work_ahead flags of the last three requests. A step waits for the answer to
-        # the last request, which the cache built after the one before answers (or a
-        # chain, if that one had no work-ahead); the first chain after a hit also feeds
-        # the accepted branch into the slot; on a shared GPU the work-ahead after the last
-        # request runs beside this step's verify. So a step measures a choice only when
-        # all three flags agree.
+        # The work_ahead flags of the last three requests. A step waits for the answer to the last
+        # request, which the cache built after the one before answers (or a chain, if that one had
+        # no work-ahead); the first chain after a hit also feeds the accepted branch into the slot;
+        # on a shared GPU the work-ahead after the last request runs beside this step's verify. So
+        # a step measures a choice only when all three flags agree.
         self._last_flags = (True, True, True)
 
     # ------------------------------------------------------------------ loop
@@ -99,12 +99,17 @@ class TargetWorker:
     def run_forever(self) -> None:
         """Serve until the process is stopped (the launcher signals its children)."""
         while True:
+            t0 = time.perf_counter()
             self.poll_clients(block=not self.running and not self.waiting)
             self.draft.check()
+            t1 = time.perf_counter()
             self.admit()
-            if self.running:
-                self.step()
+            t2 = time.perf_counter()
+            ran = self.step() if self.running else False
             self.flush_outputs()
+            if ran:  # the parts of a step's iteration that verify_s and draft_wait_s leave out
+                self.timing["loop_s"] += time.perf_counter() - t0
+                self.timing["admit_s"] += t2 - t1
 
     def poll_clients(self, block: bool) -> None:
         timeout = 0.05 if block else 0.0
@@ -230,14 +235,15 @@ class TargetWorker:
 
     # ------------------------------------------------------------------ one round
 
-    def step(self) -> None:
-        """One round over every running sequence (the module docstring's steps 1 to 5)."""
+    def step(self) -> bool:
+        """One round over every running sequence (the module docstring's steps 1 to 5);
+        False when preemption left none to run."""
         self.step_id += 1
         for seq in self.sched.reserve(self.running, self.waiting):
             self.draft.preempt(seq.seq_id)  # re-synced when it runs again
         seqs = list(self.running.values())
         if not seqs:
-            return
+            return False
         t0 = time.perf_counter()
         # Plain steps (chosen by the policy) leave the draft in sync: it still gets each
         # outcome, as (0, t) against the speculation it sent, which nobody waits for.
@@ -261,6 +267,7 @@ class TargetWorker:
         self._accept(seqs, specs, num_draft, num_accepted, out_tokens, logprobs, speculate)
         self._record_step(seqs, plan, specs, num_draft, num_accepted, t0, t1, draft_work_s)
         self._emit(seqs)
+        return True
 
     def _plan(self, batch: int) -> RoundPlan:
         if not self.draft.present:
@@ -270,15 +277,13 @@ class TargetWorker:
         return SD if self.policy.use_speculation(batch) else PLAIN
 
     def _accept(self, seqs, specs, num_draft, num_accepted, out_tokens, logprobs, speculate: bool) -> None:
-        """Count each round, then append its accepted tokens and the recovery or bonus
-        token one by one, so a stop inside the chunk cuts it there."""
+        """Count each round, then append its accepted and recovery/bonus tokens one by one (a stop cuts there)."""
         ssd = self.cfg.spec.mode == "ssd"
         sd_round = ssd and speculate and not self._last_flags[-2]
         for i, seq in enumerate(seqs):
             j = num_accepted[i]
-            record_round(seq.stats, num_draft[i], j, specs.get(seq.seq_id), ssd=ssd,
-                         speculating=bool(self.k and speculate), sd_round=sd_round,
-                         plain=bool(self.k and not speculate))
+            record_round(seq.stats, num_draft[i], j, specs.get(seq.seq_id), ssd=ssd, sd_round=sd_round,
+                         speculating=bool(self.k and speculate), plain=bool(self.k and not speculate))
             for t in range(j + 1):
                 # A complete grammar ends the sequence at its last token, as in AR decoding.
                 if (self.stop_checker.append(seq, out_tokens[i][t], *logprobs_at(logprobs, i, t))

@@ -38,6 +38,9 @@ def test_ssd_greedy_equals_ar(models, backup, k):
     assert stats.totals.num_cache_hits == hits + single.stats.num_cache_hits
     assert sum(stats.hits_by_depth) == stats.totals.num_cache_hits and len(stats.hits_by_depth) == k + 1
     assert stats.num_running == 0
+    # A step's loop iteration holds its admission, the wait for the draft and the verify.
+    assert stats.num_steps > 0 and stats.admit_s > 0
+    assert stats.loop_s >= stats.verify_s + stats.draft_wait_s + stats.admit_s > 0
 
 
 def test_ssd_with_draft_equal_to_target_mostly_hits(models):
