@@ -12,7 +12,8 @@ result row names it.
 
 Reported per (mode, temperature, batch): tokens/s (generated tokens over wall time,
 prefill included), decode tokens/s (tokens after the first over wall time less the mean
-time to first token: the rate the all-hit ideal describes), mean tokens per round,
+time to first token: the rate the all-hit ideal describes), step tokens/s (the same
+tokens over the engine's step time, admissions left out), mean tokens per round,
 acceptance per position, tree-cache hit rate, target verify time per step (v), time
 blocked on the draft per step, the draft's work-ahead per round, the rest of a step's
 loop (admissions, host work), and for SSD its all-hit ideal: E[tokens per round] / v.
@@ -97,7 +98,8 @@ def run_mode(args, mode: str) -> list[dict]:
             # The first repeat's tokens, to compare greedy output across modes.
             r["output_sha1"] = hashlib.sha1(np.array([t for x in results[:bs] for t in x.token_ids],
                                                       dtype=np.int64).tobytes()).hexdigest()
-            print(f"[{mode}] P={prompt_len} T={temp} B={bs}: {r['tokens_per_s']:.1f} tok/s (decode {r['decode_tokens_per_s']:.1f}), "
+            print(f"[{mode}] P={prompt_len} T={temp} B={bs}: {r['tokens_per_s']:.1f} tok/s (decode {r['decode_tokens_per_s']:.1f}, "
+                  f"steps {r['step_tokens_per_s']:.1f}), "
                   f"{r['mean_tokens_per_round']:.2f} "
                   f"tok/round, hit {r['cache_hit_rate']}, v={r['verify_ms_per_step']:.2f} ms, "
                   f"wait={r['draft_wait_ms_per_step']:.2f} ms, work={r['draft_work_ms_per_step']:.2f} ms, "
@@ -160,6 +162,10 @@ def _row(mode, temp, bs, wall, decode_wall, results, before, after, args) -> dic
         # The rest of a step's loop iteration: admissions (prefills), and host work outside the
         # verify and the wait (outcomes sent, tokens appended, the round policy, streaming).
         "admit_ms_per_step": 1e3 * (after.admit_s - before.admit_s) / steps,
+        # The steps alone: tokens after each request's first over the loop time less
+        # admissions (prefills of requests that arrived while others decoded do not count).
+        "step_tokens_per_s": (gen - len(results)) / max(1e-9, (after.loop_s - before.loop_s)
+                                                       - (after.admit_s - before.admit_s)),
         "host_ms_per_step": 1e3 * ((after.loop_s - before.loop_s) - (after.admit_s - before.admit_s)
                                    - (after.verify_s - before.verify_s)
                                    - (after.draft_wait_s - before.draft_wait_s)) / steps,
