@@ -239,6 +239,31 @@ def test_flashinfer_plans_queued_back_to_back() -> None:
         assert rel_err(queued[i], alone) < 1e-3, f"forward {i}: {rel_err(queued[i], alone):.2e}"
 
 
+def test_triton_attention_compiles_once_per_tile_shape() -> None:
+    """Eager forwards of any q_len and split count reuse the kernel of their tile shape:
+    q_len and the split count are arguments, not compile-time constants."""
+    from spec_runtime.kernels.paged import _attn_split_kernel, paged_attention
+
+    caches = getattr(_attn_split_kernel, "device_caches", None)
+    if caches is None:
+        pytest.skip("this Triton version keeps no per-device kernel cache to count")
+    hq, hkv, d, rows, kv = 16, 8, 128, 2048, 700
+    k = torch.randn(rows, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    indices = torch.arange(kv, device="cuda", dtype=torch.int32)
+    indptr = torch.tensor([0, kv], device="cuda", dtype=torch.int32)
+    before = sum(len(c[0]) for c in caches.values())
+    block_ms = set()
+    for q_len in range(1, 10):
+        block_ms.add(max(16, 1 << (q_len * (hq // hkv) - 1).bit_length()))
+        for splits in (1, 2, 5, 16, 26):
+            q = torch.randn(q_len, hq, d, device="cuda", dtype=torch.bfloat16)
+            paged_attention(q, k, v, indptr, indices, q_len=q_len, num_splits=splits, scale=d**-0.5)
+    torch.cuda.synchronize()
+    compiled = sum(len(c[0]) for c in caches.values()) - before
+    assert compiled <= len(block_ms), f"{compiled} compiled split kernels for {len(block_ms)} tile shapes"
+
+
 @pytest.mark.parametrize("hq,hkv,q_len,kv_lens", [
     (32, 8, 1, [1, 600, 37] + [300] * 13),  # 8B decode at batch 16
     (64, 8, 9, [9, 700, 128]),  # 32B verify of K+1 = 9: a 72-row tile
