@@ -39,7 +39,7 @@ case "${PART:-check}" in
   check)
     stamp "tests/test_gpu.py"
     CUDA_VISIBLE_DEVICES=${TEST_GPU:-1} timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -rs \
-      tests/test_gpu.py -k "${TEST_K:-tree or triton_attention or (graphs_and_transformers and triton)}" 2>&1 \
+      tests/test_gpu.py -k "${TEST_K:-tree or triton_attention or back_to_back or (graphs_and_transformers and triton)}" 2>&1 \
       | tail -15 | tee "$OUT/test_gpu.log"
     for b in ${PROFILE_BATCHES:-1 4}; do
       stamp "profile_draft batch $b"
