@@ -162,13 +162,13 @@ def _row(mode, temp, bs, wall, decode_wall, results, before, after, args) -> dic
         # The rest of a step's loop iteration: admissions (prefills), and host work outside the
         # verify and the wait (outcomes sent, tokens appended, the round policy, streaming).
         "admit_ms_per_step": 1e3 * (after.admit_s - before.admit_s) / steps,
+        "host_ms_per_step": 1e3 * ((after.loop_s - before.loop_s) - (after.admit_s - before.admit_s)
+                                   - (after.verify_s - before.verify_s)
+                                   - (after.draft_wait_s - before.draft_wait_s)) / steps,
         # The steps alone: tokens after each request's first over the loop time less
         # admissions (prefills of requests that arrived while others decoded do not count).
         "step_tokens_per_s": (gen - len(results)) / max(1e-9, (after.loop_s - before.loop_s)
                                                        - (after.admit_s - before.admit_s)),
-        "host_ms_per_step": 1e3 * ((after.loop_s - before.loop_s) - (after.admit_s - before.admit_s)
-                                   - (after.verify_s - before.verify_s)
-                                   - (after.draft_wait_s - before.draft_wait_s)) / steps,
         "steps": steps,
         "mean_ttft_s": float(np.mean([r.stats.ttft_s for r in results])),
         "mean_queue_s": float(np.mean([r.stats.queue_s for r in results])),
