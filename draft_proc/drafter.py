@@ -94,21 +94,17 @@ class ModelDrafter(Speculator):
         carries padding tokens); None: every row. Returns what decode_chain returns.
 
         The host builds step i + 1 while the GPU runs step i and syncs once per
-        speculation instead of once per token. With flashinfer graphs it stays at most
-        one step ahead (flashinfer's plan reuses one pinned host buffer per graph); the
-        Triton attention has no plan, so the host may queue every step.
+        speculation instead of once per token (with flashinfer graphs, the backend's plan
+        waits for the previous plan's copy: attention/cuda.py).
         """
         device = self.runner.device
         st = self.sampling_tensors(rows)
-        tokens, q_ids, q_probs, done = [], [], [], []
-        plan_bound = self.runner.backend.host_planned_graphs
+        tokens, q_ids, q_probs = [], [], []
         chain = getattr(self.logits_transform, "chain", None)
         steps_tf = [None] * num_steps
         prev = None
         for i in range(num_steps):
             batch = make_batch(i, prev)
-            if plan_bound and len(done) >= 2:
-                done[-2].synchronize()  # sync: keep the host at most one step ahead of the GPU
             logits = self.runner.forward(batch)  # [T, V]
             if select is not None:
                 logits = logits[select]  # [R, V]
@@ -116,10 +112,6 @@ class ModelDrafter(Speculator):
                 # Benchmark oracle for every step at once, while step 0 runs on the GPU.
                 steps_tf = chain(rows, positions, num_steps, self.runner.vocab_size, device)
             tok, qi, qp = self.sample(logits, rows, positions + i, st, depth=i, transform=steps_tf[i])
-            if device.type == "cuda":
-                ev = torch.cuda.Event()
-                ev.record()
-                done.append(ev)
             if select is None:
                 prev = tok
             else:  # padding tokens feed 0

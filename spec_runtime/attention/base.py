@@ -45,10 +45,6 @@ class GraphAttention:
 class AttentionBackend(ABC):
     """Attention over the KV pool for one ForwardBatch."""
 
-    # Whether graph replays are planned on the host from a reused buffer, so a caller
-    # queueing steps ahead of the GPU must stay at most one step ahead.
-    host_planned_graphs: bool = False
-
     @abstractmethod
     def begin(self, batch: ForwardBatch) -> None:
         """Plan the forward of `batch`; called once before the first layer."""

@@ -121,7 +121,6 @@ class CudaAttentionBackend(AttentionBackend):
         if graph_attention not in ("triton", "flashinfer"):
             raise ValueError(f"graph_attention must be triton or flashinfer, got {graph_attention!r}")
         self.graph_attention = graph_attention
-        self.host_planned_graphs = graph_attention == "flashinfer"
         index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         self.num_sms = torch.cuda.get_device_properties(index).multi_processor_count
         self.scale = head_dim**-0.5
