@@ -123,12 +123,15 @@ def _greedy_identical(rows) -> bool | None:
 
 def _points(args):
     """(prompt length, temperature, batch) of the matrix; temperatures other than 0 only
-    at the prompt lengths --sampled-prompt-lens names (all of them by default)."""
+    at the prompt lengths --sampled-prompt-lens names (all of them by default); batches
+    of more than --max-batch-tokens tokens (prompts and outputs) left out."""
     for prompt_len in args.prompt_lens:
         for temp in args.temperatures:
             if temp > 0 and args.sampled_prompt_lens and prompt_len not in args.sampled_prompt_lens:
                 continue
             for bs in args.batch_sizes:
+                if args.max_batch_tokens and bs * (prompt_len + args.max_tokens) > args.max_batch_tokens:
+                    continue
                 yield prompt_len, temp, bs
 
 
@@ -210,6 +213,8 @@ def main() -> None:
     p.add_argument("--prompt-lens", type=_tuple(int), default=(128,))
     p.add_argument("--sampled-prompt-lens", type=_tuple(int), default=(),
                    help="prompt lengths at which temperatures > 0 run (default: all)")
+    p.add_argument("--max-batch-tokens", type=int, default=0,
+                   help="leave out points whose batch holds more tokens (prompts and outputs); 0: none left out")
     p.add_argument("--max-model-len", type=int, default=None, help="default: longest prompt + max tokens + 64")
     p.add_argument("--synthetic-acceptance", type=float, default=None)
     p.add_argument("--synthetic-ranks", type=_tuple(float), default=())

@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 DECAY = 0.8  # weight of a running mean's past
 OUTLIER = 4.0  # a running mean takes a sample at most this factor off it
 MIN_SAMPLES = 2  # measurements of W[n] and h[n] before a tree shape is predicted
-WINDOW = 8  # steps of each option's realized rate kept (their median is the rate)
-REALIZED_MIN = 3  # steps before a realized rate counts: the median of three outvotes one slow step
+WINDOW = 8  # steps of each option's realized rate kept
+REALIZED_MIN = 3  # steps before a realized rate counts
+STALL = 3.0  # a step this many times the window's median is a stall, left out of a realized rate
+TOKENS_WINDOW = 32  # steps behind the mean tokens per sequence per round
 
 
 @dataclass(frozen=True)
@@ -68,9 +70,10 @@ class Costs:
     work_s: dict[int, float] = field(default_factory=dict)
     hit_rate: dict[int, float] = field(default_factory=dict)
     tokens: float | None = None
+    tokens_window: deque = field(default_factory=lambda: deque(maxlen=TOKENS_WINDOW))
     extra_s: float = 0.0
     samples: Counter = field(default_factory=Counter)
-    realized: dict = field(default_factory=dict)  # RoundPlan -> deque of tokens/s of its steady steps
+    realized: dict = field(default_factory=dict)  # RoundPlan -> deque of (sequences, tokens, seconds) of its steps
 
     def add_chain(self, wait_s: float) -> None:
         """One wait for a chain drafted on request. c is the least of the last WINDOW: a
@@ -79,14 +82,50 @@ class Costs:
         self.chain_window.append(wait_s)
         self.chain_s = min(self.chain_window)
 
-    def realized_rate(self, plan: "RoundPlan") -> float | None:
-        """The median tokens/s of `plan`'s last steps, None below REALIZED_MIN of them."""
-        window = self.realized.get(plan)
-        return statistics.median(window) if window and len(window) >= REALIZED_MIN else None
+    def add_tokens(self, tokens: int, sequences: int) -> None:
+        """One round's full-length speculations: `tokens` (accepted + 1, summed) over
+        `sequences`. a is the mean over the last TOKENS_WINDOW rounds: a round's tokens
+        scatter widely (1 to K + 1 per sequence at batch 1)."""
+        self.tokens_window.append((tokens, sequences))
+        self.tokens = sum(t for t, _ in self.tokens_window) / sum(n for _, n in self.tokens_window)
 
-    def add_realized(self, plan: "RoundPlan", tokens: float, seconds: float) -> None:
+    def tokens_per_sequence(self, plan: "RoundPlan", k: int = 0) -> float | None:
+        """Expected tokens per sequence of one step of `plan`: 1 for a plain step, a for
+        SD and for SSD with the jit backup (every sequence verifies a full speculation),
+        the model's mix of hits and misses for `none` and `jit:N`; None for the
+        configured backup (the step's own tokens count) or while a or h is unmeasured."""
+        if plan.kind == "plain":
+            return 1.0
+        if self.tokens is None:
+            return None
+        if plan.kind == "sd" or plan.backup == "jit":
+            return self.tokens
+        h = self.hit_rate.get(plan.branches)
+        n = short_jit_len(plan.backup)
+        if h is None or not (plan.backup == "none" or (n and k)):
+            return None
+        missed = 1.0 if plan.backup == "none" else chain_tokens(self.tokens, k, n)
+        return h * self.tokens + (1.0 - h) * missed
+
+    def realized_rate(self, plan: "RoundPlan", k: int = 0) -> float | None:
+        """Tokens/s of `plan` over its last steps, None below REALIZED_MIN of them: the
+        expected tokens of its steps (tokens_per_sequence, else their own) over the
+        steps' time. A step over STALL times the median (a kernel built on first use, an
+        admission) is left out. Time, not each step's tokens/s, is what a plan's steps
+        realize: at batch 1 a step's tokens range from 1 to K + 1, and a window of such
+        ratios would rank options by luck."""
+        window = self.realized.get(plan)
+        if not window or len(window) < REALIZED_MIN:
+            return None
+        cap = STALL * statistics.median(s for _, _, s in window)
+        kept = [(n, t, s) for n, t, s in window if s <= cap]
+        per_seq = self.tokens_per_sequence(plan, k)
+        tokens = sum(t for _, t, _ in kept) if per_seq is None else per_seq * sum(n for n, _, _ in kept)
+        return tokens / sum(s for _, _, s in kept)
+
+    def add_realized(self, plan: "RoundPlan", sequences: int, tokens: float, seconds: float) -> None:
         if seconds > 0:
-            self.realized.setdefault(plan, deque(maxlen=WINDOW)).append(tokens / seconds)
+            self.realized.setdefault(plan, deque(maxlen=WINDOW)).append((sequences, tokens, seconds))
 
     def verify(self, work_ahead: bool) -> float | None:
         v = self.verify_s[work_ahead]
@@ -126,7 +165,7 @@ def chain_tokens(tokens: float, k: int, n: int) -> float:
 def predict(plan: RoundPlan, batch: int, c: Costs, k: int = 0) -> float | None:
     """Tokens/s of `plan` for `batch` sequences: as realized where it has run, else as the
     model predicts; None while an input is unmeasured. k: the full speculation length."""
-    realized = c.realized_rate(plan)
+    realized = c.realized_rate(plan, k)
     if realized is not None:
         return realized
     return model_rate(plan, batch, c, k)

@@ -19,7 +19,8 @@ draft's answers):
          transfer included), the least of its last 8;
   W[n]   the draft's work-ahead at shape n (glue + K tree steps), as it reports it;
   h[n]   the share of look-ups that hit a tree of shape n;
-  a      tokens per sequence per round with a full speculation (accepted + 1);
+  a      tokens per sequence per round with a full speculation (accepted + 1), the
+         mean over the last 32 rounds;
   e      what SSD rounds wait beyond the model below (transfer, answer time).
 The prediction for B sequences:
   plain          B / P
@@ -34,9 +35,12 @@ a short chain, or `none` (a missed sequence verifies only its own token), can wi
 large batch.
 
 The model ranks options nobody has run yet. Once an option has run, its realized rate
-(tokens over the step's wait and busy time, the median of its last steps) stands in for
-the prediction: a running mean knocked off by one slow step (a request's first round, a
-kernel built on first use) must not keep the policy on a slower option.
+stands in for the prediction: the expected tokens of its last 8 steps (B a for SD and for
+SSD with jit, B for plain steps, the model's mix of hits and misses for the other backups)
+over those steps' wait and busy time, a step over 3x their median (a kernel built on first
+use, an admission) left out. What differs between options is their time; the tokens of
+one step scatter too widely at small batch (1 to K + 1) for a few steps to rank options
+by them.
 
 How it chooses: the largest tree with jit first, until it is measured; then one probe of
 SD rounds (measures c). From then on each step runs the best prediction. An option whose
@@ -280,13 +284,13 @@ class RoundPolicy:
         if not steady:
             return
         if num_drafted and not (p1 is not None and short_jit_len(p1.backup)):  # full-length speculations only
-            c.tokens = _mean(c.tokens, drafted_tokens / num_drafted)
+            c.add_tokens(drafted_tokens, num_drafted)
         if k1 != key or p1 is None:
             return
         if not plan.speculate:
             if not p1.speculate:
                 c.plain_s = _mean(c.plain_s, wait_s + busy_s)
-                c.add_realized(plan, batch, wait_s + busy_s)
+                c.add_realized(plan, batch, batch, wait_s + busy_s)
             return
         if not num_specs:
             return
@@ -297,7 +301,7 @@ class RoundPolicy:
             return
         if p2 == p1 == plan:
             # Sequences without a draft (a miss with no backup) produce one token.
-            c.add_realized(plan, drafted_tokens + batch - num_drafted, wait_s + busy_s)
+            c.add_realized(plan, batch, drafted_tokens + batch - num_drafted, wait_s + busy_s)
         if not p2.work_ahead and p1.kind == "sd":
             c.add_chain(wait_s)  # no cache: the answer was a chain drafted on request
         if p2.work_ahead and p2.branches == plan.branches and p1 == p2 and plan == p2:

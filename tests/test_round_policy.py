@@ -269,11 +269,56 @@ def test_slow_first_rounds_do_not_rule_an_option_out():
 
 
 def test_a_realized_rate_stands_in_for_the_model():
+    """SD's realized rate: a over its steps' mean time, the stall (over 3x the median) left out."""
     c = Costs(verify_s={True: 0.02, False: 0.02}, chain_s=0.01, tokens=3.0)
     assert predict(SD, 1, c) == pytest.approx(3.0 / 0.03)
-    for rate in (50.0, 500.0, 60.0):  # one outlier among three: the median
-        c.add_realized(SD, rate, 1.0)
-    assert predict(SD, 1, c) == pytest.approx(60.0)
+    for seconds in (0.05, 0.5, 0.06):
+        c.add_realized(SD, 1, 3, seconds)
+    assert predict(SD, 1, c) == pytest.approx(3.0 * 2 / 0.11)
+
+
+def test_a_realized_rate_counts_expected_tokens_not_the_steps_own():
+    """Three SD steps that happened to accept nothing: SD's rate is still a per step
+    time, while a configured backup (whose tokens the model cannot tell) counts its own."""
+    c = Costs(verify_s={True: 0.02, False: 0.02}, chain_s=0.01, tokens=4.0, hit_rate={8: 0.5})
+    configured = RoundPlan("ssd", 8, "")
+    for _ in range(3):
+        c.add_realized(SD, 2, 2, 0.03)
+        c.add_realized(configured, 2, 2, 0.02)
+        c.add_realized(RoundPlan("ssd", 8, "none"), 2, 2, 0.02)
+    assert c.realized_rate(SD) == pytest.approx(2 * 4.0 / 0.03)
+    assert c.realized_rate(configured) == pytest.approx(2 / 0.02)
+    assert c.realized_rate(RoundPlan("ssd", 8, "none")) == pytest.approx(2 * (0.5 * 4.0 + 0.5) / 0.02)
+
+
+def test_ssd_holds_at_batch_1_when_each_steps_tokens_scatter():
+    """Batch 1, K = 8: a step yields 1 to 9 tokens (acceptance 0.8 per position), SSD steps
+    take 27 ms (37 ms on a miss, 15% of them), SD steps 38 ms and plain steps 26.5 ms.
+    SSD is ~1.3x SD; the policy stays on it apart from its probes."""
+    import random
+
+    rng = random.Random(0)
+    p = _policy(levels=[27], probe_every=64, k=8)
+    hist, plans = [None, None], []
+    for _ in range(1500):
+        plan = p.choose(1)
+        p2, p1 = hist
+        tokens = 1
+        while tokens < 9 and rng.random() < 0.8 ** (1 + 0.35 * (tokens - 1)):
+            tokens += 1
+        if not plan.speculate:
+            kw = dict(wait_s=0.0, busy_s=0.0265)
+        elif p2 is not None and p2.work_ahead:
+            hit = rng.random() < 0.85
+            kw = dict(wait_s=0.0006 if hit else 0.0106, busy_s=0.0265, num_specs=1, num_hits=int(hit),
+                      num_drafted=1, drafted_tokens=tokens, draft_work_s=0.017)
+        else:
+            kw = dict(wait_s=0.0115, busy_s=0.0265, num_specs=1, num_drafted=1, drafted_tokens=tokens)
+        p.record(1, plan, **kw)
+        plans.append(plan)
+        hist = [p1, plan]
+    assert p.summary()[1].startswith("ssd")
+    assert sum(pl.kind == "ssd" for pl in plans[-1000:]) >= 850
 
 
 def test_steps_of_sequences_in_their_first_rounds_measure_nothing():
@@ -314,12 +359,12 @@ def test_costs_are_kept_per_context_length():
 
 def test_one_slow_step_does_not_set_a_realized_rate():
     """A first-use stall (a kernel built on the first SD round) among the first steps of an
-    option: no rate from two steps, and the median of three outvotes it."""
+    option: no rate from two steps, and with a third it is left out (over 3x the median)."""
     c = Costs(verify_s={True: 0.02, False: 0.02}, chain_s=0.01, tokens=3.0)
-    c.add_realized(SD, 3.0, 0.6)  # 5 tok/s
-    c.add_realized(SD, 3.0, 0.015)
+    c.add_realized(SD, 1, 3, 0.6)  # 5 tok/s
+    c.add_realized(SD, 1, 3, 0.015)
     assert c.realized_rate(SD) is None and predict(SD, 1, c) == pytest.approx(100.0)
-    c.add_realized(SD, 3.0, 0.015)
+    c.add_realized(SD, 1, 3, 0.015)
     assert c.realized_rate(SD) == pytest.approx(200.0)
 
 
