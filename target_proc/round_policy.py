@@ -54,7 +54,10 @@ discards the option's earlier realized rate. Running means clamp each sample to 
 of the mean, so one stall does not skew them. A
 step measures an option only when the two requests before it made the same choice (its
 wait answers the request one back, from the cache built after the request two back),
-and only when no sequence of the batch is in its first STEADY_AFTER_ROUNDS rounds.
+and only when no sequence of the batch is in its first STEADY_AFTER_ROUNDS rounds. A
+realized rate also needs the request three back to have made it: the first chain after
+SSD rounds first feeds the draft the tokens of the last hit's branch (their KV lies in
+the tree's scratch rows), a cost of the switch, not of SD rounds.
 `jit` is the backup below batch 8; from 8, jit, jit:N and none are all options.
 
 A draft on one of the target's GPUs gets no SSD rounds (unless SD rounds are ruled out):
@@ -129,7 +132,7 @@ class RoundPolicy:
         self.warmup = warmup
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         self._current: dict[int, tuple[int, int]] = {}  # batch bucket -> the key of its last step
-        self._history: deque = deque([(0, None), (0, None)], maxlen=2)  # (bucket, plan) of the last two steps
+        self._history: deque = deque([(0, None)] * 3, maxlen=3)  # (bucket, plan) of the last three steps
         self.num_ssd_rounds = 0
         self.num_sd_rounds = 0
         self.num_plain_steps = 0
@@ -250,7 +253,7 @@ class RoundPolicy:
 
     def _start_probe(self, b: _Bucket, plan: RoundPlan) -> RoundPlan:
         b.costs.realized.pop(plan, None)  # the probe measures it afresh
-        b.probe.extend([plan] * (self.probe_len + 1))  # the first two steps of a change measure nothing
+        b.probe.extend([plan] * (self.probe_len + 2))  # the first three steps of a change realize nothing
         return b.probe.popleft()
 
     def _set_choice(self, key: tuple[int, int], b: _Bucket, plan: RoundPlan, rates: dict) -> None:
@@ -279,7 +282,7 @@ class RoundPolicy:
         logger.debug("step batch %d context %d: %s%s, wait %.2f ms, busy %.2f ms, %d/%d hits, %d tokens drafted "
                      "by %d, work-ahead %.2f ms", batch, context, plan.label(), "" if steady else " (first rounds)",
                      1e3 * wait_s, 1e3 * busy_s, num_hits, num_specs, drafted_tokens, num_drafted, 1e3 * draft_work_s)
-        (k2, p2), (k1, p1) = self._history
+        (k3, p3), (k2, p2), (k1, p1) = self._history
         self._history.append((key, plan))
         if not steady:
             return
@@ -299,7 +302,7 @@ class RoundPolicy:
             c.verify_s[p1.work_ahead] = _mean(c.verify_s[p1.work_ahead], busy_s)
         if k2 != key or p2 is None:
             return
-        if p2 == p1 == plan:
+        if p3 == p2 == p1 == plan and k3 == key:
             # Sequences without a draft (a miss with no backup) produce one token.
             c.add_realized(plan, batch, drafted_tokens + batch - num_drafted, wait_s + busy_s)
         if not p2.work_ahead and p1.kind == "sd":

@@ -406,3 +406,35 @@ def test_no_ssd_rounds_for_a_draft_on_the_targets_gpu(target_dev, draft_dev, wor
         p = RoundPolicy.for_config(cfg)
         simulate(p, 4, 50, **FITS)
         assert p.num_ssd_rounds == 0 and p.summary()[4] == "sd"
+
+
+def test_the_first_chain_after_ssd_rounds_does_not_count_against_sd():
+    """Batch 32, K = 4: SD rounds (20.6 ms a step) beat every SSD option, whose 16.5 ms
+    work-ahead overruns the 11.3 ms verify. The first chain after SSD rounds also feeds
+    the last hit's branch (25 ms more), a cost of the switch: counted as SD's, it made
+    SD look slower than SSD with no backup, and the policy kept SSD rounds."""
+    verify, work, chain, catch_up, h, a, batch = 0.0113, 0.0165, 0.0093, 0.025, 0.6, 3.37, 32
+    p = _policy(levels=[4], k=4, short_jit=1)
+    hist, plans = [None, None, None], []
+    for _ in range(600):
+        plan = p.choose(batch)
+        p3, p2, p1 = hist
+        if not plan.speculate:
+            kw = dict(wait_s=0.0, busy_s=0.0086)
+        elif p2 is not None and p2.work_ahead:
+            none, short = p1.backup == "none", short_jit_len(p1.backup)
+            hits = round(h * batch)
+            drafted = hits if none else batch
+            missed = chain_tokens(a, 4, short) if short else a
+            wait = work - verify + (0.0 if none else chain * ((short + 1) / 5 if short else 1.0))
+            kw = dict(wait_s=wait, busy_s=verify, num_specs=batch, num_hits=hits, num_drafted=drafted,
+                      drafted_tokens=round(a * hits + missed * (drafted - hits)), draft_work_s=work)
+        else:
+            extra = catch_up if p3 is not None and p3.work_ahead else 0.0
+            kw = dict(wait_s=chain + extra, busy_s=verify, num_specs=batch, num_drafted=batch,
+                      drafted_tokens=round(a * batch))
+        p.record(batch, plan, **kw)
+        plans.append(plan)
+        hist = [p2, p1, plan]
+    assert p.summary()[32] == "sd"
+    assert sum(pl.kind == "sd" for pl in plans[-300:]) >= 220
