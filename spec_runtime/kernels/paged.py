@@ -40,6 +40,41 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 MAX_TILE_M = 128
 
 
+@triton.jit
+def _load_tile(ptr, rows, stride_r, col, offs_d, valid, DOT_F32: tl.constexpr):
+    """Rows [len(rows), HEAD_DIM] of a [rows, heads, D] tensor at head offset `col`;
+    masked rows read 0 (float32 under DOT_F32)."""
+    x = tl.load(ptr + rows[:, None] * stride_r + col + offs_d[None, :], mask=valid[:, None], other=0.0)
+    if DOT_F32:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _softmax_update(s, allowed, m_i, l_i):
+    """One BLOCK_N block of online softmax over scores s [BLOCK_M, BLOCK_N] (float32),
+    masked to `allowed`: the new running max, the rescale of what came before, the
+    block's weights p and the new running sum."""
+    s = tl.where(allowed, s, -1.0e30)
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.where(allowed, tl.exp(s - m_new[:, None]), 0.0)
+    return m_new, alpha, p, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def _store_split(o_part_ptr, lse_part_ptr, base, offs_m, offs_d, m_valid, m_i, l_i, acc,
+                 BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """A split's partial output and log-sum-exp at partial index `base`; a split that saw
+    no row of a query gets lse -inf."""
+    has = l_i > 0.0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+    tl.store(o_part_ptr + (base * BLOCK_M + offs_m)[:, None] * HEAD_DIM + offs_d[None, :], out,
+             mask=m_valid[:, None])
+    tl.store(lse_part_ptr + base * BLOCK_M + offs_m, lse, mask=m_valid)
+
+
 # Q_LEN and NUM_SPLITS are plain arguments, not compile-time constants: eager forwards of
 # every q_len up to MAX_TILE_M / GROUP, at split counts that follow the context length, run
 # one compiled kernel per tile shape (BLOCK_M) instead of compiling on first use of each pair.
@@ -56,7 +91,6 @@ def _attn_split_kernel(
     req = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-
     kv_start = tl.load(kv_indptr_ptr + req)
     kv_len = tl.load(kv_indptr_ptr + req + 1) - kv_start
     # This split's share of [0, kv_len), in whole BLOCK_N blocks.
@@ -67,15 +101,14 @@ def _attn_split_kernel(
     offs_m = tl.arange(0, BLOCK_M)  # tile row m: query i = m // GROUP, head kvh * GROUP + m % GROUP
     offs_d = tl.arange(0, HEAD_DIM)
     qi = offs_m // GROUP
-    head = kvh * GROUP + offs_m % GROUP
     m_valid = offs_m < Q_LEN * GROUP
     tok = req * Q_LEN + qi
+    head = kvh * GROUP + offs_m % GROUP
     q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=m_valid[:, None], other=0.0)  # [BLOCK_M, D]
     if DOT_F32:
         q = q.to(tl.float32)
-    # Last kv position each row may see (bottom-right causal).
-    last = kv_len - Q_LEN + qi  # [BLOCK_M]
+    last = kv_len - Q_LEN + qi  # last kv position each row may see (bottom-right causal)
     if TREE:
         # Shared-prefix mask: rows [0, prefix_len) for every query, then [lo, hi) of its own.
         prefix_len = tl.load(prefix_len_ptr + req)
@@ -89,37 +122,22 @@ def _attn_split_kernel(
         offs_n = start + tl.arange(0, BLOCK_N)
         n_valid = offs_n < hi
         rows = tl.load(kv_indices_ptr + kv_start + offs_n, mask=n_valid, other=0).to(tl.int64)
-        k = tl.load(k_ptr + rows[:, None] * stride_kr + kvh * stride_kh + offs_d[None, :],
-                    mask=n_valid[:, None], other=0.0)  # [BLOCK_N, D]
-        if DOT_F32:
-            k = k.to(tl.float32)
+        k = _load_tile(k_ptr, rows, stride_kr, kvh * stride_kh, offs_d, n_valid, DOT_F32)  # [BLOCK_N, D]
         s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, BLOCK_N] fp32
         if TREE:
             own = (offs_n[None, :] >= lo_t[:, None]) & (offs_n[None, :] < hi_t[:, None])
             allowed = n_valid[None, :] & ((offs_n[None, :] < prefix_len) | own)
         else:
             allowed = n_valid[None, :] & (offs_n[None, :] <= last[:, None])
-        s = tl.where(allowed, s, -1.0e30)
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.where(allowed, tl.exp(s - m_new[:, None]), 0.0)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + rows[:, None] * stride_vr + kvh * stride_vh + offs_d[None, :],
-                    mask=n_valid[:, None], other=0.0)  # [BLOCK_N, D]
+        m_i, alpha, p, l_i = _softmax_update(s, allowed, m_i, l_i)
+        v = _load_tile(v_ptr, rows, stride_vr, kvh * stride_vh, offs_d, n_valid, DOT_F32)  # [BLOCK_N, D]
         if DOT_F32:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
+            acc = acc * alpha[:, None] + tl.dot(p, v)
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
 
-    # Partial result of this split; a split that saw no row of a query gets lse -inf.
-    has = l_i > 0.0
-    out = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
     base = (req * NUM_KV_HEADS + kvh) * NUM_SPLITS + split  # [R, Hkv, S] partial index
-    tl.store(o_part_ptr + (base * BLOCK_M + offs_m)[:, None] * HEAD_DIM + offs_d[None, :], out,
-             mask=m_valid[:, None])
-    tl.store(lse_part_ptr + base * BLOCK_M + offs_m, lse, mask=m_valid)
+    _store_split(o_part_ptr, lse_part_ptr, base, offs_m, offs_d, m_valid, m_i, l_i, acc, BLOCK_M, HEAD_DIM)
 
 
 @triton.jit(do_not_specialize=["Q_LEN", "NUM_SPLITS"])
