@@ -176,10 +176,23 @@ class SSDEngine:
         self.last_work_s = time.perf_counter() - t0
 
     def skip_work_ahead(self, seqs: list[DraftSeq]) -> None:
-        """No work-ahead this round: drop the entries that answered it."""
+        """No work-ahead this round: drop the entries that answered it, and give each
+        sequence answered from the tree its speculation's KV. A hit's tokens have KV
+        only in the branch's scratch rows; fed into the sequence's own rows now, while
+        the target verifies, the chain the next request asks for takes in just the
+        outcome (one or two tokens, a graph's shape) instead of the whole branch in an
+        eager forward first."""
         for s in seqs:
             self.cache.clear(s.seq_id)
         self.last_work_s = 0.0
+        hits = [s for s in seqs if s.draft_token_ids and s.num_cached < s.num_tokens]
+        if not hits:
+            return
+        ends = [s.num_tokens + len(s.draft_token_ids) for s in hits]
+        self.runner.run([ForwardItem((s.token_ids + s.draft_token_ids)[s.num_cached:end], s.num_cached,
+                                     self.kv.rows(s, end), "none") for s, end in zip(hits, ends)])
+        for s, end in zip(hits, ends):
+            s.num_cached = end
 
     def prefetch(self, seqs: list[DraftSeq]) -> None:
         """Work ahead for fresh sequences (added, no outcome yet) at the configured K, so

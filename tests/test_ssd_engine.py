@@ -101,6 +101,37 @@ def test_hit_returns_the_cached_speculation(model_dir):
     assert engine.cache.lookup(0, j0, t0) is None
 
 
+def test_a_round_without_work_ahead_feeds_the_hits_branch(model_dir):
+    """After a hit, a round without work-ahead (an SD round) feeds the branch's tokens
+    into the sequence's own rows, so the next chain takes in only the outcome (two
+    tokens, as in SD mode, not the whole branch); that chain equals one drafted from
+    scratch."""
+    spec = SpeculativeConfig(mode="ssd", k=K, fan_out=(2, 1, 1, 1))
+    engine, drafter = _engine(model_dir, spec)
+    _, reference = _engine(model_dir, spec)
+    seqs = _seqs(0.0)[:1]
+    s = seqs[0]
+    engine.note_outcome(s, 0, 5)
+    s.apply_outcome(0, 5, s.num_tokens + 1, 1)
+    engine.propose(seqs, K)
+    engine.work_ahead(seqs, K)
+    (j, t) = next(key for key in engine.cache._entries[0] if key[0] == 1)
+    engine.note_outcome(s, j, t)
+    s.apply_outcome(j, t, s.num_tokens + j + 1, 2)
+    prop, _ = engine.propose(seqs, K)
+    assert prop[0].cache_hit and s.num_cached == s.num_tokens - 1
+    engine.skip_work_ahead(seqs)
+    assert s.num_cached == s.num_tokens + K and engine.num_entries() == 0
+    d = prop[0].draft_token_ids.tolist()
+    engine.note_outcome(s, 2, 7)
+    s.apply_outcome(2, 7, s.num_tokens + 3, 3)
+    assert [len(item.token_ids) for item in drafter.catch_up_items(seqs)] == [2]  # t and the token before it
+    chain, _ = engine.propose(seqs, K, count_misses=False)
+    fresh = DraftSeq(9, 0, s.token_ids, temperature=0.0, seed=s.seed)
+    assert s.token_ids[-3:] == d[:2] + [7]
+    assert chain[0].draft_token_ids.tolist() == reference.propose([fresh], K)[0].draft_token_ids.tolist()
+
+
 def test_chain_drafter_with_the_oracle_drafts_its_top_slot(model_dir):
     """With the benchmark oracle, a greedy chain's token at position p is the oracle's
     top slot at (seed, p): the per-step oracle the drafter precomputes is wired to the
