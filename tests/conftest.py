@@ -11,6 +11,8 @@ Fixtures:
   - `ar_reference(target, prompts, max_tokens)`: each prompt's greedy target-only
     output, computed once per distinct call and shared.
   - `smollm2_gguf_path`: the real SmolLM2-135M-Instruct GGUF.
+  - `smollm2_hf`: transformers' own model of that GGUF (its de-quantization, float32),
+    loaded once per test run and shared; tests leave it as they found it.
 """
 
 from __future__ import annotations
@@ -92,3 +94,16 @@ def smollm2_gguf_path() -> str:
     if not os.path.isfile(path):
         pytest.fail(f"{path} is missing")
     return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_gguf_path):
+    """transformers' AutoModelForCausalLM of the SmolLM2 GGUF (de-quantized by transformers,
+    not by spec_runtime), float32, in eval mode. Loading it parses the whole GGUF, so it is
+    loaded once and shared: a test that changes anything on it (its generation_config)
+    restores it before it returns."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    directory, name = os.path.split(smollm2_gguf_path)
+    return AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()

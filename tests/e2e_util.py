@@ -37,21 +37,27 @@ def random_prompts(vocab: int, lengths=(5, 9, 17, 30), seed: int = 0) -> list[li
     return [rng.integers(3, vocab, size=n).tolist() for n in lengths]
 
 
-def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int, gguf_file: str | None = None) -> list[list[int]]:
-    """transformers' own greedy decoding, one prompt at a time, never stopping at EOS."""
+def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' own greedy decoding, one prompt at a time, never stopping at EOS.
+    model: a Hugging Face directory, or a loaded transformers model (its generation
+    config is as it was on return)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    kw = {"gguf_file": gguf_file} if gguf_file else {}
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kw)
+    if isinstance(model, str):
+        model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    eos = model.generation_config.eos_token_id
     model.generation_config.eos_token_id = None
     outs = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=max_new_tokens, pad_token_id=0)
-            outs.append(out[0, len(p):].tolist())
+    try:
+        with torch.inference_mode():
+            for p in prompts:
+                ids = torch.tensor([p])
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                     max_new_tokens=max_new_tokens, pad_token_id=0)
+                outs.append(out[0, len(p):].tolist())
+    finally:
+        model.generation_config.eos_token_id = eos
     return outs
 
 
@@ -113,6 +119,20 @@ def homogeneity_pvalue(a, b, min_count=10) -> float:
     table = np.array(rows)
     table = table[:, table.sum(0) > 0]
     return stats.chi2_contingency(table)[1]
+
+
+def goodness_of_fit_pvalue(samples, probs: dict, min_expected: float = 10) -> float:
+    """p-value of a chi-square test that `samples` were drawn from `probs` ({outcome:
+    probability}). Each outcome expected at least min_expected times is a bin of its own;
+    the others, and any outcome outside `probs`, share one bin, which holds enough of the
+    least likely outcomes to be expected at least min_expected times too."""
+    n, counts = len(samples), Counter(samples)
+    keys = sorted((k for k in probs if n * probs[k] >= min_expected), key=lambda k: -probs[k])
+    while keys and n * (1.0 - sum(probs[k] for k in keys)) < min_expected:
+        keys.pop()
+    observed = [counts[k] for k in keys] + [n - sum(counts[k] for k in keys)]
+    expected = [n * probs[k] for k in keys] + [n - sum(n * probs[k] for k in keys)]
+    return stats.chisquare(observed, expected).pvalue
 
 
 class Borrowed:

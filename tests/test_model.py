@@ -263,7 +263,7 @@ def test_bfloat16_runs_close_to_float32(tiny_qwen3_dir) -> None:
 
 
 @pytest.mark.slow
-def test_smollm2_gguf_greedy_matches_transformers(smollm2_gguf_path) -> None:
+def test_smollm2_gguf_greedy_matches_transformers(smollm2_gguf_path, smollm2_hf) -> None:
     assert default_model_path() == smollm2_gguf_path
     runner = ModelRunner(ModelConfig(path=smollm2_gguf_path), num_slots=1, max_model_len=256)
     assert runner.arch.model_type == "llama" and runner.model_name == "SmolLM2-135M-Instruct.Q4_1"
@@ -283,11 +283,9 @@ def test_smollm2_gguf_greedy_matches_transformers(smollm2_gguf_path) -> None:
         pos = len(ids) + len(ours) - 1
         logits = runner.run([ForwardItem([ours[-1]], pos, runner.layout.slot_rows(0, pos + 1))])
 
-    directory, name = os.path.split(smollm2_gguf_path)
-    hf = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
     with torch.no_grad():
-        gen = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
-                          eos_token_id=runner.eos_token_ids, pad_token_id=im_end)
+        gen = smollm2_hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
+                                  eos_token_id=runner.eos_token_ids, pad_token_id=im_end)
     theirs = gen[0, len(ids):].tolist()
     assert ours == theirs
     text = tok.decode(ours, skip_special_tokens=True)
