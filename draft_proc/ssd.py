@@ -188,11 +188,11 @@ class SSDEngine:
         hits = [s for s in seqs if s.draft_token_ids and s.num_cached < s.num_tokens]
         if not hits:
             return
-        ends = [s.num_tokens + len(s.draft_token_ids) for s in hits]
-        self.runner.run([ForwardItem((s.token_ids + s.draft_token_ids)[s.num_cached:end], s.num_cached,
-                                     self.kv.rows(s, end), "none") for s, end in zip(hits, ends)])
-        for s, end in zip(hits, ends):
-            s.num_cached = end
+        # num_cached < num_tokens: the tokens from there on, then the whole speculation.
+        self.runner.run([ForwardItem(s.token_ids[s.num_cached:] + s.draft_token_ids, s.num_cached,
+                                     self.kv.rows(s, s.num_tokens + len(s.draft_token_ids)), "none") for s in hits])
+        for s in hits:
+            s.num_cached = s.num_tokens + len(s.draft_token_ids)
 
     def prefetch(self, seqs: list[DraftSeq]) -> None:
         """Work ahead for fresh sequences (added, no outcome yet) at the configured K, so

@@ -184,8 +184,6 @@ def model_rate(plan: RoundPlan, batch: int, c: Costs, k: int = 0) -> float | Non
     wait = c.ssd_wait(batch, plan.branches, plan.backup, k)
     if wait is None:
         return None
-    h = c.hit_rate[plan.branches]
-    n = short_jit_len(plan.backup)
-    missed = 1.0 if plan.backup == "none" else chain_tokens(c.tokens, k, n) if n and k else c.tokens
-    tokens = batch * (h * c.tokens + (1.0 - h) * missed)
+    per_seq = c.tokens_per_sequence(plan, k)
+    tokens = batch * (c.tokens if per_seq is None else per_seq)  # the configured backup: as jit
     return tokens / (c.verify(True) + max(0.0, wait + c.extra_s))
