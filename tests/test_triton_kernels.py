@@ -92,9 +92,11 @@ def test_paged_attention_rejects_ragged_and_oversized_tiles():
                         q_len=16, num_splits=1, scale=0.25)
 
 
-def test_num_splits_fills_the_gpu_but_not_past_the_rows():
+def test_num_splits_fills_one_wave_but_not_past_the_rows():
     assert num_splits_for(1, 8, 132) == 32  # capped at 32
-    assert num_splits_for(16, 8, 132) == 3  # 2 * 132 / 128 rounded up
+    assert num_splits_for(16, 8, 132) == 4  # 4 programs per SM: 528 // 128
+    assert num_splits_for(16, 8, 132, tile_rows=72) == 2  # a 128-row tile: 2 per SM, 264 // 128
+    assert num_splits_for(4, 8, 132, tile_rows=36) == 8  # not 9: 288 programs would need a second wave
     assert num_splits_for(64, 8, 132) == 1
     assert num_splits_for(1, 8, 132, max_kv_len=40) == 2  # 40 rows: two blocks of 32
 

@@ -182,7 +182,9 @@ class CudaAttentionBackend(AttentionBackend):
             raise ValueError(f"a tree step of {batch.max_q_len} branches per request does not fit the Triton kernel")
         if self.fits_triton(int(batch.input_ids.shape[0]), r, batch.max_q_len, tree=tree):
             max_kv = int(np.diff(batch.kv_indptr_cpu).max())
-            self._active = _Active(batch, num_splits=num_splits_for(r, self.num_kv_heads, self.num_sms, max_kv))
+            tile_rows = batch.max_q_len * (self.num_heads // self.num_kv_heads)
+            splits = num_splits_for(r, self.num_kv_heads, self.num_sms, max_kv, tile_rows=tile_rows)
+            self._active = _Active(batch, num_splits=splits)
             return
         kv_indptr = _host_i32(batch.kv_indptr_cpu)  # [R+1]
         last_page_len = torch.ones(r, dtype=torch.int32)  # [R]
@@ -201,8 +203,9 @@ class CudaAttentionBackend(AttentionBackend):
         if tree and not self.fits_triton(batch_size * q_len, batch_size, q_len, tree=True):
             raise ValueError(f"a tree step of {q_len} branches per request does not fit the Triton kernel")
         if self.fits_triton(batch_size * q_len, batch_size, q_len, tree=tree):
-            return CudaGraphAttention(batch_size, q_len, max_kv_rows, wrapper=None,
-                                      num_splits=num_splits_for(batch_size, self.num_kv_heads, self.num_sms))
+            tile_rows = q_len * (self.num_heads // self.num_kv_heads)
+            splits = num_splits_for(batch_size, self.num_kv_heads, self.num_sms, tile_rows=tile_rows)
+            return CudaGraphAttention(batch_size, q_len, max_kv_rows, wrapper=None, num_splits=splits)
         dev = self.device
         indptr_buf = torch.zeros(batch_size + 1, dtype=torch.int32, device=dev)
         indices_buf = torch.zeros(max_kv_rows, dtype=torch.int32, device=dev)

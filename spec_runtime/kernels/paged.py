@@ -167,10 +167,16 @@ def _attn_merge_kernel(
 
 
 def num_splits_for(num_requests: int, num_kv_heads: int, num_sms: int, max_kv_len: int | None = None,
-                   block_n: int = 32) -> int:
-    """Splits per (request, kv head): enough programs to fill the GPU about twice,
-    never so many that a split of `max_kv_len` rows is under one block."""
-    s = max(1, min(32, triton.cdiv(2 * num_sms, num_requests * num_kv_heads)))
+                   block_n: int = 32, tile_rows: int = 16) -> int:
+    """Splits per (request, kv head): as many programs as run on the GPU at once, never
+    more, and never so many that a split of `max_kv_len` rows is under one block.
+
+    tile_rows: the queries of one program (q_len x GQA group). Tiles of up to 32 rows run
+    about four programs per SM, larger ones two. A grid just past that count runs a second
+    wave as long as the first on a few SMs, so the count rounds down
+    (docs/kernels.md, "Split count")."""
+    per_sm = 4 if tile_rows <= 32 else 2
+    s = max(1, min(32, per_sm * num_sms // (num_requests * num_kv_heads)))
     if max_kv_len is not None:
         s = max(1, min(s, triton.cdiv(max_kv_len, block_n)))
     return s
