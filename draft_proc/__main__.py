@@ -8,7 +8,7 @@ import zmq
 
 from protocol.messages import PROTOCOL_VERSION, Ready, SpecLinkToDraft
 from protocol.transport import Channel, set_curve_server
-from spec_runtime.child import run_child
+from spec_runtime.child import one_host_thread, run_child
 from draft_proc.worker import DraftWorker
 
 
@@ -17,6 +17,7 @@ def build(cfg, init, *, spec_secret_key: bytes | None = None):
     tcp) the link is a CURVE server and may bind a non-loopback address."""
     from draft_proc.factory import make_speculators
 
+    one_host_thread(cfg.draft.device)
     speculator, ssd, vocab_size, info = make_speculators(cfg)
     chan = Channel(zmq.PAIR, SpecLinkToDraft)
     if spec_secret_key is not None:

@@ -8,7 +8,7 @@ import zmq
 
 from protocol.messages import PROTOCOL_VERSION, ClientMessage, Ready, SpecLinkToTarget
 from protocol.transport import Channel, RouterChannel, set_curve_client, set_curve_server
-from spec_runtime.child import run_child
+from spec_runtime.child import one_host_thread, run_child
 from target_proc.draft_link import DraftLink
 from target_proc.worker import TargetWorker
 
@@ -21,6 +21,7 @@ def build(cfg, init, *, client_secret_key: bytes | None = None, draft_public_key
     tensor-parallel ranks that a Ray deployment started join this rank 0."""
     from target_proc.model import resolved_config, start_tensor_parallel, target_runner
 
+    one_host_thread(cfg.target.device)
     tp = start_tensor_parallel(cfg, tp_rendezvous)  # None on one device
     runner = target_runner(cfg, tp)
     cfg = resolved_config(cfg, runner)  # the worker schedules with the sized defaults

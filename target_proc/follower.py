@@ -26,9 +26,10 @@ def main() -> None:
     p.add_argument("--parent-pid", type=int, default=None, help="the target's pid (spec_runtime.child_boot)")
     args = p.parse_args()
 
-    from spec_runtime.child import exit_with_parent, setup_logging
+    from spec_runtime.child import exit_with_parent, one_host_thread, setup_logging
 
     exit_with_parent(args.parent_pid)
+    one_host_thread(args.device)
     role = f"target-rank{args.rank}"
     setup_logging(role, "WARNING")  # until the config arrives
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))

@@ -79,3 +79,22 @@ def test_shutdown_leaves_nothing(tmp_path):
     launcher.shutdown()
     _assert_no_new_children(before)
     assert not os.path.exists(ipc_dir)
+
+
+def test_a_process_on_a_cuda_device_keeps_torch_to_one_host_thread():
+    """The target and draft processes call this at start-up: on CUDA, one CPU thread for
+    torch (spinning idle threads in both processes took the cores their loops need); on the
+    CPU, torch's threads stay (they run the model)."""
+    import torch
+
+    from spec_runtime.child import one_host_thread
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        one_host_thread("cpu")
+        assert torch.get_num_threads() == 2
+        one_host_thread("cuda:1")
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
