@@ -107,14 +107,21 @@ class Costs:
         missed = 1.0 if plan.backup == "none" else chain_tokens(self.tokens, k, n)
         return h * self.tokens + (1.0 - h) * missed
 
-    def realized_rate(self, plan: "RoundPlan", k: int = 0) -> float | None:
+    def realized_rate(self, plan: "RoundPlan", k: int = 0, batch: int | None = None) -> float | None:
         """Tokens/s of `plan` over its last steps, None below REALIZED_MIN of them: the
         expected tokens of its steps (tokens_per_sequence, else their own) over the
         steps' time. A step over STALL times the median (a kernel built on first use, an
         admission) is left out. Time, not each step's tokens/s, is what a plan's steps
         realize: at batch 1 a step's tokens range from 1 to K + 1, and a window of such
-        ratios would rank options by luck."""
+        ratios would rank options by luck.
+
+        batch: count only steps of about this many sequences (within an eighth). A bucket
+        holds batch sizes up to twice apart, and a rate realized while a batch was filling
+        (9 sequences) says little about the full one (16): the step's fixed costs are
+        spread over fewer tokens."""
         window = self.realized.get(plan)
+        if window and batch is not None:
+            window = [e for e in window if abs(e[0] - batch) <= batch // 8]
         if not window or len(window) < REALIZED_MIN:
             return None
         cap = STALL * statistics.median(s for _, _, s in window)
@@ -165,7 +172,7 @@ def chain_tokens(tokens: float, k: int, n: int) -> float:
 def predict(plan: RoundPlan, batch: int, c: Costs, k: int = 0) -> float | None:
     """Tokens/s of `plan` for `batch` sequences: as realized where it has run, else as the
     model predicts; None while an input is unmeasured. k: the full speculation length."""
-    realized = c.realized_rate(plan, k)
+    realized = c.realized_rate(plan, k, batch)
     if realized is not None:
         return realized
     return model_rate(plan, batch, c, k)

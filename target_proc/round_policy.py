@@ -38,7 +38,9 @@ The model ranks options nobody has run yet. Once an option has run, its realized
 stands in for the prediction: the expected tokens of its last 8 steps (B a for SD and for
 SSD with jit, B for plain steps, the model's mix of hits and misses for the other backups)
 over those steps' wait and busy time, a step over 3x their median (a kernel built on first
-use, an admission) left out. What differs between options is their time; the tokens of
+use, an admission) left out. Only steps of about the current batch size count (within an
+eighth of it): a bucket spans batch sizes up to twice apart, and steps run while a batch
+filled up would rate an option at the full batch far too low. What differs between options is their time; the tokens of
 one step scatter too widely at small batch (1 to K + 1) for a few steps to rank options
 by them.
 
@@ -50,7 +52,9 @@ Every `probe_every` steps another option is probed for `probe_len` steps so its
 measurements stay current: the one the model predicts fastest when that beats the choice's
 realized rate (a realized rate from a few steps of a transition must not rule an option
 out), else the runner-up (every fourth probe goes to the other options in turn). A probe
-discards the option's earlier realized rate. Running means clamp each sample to within 4x
+discards the option's earlier realized rate. A probe costs its steps and two switches, so
+one after which the choice stands doubles the wait for the next (up to 8 x probe_every
+steps), and a change of choice restores it. Running means clamp each sample to within 4x
 of the mean, so one stall does not skew them. A
 step measures an option only when the two requests before it made the same choice (its
 wait answers the request one back, from the cache built after the request two back),
@@ -92,6 +96,7 @@ logger = logging.getLogger(__name__)
 JIT_ONLY_BELOW = 8  # batch sizes that always use the jit backup
 SHORT_JIT_DIV = 4  # the short jit drafts K // 4 tokens (none below K = 4)
 _MARGIN = 0.03  # a choice changes only for a prediction this much faster
+MAX_PROBE_BACKOFF = 8  # probes that change nothing space out up to this many times probe_every
 MIN_CONTEXT_BUCKET = 1024  # contexts below this share one bucket of costs
 STEADY_AFTER_ROUNDS = 3  # a sequence's rounds (its prefill included) before its steps measure costs
 
@@ -103,6 +108,8 @@ class _Bucket:
     probe: deque = field(default_factory=deque)  # plans still to run in a probe
     steps_since_probe: int = 0
     num_probes: int = 0
+    probed: RoundPlan | None = None  # the option of the periodic probe under way
+    backoff: int = 1  # the next periodic probe comes after probe_every * backoff steps
 
 
 class RoundPolicy:
@@ -203,13 +210,16 @@ class RoundPolicy:
         best = ranked[0]
         if b.choice in rates and rates[b.choice] >= (1 - _MARGIN) * rates[best]:
             best = b.choice  # hold on to the choice unless another is clearly faster
+        if b.probed is not None:  # a periodic probe has ended: it won, or the next one waits longer
+            b.backoff = 1 if best == b.probed else min(MAX_PROBE_BACKOFF, 2 * b.backoff)
+            b.probed = None
         explore = self._unmeasured_alternative(batch, best, rates, opts, c)
         if explore is not None:
             return self._start_probe(b, explore)
         self._set_choice(key, b, best, rates)
         b.steps_since_probe += 1
         others = [p for p in ranked if p != best]
-        if others and b.steps_since_probe >= self.probe_every:
+        if others and b.steps_since_probe >= self.probe_every * b.backoff:
             # The runner-up, and every other option in turn once in a while, so that one
             # slow first measurement cannot rule an option out for good.
             b.steps_since_probe = 0
@@ -218,10 +228,11 @@ class RoundPolicy:
             # its realized rate may come from a few steps of a transition.
             hopeful = max(others, key=lambda p: model_rate(p, batch, c, self.k) or 0.0)
             if (model_rate(hopeful, batch, c, self.k) or 0.0) > (1 + _MARGIN) * rates[best]:
-                return self._start_probe(b, hopeful)
-            turn = b.num_probes % 4
-            return self._start_probe(b, others[0] if turn or len(others) == 1 else
-                                     others[1 + (b.num_probes // 4) % (len(others) - 1)])
+                b.probed = hopeful
+            else:
+                turn = b.num_probes % 4
+                b.probed = others[0] if turn or len(others) == 1 else others[1 + (b.num_probes // 4) % (len(others) - 1)]
+            return self._start_probe(b, b.probed)
         return best
 
     def _unmeasured_alternative(self, batch: int, best: RoundPlan, rates: dict, opts: list[RoundPlan],
@@ -261,6 +272,7 @@ class RoundPolicy:
             return
         if b.choice is not None:
             self.num_switches += 1
+        b.backoff = 1  # the costs moved: probe at the full rate again
         b.choice = plan
         others = ", ".join(f"{p.label()} {r:.0f}" for p, r in sorted(rates.items(), key=lambda x: -x[1]) if p != plan)
         logger.info("batch size ~%d, context up to %d tokens: %s (predicted %.0f tok/s; %s)", key[0], key[1],
