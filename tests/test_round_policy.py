@@ -486,3 +486,28 @@ def test_probes_that_change_nothing_space_out():
     plans = simulate(p, 16, 600, **fast)
     assert p.summary()[16].startswith("ssd")
     assert sum(pl.kind == "ssd" for pl in plans[-200:]) >= 170
+
+
+def test_replay_reads_step_records_and_prints_the_rates(tmp_path, capsys):
+    """scripts/replay_round_policy.py: DEBUG step records in, each option's rate out
+    wherever the recorded plan changes."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "replay_round_policy", Path(__file__).resolve().parents[1] / "scripts" / "replay_round_policy.py")
+    replay = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(replay)
+    lines = []
+    for i in range(12):
+        plan = "sd" if i < 6 else "ssd 8 branches, backup jit"
+        lines.append(f"step batch 4 context {600 + i}: {plan}, wait 10.00 ms, busy 20.00 ms, "
+                     f"{4 if i >= 8 else 0}/4 hits, 12 tokens drafted by 4, work-ahead {15.0 if i >= 6 else 0.0:.2f} ms")
+    log = tmp_path / "steps.log"
+    log.write_text("\n".join(["unrelated line"] + lines) + "\n")
+    replay.main([str(log), "--batch", "4", "--levels", "16,8", "--k", "4"])
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 and out[0].startswith("context 600, runs sd")
+    assert out[1].startswith("context 606, runs ssd 8 branches, backup jit: sd 400")  # 4 x 3 tokens / 30 ms
+    with pytest.raises(ValueError, match="unknown plan"):
+        replay.parse_plan("tree of 8")
