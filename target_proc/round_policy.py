@@ -40,28 +40,28 @@ SSD with jit, B for plain steps, the model's mix of hits and misses for the othe
 over those steps' wait and busy time, a step over 3x their median (a kernel built on first
 use, an admission) left out. Only steps of about the current batch size count (within an
 eighth of it): a bucket spans batch sizes up to twice apart, and steps run while a batch
-filled up would rate an option at the full batch far too low. What differs between options is their time; the tokens of
-one step scatter too widely at small batch (1 to K + 1) for a few steps to rank options
-by them.
+filled up would rate an option at the full batch far too low. What differs between
+options is their time; the tokens of one step scatter too widely at small batch (1 to
+K + 1) for a few steps to rank options by them.
 
 How it chooses: the largest tree with jit first, until it is measured; then one probe of
 SD rounds (measures c). From then on each step runs the best prediction. An option whose
 inputs are not measured yet is probed before it is run: the next smaller tree when the
 best one overruns the verify, plain decoding when its estimate (P taken as S) wins.
 Every `probe_every` steps another option is probed for `probe_len` steps so its
-measurements stay current: the one the model predicts fastest when that beats the choice's
-realized rate (a realized rate from a few steps of a transition must not rule an option
-out), else the runner-up (every fourth probe goes to the other options in turn). A probe
-discards the option's earlier realized rate. A probe costs its steps and two switches, so
-one after which the choice stands doubles the wait for the next (up to 8 x probe_every
-steps), and a change of choice restores it. Running means clamp each sample to within 4x
-of the mean, so one stall does not skew them. A
-step measures an option only when the two requests before it made the same choice (its
-wait answers the request one back, from the cache built after the request two back),
-and only when no sequence of the batch is in its first STEADY_AFTER_ROUNDS rounds. A
-realized rate also needs the request three back to have made it: the first chain after
-SSD rounds first feeds the draft the tokens of the last hit's branch (their KV lies in
-the tree's scratch rows), a cost of the switch, not of SD rounds.
+measurements stay current: the one the model predicts fastest when that beats the
+choice's realized rate (a realized rate from a few steps of a transition must not rule an
+option out), else the runner-up (every fourth probe goes to the other options in turn). A
+probe discards the option's earlier realized rate. A probe costs its steps and two
+switches, so one after which the choice stands doubles the wait for the next (up to 8 x
+probe_every steps), and a change of choice restores it. Running means clamp each sample
+to within 4x of the mean, so one stall does not skew them. A step measures an option only
+when the two requests before it made the same choice (its wait answers the request one
+back, from the cache built after the request two back), and only when no sequence of the
+batch is in its first STEADY_AFTER_ROUNDS rounds. A realized rate also needs the request
+three back to have made it: the first chain after SSD rounds first feeds the draft the
+tokens of the last hit's branch (their KV lies in the tree's scratch rows), a cost of the
+switch, not of SD rounds.
 `jit` is the backup below batch 8; from 8, jit, jit:N and none are all options.
 
 A draft on one of the target's GPUs gets no SSD rounds (unless SD rounds are ruled out):
@@ -229,9 +229,10 @@ class RoundPolicy:
             hopeful = max(others, key=lambda p: model_rate(p, batch, c, self.k) or 0.0)
             if (model_rate(hopeful, batch, c, self.k) or 0.0) > (1 + _MARGIN) * rates[best]:
                 b.probed = hopeful
+            elif b.num_probes % 4 or len(others) == 1:
+                b.probed = others[0]
             else:
-                turn = b.num_probes % 4
-                b.probed = others[0] if turn or len(others) == 1 else others[1 + (b.num_probes // 4) % (len(others) - 1)]
+                b.probed = others[1 + (b.num_probes // 4) % (len(others) - 1)]
             return self._start_probe(b, b.probed)
         return best
 

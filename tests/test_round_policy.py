@@ -501,8 +501,9 @@ def test_replay_reads_step_records_and_prints_the_rates(tmp_path, capsys):
     lines = []
     for i in range(12):
         plan = "sd" if i < 6 else "ssd 8 branches, backup jit"
+        hits, work = (4 if i >= 8 else 0), (15.0 if i >= 6 else 0.0)
         lines.append(f"step batch 4 context {600 + i}: {plan}, wait 10.00 ms, busy 20.00 ms, "
-                     f"{4 if i >= 8 else 0}/4 hits, 12 tokens drafted by 4, work-ahead {15.0 if i >= 6 else 0.0:.2f} ms")
+                     f"{hits}/4 hits, 12 tokens drafted by 4, work-ahead {work:.2f} ms")
     log = tmp_path / "steps.log"
     log.write_text("\n".join(["unrelated line"] + lines) + "\n")
     replay.main([str(log), "--batch", "4", "--levels", "16,8", "--k", "4"])
