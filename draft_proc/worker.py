@@ -87,6 +87,7 @@ class DraftWorker:
         # SSD: ids of sequences added but not yet named by a SpecRequest, in arrival order.
         self.fresh: dict[int, None] = {}
         self._worked_ahead = True  # the last SpecRequest's work_ahead flag
+        self._last_sd = False  # the last SpecRequest asked for a synchronous SD round
         # The last work-ahead, for TreeBudget: (sequences, work s, end time, whether the
         # next request was already waiting when it ended); None when no work-ahead is
         # the last thing that ran.
@@ -223,8 +224,10 @@ class DraftWorker:
             return
         t1 = time.perf_counter()
         if self.ssd is not None:
-            specs, hits_by_depth = self.ssd.propose(ok, req.k, count_misses=counted,
-                                                    backup_k=backup_len(req.backup, req.k))
+            # Right after an SD round no tree stands behind this answer: a round that
+            # speculates gets chains, as SD rounds do, whatever it names for cache misses.
+            backup_k = req.k if self._last_sd and req.work_ahead else backup_len(req.backup, req.k)
+            specs, hits_by_depth = self.ssd.propose(ok, req.k, count_misses=counted, backup_k=backup_k)
         elif backup_len(req.backup, req.k) == 0:  # the target decodes plainly: take in the outcomes only
             for s in ok:
                 s.set_no_speculation()
@@ -247,6 +250,7 @@ class DraftWorker:
             self.push_stats()
         if self.ssd is not None:
             self._worked_ahead = bool(req.work_ahead)
+            self._last_sd = not req.work_ahead and backup_len(req.backup, req.k) != 0
             if req.work_ahead:
                 # Answer first, then work ahead for the outcomes expected next round.
                 self.ssd.work_ahead(ok, req.k, branches=req.branches)

@@ -51,3 +51,19 @@ def test_plain_steps_draft_nothing_and_the_next_speculation_is_unchanged(tiny_ll
     ref = _request(cold, cold_chan, 1, 1, 1, 30, work_ahead=False)
     assert int(after.num_draft_tokens[0]) == K
     np.testing.assert_array_equal(after.draft_token_ids, ref.draft_token_ids)
+
+
+@pytest.mark.parametrize("before, drafts", [
+    (dict(work_ahead=False), K),  # an SD round: no tree behind the next answer, which gets a chain
+    (dict(work_ahead=False, backup=PLAIN.backup), 0),  # a plain step: the next answer drafts nothing
+])
+def test_the_first_answer_after_sd_rounds_is_a_chain_whatever_backup_it_names(tiny_llama_dir, before, drafts):
+    """The round policy switches from SD rounds to SSD rounds with no backup: the answer to
+    that request has no tree behind it (the draft did not work ahead during the SD round),
+    and answering its 'misses' with no drafts would verify one token per sequence."""
+    worker, chan = _worker(tiny_llama_dir, mode="ssd")
+    _add(worker, chan, 1, [5, 9, 14, 3, 22, 40])
+    _request(worker, chan, 1, 1, 1, 7, **before)
+    resp = _request(worker, chan, 2, 1, 2, 11, work_ahead=True, backup="none")
+    assert int(resp.num_draft_tokens[0]) == drafts
+    assert not resp.cache_hit[0]
