@@ -209,9 +209,10 @@ class DraftWorker:
         self.num_requests += 1
         b = len(req.seq_ids)
         arrays = (req.seq_ids, req.rounds, req.num_accepted, req.token_ids, req.seq_lens)
+        backup_k = backup_len(req.backup, req.k)  # tokens a cache miss gets; None: no such backup
         # Integer dtypes only: a float array could carry NaN, which int() refuses.
         if (any(np.asarray(a).shape != (b,) or not np.issubdtype(np.asarray(a).dtype, np.integer) for a in arrays)
-                or not 1 <= req.k <= self.cfg.spec.k or req.branches < 0 or backup_len(req.backup, req.k) is None):
+                or not 1 <= req.k <= self.cfg.spec.k or req.branches < 0 or backup_k is None):
             self.channel.send(ErrorReply(code="bad_request", message=f"SpecRequest arrays must all be integer "
                                          f"[{b}], 1 <= k <= {self.cfg.spec.k}, branches >= 0 and backup one of "
                                          f"{BACKUP_CHOICES}"))
@@ -226,9 +227,9 @@ class DraftWorker:
         if self.ssd is not None:
             # Right after an SD round no tree stands behind this answer: a round that
             # speculates gets chains, as SD rounds do, whatever it names for cache misses.
-            backup_k = req.k if self._last_sd and req.work_ahead else backup_len(req.backup, req.k)
-            specs, hits_by_depth = self.ssd.propose(ok, req.k, count_misses=counted, backup_k=backup_k)
-        elif backup_len(req.backup, req.k) == 0:  # the target decodes plainly: take in the outcomes only
+            specs, hits_by_depth = self.ssd.propose(ok, req.k, count_misses=counted,
+                                                    backup_k=req.k if self._last_sd and req.work_ahead else backup_k)
+        elif backup_k == 0:  # the target decodes plainly: take in the outcomes only
             for s in ok:
                 s.set_no_speculation()
             specs, hits_by_depth = [NO_DRAFT] * len(ok), []
@@ -250,7 +251,7 @@ class DraftWorker:
             self.push_stats()
         if self.ssd is not None:
             self._worked_ahead = bool(req.work_ahead)
-            self._last_sd = not req.work_ahead and backup_len(req.backup, req.k) != 0
+            self._last_sd = not req.work_ahead and backup_k != 0
             if req.work_ahead:
                 # Answer first, then work ahead for the outcomes expected next round.
                 self.ssd.work_ahead(ok, req.k, branches=req.branches)

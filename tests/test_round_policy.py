@@ -498,14 +498,29 @@ def test_replay_reads_step_records_and_prints_the_rates(tmp_path, capsys):
         "replay_round_policy", Path(__file__).resolve().parents[1] / "scripts" / "replay_round_policy.py")
     replay = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(replay)
-    lines = []
-    for i in range(12):
-        plan = "sd" if i < 6 else "ssd 8 branches, backup jit"
-        hits, work = (4 if i >= 8 else 0), (15.0 if i >= 6 else 0.0)
-        lines.append(f"step batch 4 context {600 + i}: {plan}, wait 10.00 ms, busy 20.00 ms, "
-                     f"{hits}/4 hits, 12 tokens drafted by 4, work-ahead {work:.2f} ms")
+    # The records as the policy logs them at DEBUG.
+    records = logging.getLogger("target_proc.round_policy")
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    keep, level = Keep(), records.level
+    records.addHandler(keep)
+    records.setLevel(logging.DEBUG)
+    try:
+        logged = _policy(levels=[16, 8], k=4)
+        for i in range(12):
+            plan = SD if i < 6 else RoundPlan("ssd", 8, "jit")
+            logged.record(4, plan, context=600 + i, wait_s=0.010, busy_s=0.020, num_specs=4,
+                          num_hits=4 if i >= 8 else 0, num_drafted=4, drafted_tokens=12,
+                          draft_work_s=0.015 if i >= 6 else 0.0)
+    finally:
+        records.removeHandler(keep)
+        records.setLevel(level)
     log = tmp_path / "steps.log"
-    log.write_text("\n".join(["unrelated line"] + lines) + "\n")
+    log.write_text("\n".join(["unrelated line"] + [ln for ln in lines if ln.startswith("step ")]) + "\n")
     replay.main([str(log), "--batch", "4", "--levels", "16,8", "--k", "4"])
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 2 and out[0].startswith("context 600, runs sd")
