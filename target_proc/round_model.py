@@ -181,7 +181,8 @@ def predict(plan: RoundPlan, batch: int, c: Costs, k: int = 0) -> float | None:
 def model_rate(plan: RoundPlan, batch: int, c: Costs, k: int = 0) -> float | None:
     """The module doc's prediction of `plan`'s tokens/s, or None while an input is unmeasured."""
     if plan.kind == "plain":
-        p = c.plain_s if c.plain_s is not None else c.verify(False)  # a plain step runs the same padded verify
+        # Unmeasured, P is taken as S: a floor on the rate, as a plain step verifies one token per sequence.
+        p = c.plain_s if c.plain_s is not None else c.verify(False)
         return batch / p if p else None
     if c.tokens is None:
         return None

@@ -47,7 +47,10 @@ K + 1) for a few steps to rank options by them.
 How it chooses: the largest tree with jit first, until it is measured; then one probe of
 SD rounds (measures c). From then on each step runs the best prediction. An option whose
 inputs are not measured yet is probed before it is run: the next smaller tree when the
-best one overruns the verify, plain decoding when its estimate (P taken as S) wins.
+best one overruns the verify; plain decoding once its estimate with P taken as S comes
+within PLAIN_PRIOR_SLACK of the best. That estimate is a floor: a plain step verifies one
+token per sequence, a speculating one K + 1 (in docs/benchmarks.md's runs a one-token
+step took 0.57-0.96 of an SD round's verify).
 Every `probe_every` steps another option is probed for `probe_len` steps so its
 measurements stay current: the one the model predicts fastest when that beats the
 choice's realized rate (a realized rate from a few steps of a transition must not rule an
@@ -97,6 +100,7 @@ JIT_ONLY_BELOW = 8  # batch sizes that always use the jit backup
 SHORT_JIT_DIV = 4  # the short jit drafts K // 4 tokens (none below K = 4)
 _MARGIN = 0.03  # a choice changes only for a prediction this much faster
 MAX_PROBE_BACKOFF = 8  # probes that change nothing space out up to this many times probe_every
+PLAIN_PRIOR_SLACK = 1.5  # plain decoding is measured once its floor estimate comes this close to the best
 MIN_CONTEXT_BUCKET = 1024  # contexts below this share one bucket of costs
 STEADY_AFTER_ROUNDS = 3  # a sequence's rounds (its prefill included) before its steps measure costs
 
@@ -238,11 +242,12 @@ class RoundPolicy:
 
     def _unmeasured_alternative(self, batch: int, best: RoundPlan, rates: dict, opts: list[RoundPlan],
                                 c: Costs) -> RoundPlan | None:
-        """An option worth measuring before `best` runs: plain decoding when its estimate
-        wins and P was never measured; the next smaller tree below one that overruns the
-        verify, when it would beat `best` if it fit (its hit rate at most the larger one's)."""
-        if best.kind == "plain" and c.plain_s is None:
-            return best
+        """An option worth measuring before `best` runs: plain decoding while P was never
+        measured and its floor estimate (P taken as S) is within PLAIN_PRIOR_SLACK of
+        `best`; the next smaller tree below one that overruns the verify, when it would
+        beat `best` if it fit (its hit rate at most the larger one's)."""
+        if c.plain_s is None and PLAIN in rates and PLAIN_PRIOR_SLACK * rates[PLAIN] >= rates[best]:
+            return PLAIN
         s = c.verify(True)
         if s is None or c.tokens is None:
             return None

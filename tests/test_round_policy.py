@@ -527,3 +527,24 @@ def test_replay_reads_step_records_and_prints_the_rates(tmp_path, capsys):
     assert out[1].startswith("context 606, runs ssd 8 branches, backup jit: sd 400")  # 4 x 3 tokens / 30 ms
     with pytest.raises(ValueError, match="unknown plan"):
         replay.parse_plan("tree of 8")
+
+
+def test_plain_decoding_is_measured_when_its_floor_estimate_comes_close():
+    """Before a plain step has run, its rate is estimated with P taken as a speculating
+    step's verify, a floor: a plain step verifies one token per sequence. At low
+    acceptance and large batch the one-token step is what wins, so it is measured
+    (and then chosen) though its floor estimate ranks below SD."""
+    p = _policy(k=4, short_jit=1)
+    slow_trees = dict(verify_s=0.010, chain_s=0.002, work_s={16: 0.030, 8: 0.025, 4: 0.022},
+                      hit_rate={16: 0.6, 8: 0.5, 4: 0.4}, tokens=1.35)
+    # SD: 32 x 1.35 / 12 ms = 3600 tok/s; plain 32 / 7.5 ms = 4267, its floor 32 / 10 ms = 3200.
+    plans = simulate(p, 32, 200, plain_s=0.0075, **slow_trees)
+    assert PLAIN in plans[:40]
+    assert p.costs(32).plain_s == pytest.approx(0.0075)
+    assert p.summary() == {32: "plain"} and plans[-100:].count(PLAIN) >= 80
+
+
+def test_plain_decoding_is_not_probed_when_even_its_slack_leaves_it_behind():
+    p = _policy()
+    plans = simulate(p, 1, 200, plain_s=0.018, **FITS)  # SSD 150 tok/s; plain's floor 50, 75 with the slack
+    assert PLAIN not in plans
