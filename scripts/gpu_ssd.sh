@@ -11,7 +11,8 @@
 #   PAIR=8b: target-8b + draft-1b, K=${K:-2}); PROMPTS, BATCHES, TEMPS, MAX_TOKENS, ALPHA, MODES,
 #   FAN_OUT (default 3 at every depth), TREE_BUDGET (0: the default), TREE_SHAPE, TARGET_MEM (the
 #   target's --target-gpu-memory-utilization, 0.85; 0.92 fits target-32b on an 80 GB GPU),
-#   MAX_BATCH_TOKENS (points whose batch holds more prompt and output tokens are left out).
+#   MAX_BATCH_TOKENS (points whose batch holds more prompt and output tokens are left out),
+#   LOG_LEVEL (DEBUG also writes the round policy's step records to $OUT/steps_$TAG.log).
 # Wheels found in .whl/ are installed into .site/ first; logs and JSON go under $OUT
 # (default /tmp/gpu_ssd_out).
 set -uo pipefail
@@ -61,7 +62,13 @@ case "${PART:-check}" in
       --prompt-lens "${PROMPTS:-512}" --batch-sizes "${BATCHES:-1,4,16}" --max-batch-tokens "${MAX_BATCH_TOKENS:-0}" --temperatures "${TEMPS:-0}" \
       --max-tokens "${MAX_TOKENS:-256}" --warmup-tokens "${WARMUP:-64}" --tree-shape "${TREE_SHAPE:-auto}" --tree-budget "${TREE_BUDGET:-0}" --work-ahead "${WORK_AHEAD:-auto}" --synthetic-acceptance "${ALPHA:-0.8}" --synthetic-ranks 0.5,0.2,0.1 \
       --log-level "${LOG_LEVEL:-WARNING}" \
-      --out "$OUT/e2e_${TAG:-$PAIR}.json" 2>&1 | grep -v "^ *$" | tee "$OUT/e2e_${TAG:-$PAIR}.log" | tail -60
+      --out "$OUT/e2e_${TAG:-$PAIR}.json" 2>&1 | grep -v "^ *$" | tee "/tmp/e2e_${TAG:-$PAIR}_full.log" \
+      | grep -v "round_policy: step batch" | tee "$OUT/e2e_${TAG:-$PAIR}.log" | tail -60
+    # LOG_LEVEL=DEBUG: the round policy's step records, one file to replay
+    # (scripts/replay_round_policy.py).
+    if grep -q "round_policy: step batch" "/tmp/e2e_${TAG:-$PAIR}_full.log"; then
+      grep "round_policy: step batch" "/tmp/e2e_${TAG:-$PAIR}_full.log" > "$OUT/steps_${TAG:-$PAIR}.log"
+    fi
     ;;
 esac
 stamp "done"
