@@ -6,6 +6,9 @@ recorded choices, so this shows how the policy rates what ran, not a new run.
 
     python scripts/replay_round_policy.py bench/results/round_policy_steps_8b_p2048_b16_nvidia-h100-x2_2026-11-26.log \\
         --batch 16 --levels 15,7,3 --k 4
+
+--time also asks the policy for a plan before each record, as the target does every step,
+and prints the mean host time of that call (the recorded plan is still the one fed back).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -39,10 +43,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--levels", required=True, help="the tree shapes of that batch size, largest first")
     p.add_argument("--k", type=int, required=True)
     p.add_argument("--top", type=int, default=4)
+    p.add_argument("--time", action="store_true", help="time RoundPolicy.choose before each record")
     args = p.parse_args(argv)
     levels = [int(x) for x in args.levels.split(",")]
     policy = RoundPolicy(lambda b: levels, k=args.k, short_jit=args.k // SHORT_JIT_DIV)
     last, context = None, 0
+    choose_s, chosen = 0.0, 0
     for line in Path(args.log).read_text().splitlines():
         m = STEP.search(line)
         if m is None:
@@ -55,9 +61,16 @@ def main(argv: list[str] | None = None) -> None:
             ranked = sorted(((r, o) for o, r in rates.items() if r is not None), reverse=True)[: args.top]
             print(f"context {context}, runs {label}: " + ", ".join(f"{o} {r:.0f}" for r, o in ranked))
             last = plan
+        if args.time:
+            t0 = time.perf_counter()
+            policy.choose(batch, context)
+            choose_s += time.perf_counter() - t0
+            chosen += 1
         policy.record(batch, plan, context=context, wait_s=float(wait) / 1e3, busy_s=float(busy) / 1e3,
                       num_specs=int(specs), num_hits=int(hits), num_drafted=int(drafted),
                       drafted_tokens=int(tokens), draft_work_s=float(work) / 1e3, steady=first is None)
+    if chosen:
+        print(f"RoundPolicy.choose: {1e6 * choose_s / chosen:.1f} us per step over {chosen} steps")
 
 
 if __name__ == "__main__":

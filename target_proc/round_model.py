@@ -4,6 +4,7 @@ formulas are in target_proc/round_policy.py's module doc). Pure bookkeeping, no 
 
 from __future__ import annotations
 
+import functools
 import statistics
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -155,18 +156,25 @@ def short_jit_len(backup: str) -> int:
     return int(backup[4:]) if backup.startswith("jit:") else 0
 
 
+def _powers_sum(x: float, n: int) -> float:
+    """x + x^2 + ... + x^n for 0 <= x <= 1."""
+    return float(n) if x >= 1.0 else x * (1.0 - x ** n) / (1.0 - x)
+
+
+@functools.lru_cache(maxsize=256)
 def chain_tokens(tokens: float, k: int, n: int) -> float:
     """Tokens per round (accepted + 1) of an n-token chain, given `tokens` for k tokens:
-    the per-token acceptance x with x + ... + x^k = tokens - 1, summed to n."""
+    the per-token acceptance x with x + ... + x^k = tokens - 1, summed to n. Cached: the
+    policy asks it for every short-jit option of every step, with one `tokens` per step."""
     target = min(max(tokens - 1.0, 0.0), float(k))
     lo, hi = 0.0, 1.0
     for _ in range(40):
         x = (lo + hi) / 2
-        if sum(x ** i for i in range(1, k + 1)) < target:
+        if _powers_sum(x, k) < target:
             lo = x
         else:
             hi = x
-    return 1.0 + sum(lo ** i for i in range(1, n + 1))
+    return 1.0 + _powers_sum(lo, n)
 
 
 def predict(plan: RoundPlan, batch: int, c: Costs, k: int = 0) -> float | None:

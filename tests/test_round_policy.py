@@ -5,6 +5,7 @@ draft and target), so nothing here depends on this machine's speed."""
 from __future__ import annotations
 
 import logging
+import re
 from collections import Counter
 
 import pytest
@@ -525,6 +526,9 @@ def test_replay_reads_step_records_and_prints_the_rates(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 2 and out[0].startswith("context 600, runs sd")
     assert out[1].startswith("context 606, runs ssd 8 branches, backup jit: sd 400")  # 4 x 3 tokens / 30 ms
+    replay.main([str(log), "--batch", "4", "--levels", "16,8", "--k", "4", "--time"])
+    timed = capsys.readouterr().out.splitlines()
+    assert timed[:2] == out and re.fullmatch(r"RoundPolicy\.choose: [\d.]+ us per step over 12 steps", timed[2])
     with pytest.raises(ValueError, match="unknown plan"):
         replay.parse_plan("tree of 8")
 
