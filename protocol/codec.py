@@ -40,6 +40,10 @@ ALLOWED_DTYPES: dict[str, np.dtype] = {
     name: np.dtype(name).newbyteorder("<")
     for name in ("bool", "int32", "int64", "float16", "float32")
 }
+# The same, keyed by the dtype itself (a dtype's .name is computed in Python on each read).
+_WIRE_BY_DTYPE: dict[np.dtype, tuple[str, np.dtype]] = {
+    wire: (name, wire) for name, wire in ALLOWED_DTYPES.items()
+}
 DEFAULT_MAX_FRAME_BYTES = 64 << 20
 DEFAULT_MAX_FRAMES = 32
 _MAX_NDIM = 8
@@ -73,10 +77,14 @@ _enc_state = threading.local()
 
 def _enc_hook(obj: Any) -> Any:
     if isinstance(obj, np.ndarray):
-        name = obj.dtype.name
-        wire_dtype = ALLOWED_DTYPES.get(name)
-        if wire_dtype is None:
-            raise ProtocolError("bad_message", f"cannot send arrays of dtype {name}; allowed: {sorted(ALLOWED_DTYPES)}")
+        known = _WIRE_BY_DTYPE.get(obj.dtype)  # little-endian arrays of an allowed dtype
+        if known is None:  # big-endian or not allowed
+            name = obj.dtype.name
+            wire_dtype = ALLOWED_DTYPES.get(name)
+            if wire_dtype is None:
+                raise ProtocolError("bad_message", f"cannot send arrays of dtype {name}; allowed: {sorted(ALLOWED_DTYPES)}")
+        else:
+            name, wire_dtype = known
         # No-op (no copy) for the usual C-contiguous little-endian array.
         arr = np.ascontiguousarray(obj, dtype=wire_dtype)
         frames = _enc_state.frames
