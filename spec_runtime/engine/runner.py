@@ -117,12 +117,8 @@ class ModelRunner:
             self.layout = self._paged_layout(block_size, num_blocks, max_model_len, max_batch_size, graph_q_lens,
                                              tree_shapes, num_scratch_rows)
         else:
-            if self.device.type == "cuda":
-                num_slots = self._fit(num_slots, max_model_len, max_batch_size, graph_q_lens, tree_shapes,
-                                      num_scratch_rows=num_scratch_rows)
-            if tp is not None:
-                num_slots = tp.min_int(num_slots)  # every rank's pool holds the same rows
-            self.layout = SlotLayout(num_slots, max_model_len, num_scratch_rows)
+            self.layout = self._slot_layout(num_slots, max_model_len, max_batch_size, graph_q_lens, tree_shapes,
+                                            num_scratch_rows)
         # One row past the layout that no sequence owns, for padded requests and branches.
         self.dummy_row = self.layout.num_rows
         self.kv_cache = KVCache(self.arch.num_layers, self.layout.num_rows + 1, num_kv_heads,
@@ -172,6 +168,16 @@ class ModelRunner:
         if max_model_len > limit:
             logger.warning("max_model_len %d capped to the model's max_position_embeddings %d", max_model_len, limit)
         return min(max_model_len, limit)
+
+    def _slot_layout(self, num_slots: int, max_model_len: int, max_batch_size: int, graph_q_lens: Sequence[int],
+                     tree_shapes: Sequence[tuple[int, int]], num_scratch_rows: int) -> SlotLayout:
+        """A pool of num_slots contexts (on CUDA, at most what fits); then num_scratch_rows rows."""
+        if self.device.type == "cuda":
+            num_slots = self._fit(num_slots, max_model_len, max_batch_size, graph_q_lens, tree_shapes,
+                                  num_scratch_rows=num_scratch_rows)
+        if self.tp is not None:
+            num_slots = self.tp.min_int(num_slots)  # every rank's pool holds the same rows
+        return SlotLayout(num_slots, max_model_len, num_scratch_rows)
 
     def _paged_layout(self, block_size: int, num_blocks: int, max_model_len: int, max_batch_size: int,
                       graph_q_lens: Sequence[int], tree_shapes: Sequence[tuple[int, int]] = (),
