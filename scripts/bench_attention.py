@@ -27,7 +27,7 @@ SHAPES = {  # heads, kv heads, head dim
     "target-32b": (64, 8, 128),
     "draft-1b": (32, 8, 64),
 }
-CANDIDATES = (1, 2, 3, 4, 5, 8, 9, 16, 32)  # powers of two, and the counts that round 2 x SMs up
+CANDIDATES = (1, 2, 3, 4, 5, 8, 9, 16, 32)  # powers of two, and 2 x SMs / (batch x kv heads) rounded up at batch 16, 8, 4
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -40,9 +40,10 @@ def setup_logging(role: str, level: str) -> None:
 def one_host_thread(device: str) -> None:
     """On a CUDA device, torch's CPU work in this process runs on one thread. torch spreads
     a CPU copy (pinning a batch's page table) over a thread per core from 32K entries on,
-    and idle OpenMP threads spin for a while. With the target and the draft on one host, a
-    verify beside the draft's work-ahead at 16 sequences of 2K tokens took twice as long
-    with the default threads (docs/benchmarks.md). CPU devices keep torch's threads: there
+    and idle OpenMP threads spin for a while. With the target and the draft on one host and
+    the default threads, a verify beside the draft's work-ahead at 16 sequences of 2K tokens
+    took a median 22.4 ms against 14.1 ms without one (docs/benchmarks.md; the spinning
+    threads are the likely cause, not profiled). CPU devices keep torch's threads: there
     they run the model."""
     if device.startswith("cuda"):
         import torch
