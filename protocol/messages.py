@@ -159,8 +159,7 @@ class RequestStats(_Cold):
     e2e_s: float = 0.0
     # Arrival in target_proc to the request's KV blocks (the rest of ttft_s is its prefill).
     queue_s: float = 0.0
-    # Prompt tokens whose KV came from the prefix cache (OpenAI's
-    # usage.prompt_tokens_details.cached_tokens).
+    # Prompt tokens whose KV came from the prefix cache (OpenAI's usage.prompt_tokens_details.cached_tokens).
     num_cached_tokens: int = 0
     # Times the request's KV was freed to make room and recomputed later.
     num_preemptions: int = 0
@@ -253,9 +252,10 @@ class EngineStats(_Cold, tag="stats"):
     admit_s: float = 0.0
     # Steps the speculation policy ran as plain decoding (spec_policy="adaptive").
     num_plain_steps: int = 0
-    # SSD: steps after a request with work-ahead (SSD rounds) and without (SD rounds).
+    # SSD: steps after a request with work-ahead (SSD rounds), without (SD rounds), and halves steps.
     num_ssd_rounds: int = 0
     num_sd_rounds: int = 0
+    num_halves_steps: int = 0
     # SSD: times the round policy's choice for a batch size changed (probes not counted),
     # and its choice per batch-size bucket ("ssd 27 branches, backup jit", "sd", "plain").
     num_round_switches: int = 0

@@ -88,6 +88,7 @@ def run_mode(args, mode: str) -> list[dict]:
             r["prompt_len"] = prompt_len
             r["ssd_rounds"] = after.num_ssd_rounds - before.num_ssd_rounds
             r["sd_rounds"] = after.num_sd_rounds - before.num_sd_rounds
+            r["halves_steps"] = after.num_halves_steps - before.num_halves_steps
             r["plain_steps"] = after.num_plain_steps - before.num_plain_steps
             r["tree_shrinks"] = after.draft_tree_shrinks - before.draft_tree_shrinks
             r["tree_grows"] = after.draft_tree_grows - before.draft_tree_grows
@@ -104,7 +105,8 @@ def run_mode(args, mode: str) -> list[dict]:
                   f"tok/round, hit {r['cache_hit_rate']}, v={r['verify_ms_per_step']:.2f} ms, "
                   f"wait={r['draft_wait_ms_per_step']:.2f} ms, work={r['draft_work_ms_per_step']:.2f} ms, "
                   f"host={r['host_ms_per_step']:.2f} ms, admit={r['admit_ms_per_step']:.2f} ms, steps {r['steps']}, "
-                  f"ssd/sd rounds {r['ssd_rounds']}/{r['sd_rounds']}, plain steps {r['plain_steps']}, "
+                  f"ssd/sd rounds {r['ssd_rounds']}/{r['sd_rounds']}, halves steps {r['halves_steps']}, "
+                  f"plain steps {r['plain_steps']}, "
                   f"tree shrinks/grows {r['tree_shrinks']}/{r['tree_grows']}, "
                   f"draft answer {r['draft_answer_ms'] or 0:.2f} ms",
                   file=sys.stderr, flush=True)

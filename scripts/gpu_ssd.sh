@@ -65,9 +65,9 @@ case "${PART:-check}" in
       --out "$OUT/e2e_${TAG:-$PAIR}.json" 2>&1 | grep -v "^ *$" | tee "/tmp/e2e_${TAG:-$PAIR}_full.log" \
       | grep -v "round_policy: step batch" | tee "$OUT/e2e_${TAG:-$PAIR}.log" | tail -60
     # LOG_LEVEL=DEBUG: the round policy's step records, one file to replay
-    # (scripts/replay_round_policy.py).
+    # (scripts/replay_round_policy.py), with the line that ends each point.
     if grep -q "round_policy: step batch" "/tmp/e2e_${TAG:-$PAIR}_full.log"; then
-      grep "round_policy: step batch" "/tmp/e2e_${TAG:-$PAIR}_full.log" > "$OUT/steps_${TAG:-$PAIR}.log"
+      grep -E "round_policy: step batch|^\[(ssd|sd|ar)\] P=" "/tmp/e2e_${TAG:-$PAIR}_full.log" > "$OUT/steps_${TAG:-$PAIR}.log"
     fi
     ;;
 esac

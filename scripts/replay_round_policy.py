@@ -21,19 +21,23 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from target_proc.round_policy import PLAIN, SD, SHORT_JIT_DIV, RoundPlan, RoundPolicy, predict  # noqa: E402
+from target_proc.round_policy import HALVES, PLAIN, SD, SHORT_JIT_DIV, RoundPlan, RoundPolicy, predict  # noqa: E402
 
 STEP = re.compile(r"step batch (\d+) context (\d+): (.*?)( \(first rounds\))?, wait ([\d.]+) ms, busy ([\d.]+) ms, "
                   r"(\d+)/(\d+) hits, (\d+) tokens drafted by (\d+), work-ahead ([\d.]+) ms")
 
 
-def parse_plan(label: str) -> RoundPlan:
+def parse_plan(label: str) -> tuple[RoundPlan, int]:
+    """The plan of a record's label, and the sequences it ran when fewer than the batch (0)."""
+    m = re.fullmatch(r"halves(?: \((\d+) run\))?", label)
+    if m is not None:
+        return HALVES, int(m.group(1) or 0)
     if label in ("sd", "plain"):
-        return SD if label == "sd" else PLAIN
+        return (SD if label == "sd" else PLAIN), 0
     m = re.fullmatch(r"ssd (\d+) branches, backup (\S+)", label)
     if m is None:
         raise ValueError(f"unknown plan {label!r}")
-    return RoundPlan("ssd", int(m.group(1)), m.group(2))
+    return RoundPlan("ssd", int(m.group(1)), m.group(2)), 0
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -54,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
         if m is None:
             continue
         batch, context, label, first, wait, busy, hits, specs, tokens, drafted, work = m.groups()
-        batch, context, plan = int(batch), int(context), parse_plan(label)
+        (plan, stepped), batch, context = parse_plan(label), int(batch), int(context)
         if batch == args.batch and plan != last:
             c = policy.costs(batch, context)
             rates = {o.label(): predict(o, batch, c, args.k) for o in policy.options(batch)}
@@ -68,7 +72,8 @@ def main(argv: list[str] | None = None) -> None:
             chosen += 1
         policy.record(batch, plan, context=context, wait_s=float(wait) / 1e3, busy_s=float(busy) / 1e3,
                       num_specs=int(specs), num_hits=int(hits), num_drafted=int(drafted),
-                      drafted_tokens=int(tokens), draft_work_s=float(work) / 1e3, steady=first is None)
+                      drafted_tokens=int(tokens), draft_work_s=float(work) / 1e3, steady=first is None,
+                      stepped=stepped)
     if chosen:
         print(f"RoundPolicy.choose: {1e6 * choose_s / chosen:.1f} us per step over {chosen} steps")
 

@@ -106,7 +106,7 @@ class SpeculativeConfig:
     tree_budget: int = _f(0, "SSD: most branches tree-decoded per round over the whole batch; per-sequence fan-out shrinks (deepest depths first) when batch x sum(F) exceeds it. 0: 64 up to batch 4, then 16 per sequence up to 256 in all, and the round policy picks smaller trees where they pay (--work-ahead auto); a value pins the tree.")
     tree_shape: Literal["auto", "fixed"] = _f("auto", "SSD: auto: per batch size, the round policy picks the branches per sequence (the budget's share, a half or a quarter of it) from the measured work-ahead time and hit rate of each; fixed: always the budget's share. --tree-budget also pins it (--fan-out sets where the branches go, not how many).")
     backup: Backup = _f("auto", "What answers a tree-cache miss: jit (the draft drafts K tokens on request), ngram, none (the target verifies only its own token); auto: jit below batch 8, and from 8 jit, a short jit of K/4 tokens or none, whichever the measured costs predict faster.")
-    work_ahead: Literal["auto", "always"] = _f("auto", "SSD: auto: per batch size, the round policy predicts the tokens/s of SSD rounds (per tree shape and backup), synchronous SD rounds and plain decoding (with --spec-policy adaptive) from measured costs and runs the fastest, re-measuring the runner-up now and then (each choice is logged and counted in the stats); always: SSD rounds every step. With the draft on one of the target's GPUs, auto runs no SSD rounds: the work-ahead would compete with the verify for the same GPU (SD rounds or plain steps, by measured costs).")
+    work_ahead: Literal["auto", "always", "halves"] = _f("auto", "SSD: auto: per batch size, the round policy predicts the tokens/s of SSD rounds (per tree shape and backup), synchronous SD rounds, SD rounds over halves of the batch (from batch 8) and plain decoding (with --spec-policy adaptive) from measured costs and runs the fastest, re-measuring the runner-up now and then (each choice is logged and counted in the stats); always: SSD rounds every step; halves: every step an SD round over one half of the batch, in turn, the draft chaining the other half meanwhile. With the draft on one of the target's GPUs, auto runs no SSD rounds: the work-ahead would compete with the verify for the same GPU (SD rounds or plain steps, by measured costs).")
     ssd_prefetch: bool = _f(True, "SSD: on a new sequence, the draft works ahead for its first outcome while the target prefills, so the first look-up can hit.")
     draft_top_k: int = _f(64, "The draft samples only from this many of its most likely tokens; verification uses the same truncated draft distribution, so output stays exact, and what the draft sends per round does not grow with the vocabulary.")
     draft_temperature: float | None = _f(None, "Draft temperature; unset: the request's temperature.")
@@ -133,8 +133,8 @@ class SpeculativeConfig:
             raise ValueError(f"tree_budget must be >= 1 (or 0: the default), got {self.tree_budget}")
         if self.tree_shape not in ("auto", "fixed"):
             raise ValueError(f"tree_shape must be auto or fixed, got {self.tree_shape!r}")
-        if self.work_ahead not in ("auto", "always"):
-            raise ValueError(f"work_ahead must be auto or always, got {self.work_ahead!r}")
+        if self.work_ahead not in ("auto", "always", "halves"):
+            raise ValueError(f"work_ahead must be auto, always or halves, got {self.work_ahead!r}")
         if self.draft_top_k < 1:
             raise ValueError(f"draft_top_k must be >= 1, got {self.draft_top_k}")
         if self.draft_temperature is not None and self.draft_temperature < 0:

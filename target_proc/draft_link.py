@@ -38,7 +38,7 @@ from protocol.sparse_q import DraftTokens
 from target_proc.draft_timeout import DraftTimeout
 from target_proc.outputs import draft_fields
 from target_proc.sequence import Sequence
-from target_proc.speculation import Outcome, awaited_rows, inconsistent, spec_request
+from target_proc.speculation import Outcome, awaited_rows, inconsistent, response_rows, spec_request
 
 logger = logging.getLogger(__name__)
 
@@ -292,7 +292,7 @@ class DraftLink:
 
     def _drain(self) -> None:
         """Take what the draft has sent, without waiting: DraftStats into `last_stats`,
-        speculations kept, in order, for the next collect (which drops the stale ones)."""
+        answers to a sequence's latest round kept, in order, for the next collects."""
         if not self.alive:
             return
         while (msg := self._recv(0.0)) is not None:
@@ -301,6 +301,7 @@ class DraftLink:
                 self._stash.append(msg)
             else:
                 self._handle_other(msg)
+        self._stash = [m for m in self._stash if any(self.rounds.get(sid) == r for sid, r in response_rows(m))]
 
     # ---------------------------------------------------------------- waiting
 
@@ -308,14 +309,15 @@ class DraftLink:
         """Wait for the speculations of `waiting` ({seq_id: round}).
 
         Returns what arrived in time; sequences missing from the result get no
-        speculation this round (the caller decodes them plainly and re-syncs them).
+        speculation this round (the caller decodes them plainly and re-syncs them). An answer
+        to a sequence not awaited now (the other half, in halves steps) waits for its collect.
         """
         got: dict[int, DraftTokens] = {}
         if not waiting:
             return got
-        for msg in self._stash:
+        stash, self._stash = self._stash, []
+        for msg in stash:
             self._take_response(msg, waiting, got)
-        self._stash.clear()
         deadline = time.monotonic() + self.timeout_s
         while len(got) < len(waiting):
             remaining = deadline - time.monotonic()
@@ -345,12 +347,18 @@ class DraftLink:
         return got
 
     def _take_response(self, msg: SpecResponse, waiting: dict[int, int], got: dict[int, DraftTokens]) -> None:
+        """Take the rows that answer `waiting`; keep `msg` if it answers another's latest round."""
         why = inconsistent(msg)
         if why is not None:
             logger.warning("dropping a SpecResponse with inconsistent arrays (%s)", why)
             return
+        pairs = response_rows(msg)
+        if any(sid not in waiting and self.rounds.get(sid) == r for sid, r in pairs):
+            self._stash.append(msg)
+        if not any(waiting.get(sid) == r for sid, r in pairs):
+            return
         self.last_draft_work_s = msg.draft_work_s
-        if all(waiting.get(int(sid)) == int(r) for sid, r in zip(msg.seq_ids, msg.rounds)):
+        if all(waiting.get(sid) == r for sid, r in pairs):
             # Hits of answers nobody waits for (plain steps, stale rounds) are no hits.
             for j, n in enumerate(msg.hits_by_depth[: len(self.hits_by_depth)]):
                 self.hits_by_depth[j] += n
@@ -390,5 +398,3 @@ class DraftLink:
         except ProtocolError as e:
             logger.warning("dropping a malformed message from the draft: %s", e)
             return None
-
-

@@ -20,9 +20,10 @@ TOKENS_WINDOW = 32  # steps behind the mean tokens per sequence per round
 
 @dataclass(frozen=True)
 class RoundPlan:
-    """One step's choice. kind: "ssd", "sd" or "plain". branches: SSD branches per
-    sequence (0: the draft's own). backup: what answers the next round's misses ("": the
-    configured backup)."""
+    """One step's choice. kind: "ssd", "sd", "halves" (an SD round over one of two halves
+    of the batch, in turn: the draft chains one half while the target verifies the other)
+    or "plain". branches: SSD branches per sequence (0: the draft's own). backup: what
+    answers the next round's misses ("": the configured backup)."""
 
     kind: str
     branches: int = 0
@@ -44,6 +45,7 @@ class RoundPlan:
 
 
 SD = RoundPlan("sd")
+HALVES = RoundPlan("halves")
 # A plain step asks the draft only to take in the outcomes (no work-ahead, backup none): it
 # drafts nothing that nobody waits for, so it neither slows a verify on a shared GPU nor
 # falls behind. A speculating step right after one gets answers without drafts.
@@ -66,6 +68,7 @@ class Costs:
 
     verify_s: dict[bool, float | None] = field(default_factory=lambda: {True: None, False: None})
     plain_s: float | None = None
+    halves_s: float | None = None  # a halves step, as its share of the whole batch's time
     chain_s: float | None = None
     chain_window: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     work_s: dict[int, float] = field(default_factory=dict)
@@ -99,7 +102,7 @@ class Costs:
             return 1.0
         if self.tokens is None:
             return None
-        if plan.kind == "sd" or plan.backup == "jit":
+        if plan.kind in ("sd", "halves") or plan.backup == "jit":
             return self.tokens
         h = self.hit_rate.get(plan.branches)
         n = short_jit_len(plan.backup)
@@ -194,9 +197,15 @@ def model_rate(plan: RoundPlan, batch: int, c: Costs, k: int = 0) -> float | Non
         return batch / p if p else None
     if c.tokens is None:
         return None
-    if plan.kind == "sd":
+    if plan.kind in ("sd", "halves"):
+        if plan.kind == "halves" and c.halves_s is not None:
+            return batch * c.tokens / c.halves_s
         s = c.verify(False)
-        return batch * c.tokens / (s + c.chain_s) if s is not None and c.chain_s is not None else None
+        if s is None or c.chain_s is None:
+            return None
+        # Halves, unmeasured: a ceiling. Each half's verify and chain take at least half of
+        # the whole batch's (S/2, c/2), and a half's chain overlaps the other half's verify.
+        return batch * c.tokens / (max(s, c.chain_s) if plan.kind == "halves" else s + c.chain_s)
     wait = c.ssd_wait(batch, plan.branches, plan.backup, k)
     if wait is None:
         return None

@@ -7,6 +7,8 @@ tokens share one bucket) the options are:
     request), from batch 8 also a short jit (K/4 tokens: `jit:N`) or none;
   - a synchronous SD round: the draft answers with a chain drafted on request and does
     not work ahead (as `--mode sd`);
+  - from batch 8, SD rounds over halves of the batch in turn (`halves`): a step verifies
+    one half while the draft chains the other, whose outcome the step before gave it;
   - plain decoding: no speculation.
 Every option yields the target's distribution exactly; they differ only in speed, so the
 policy predicts each one's tokens/s and runs the fastest.
@@ -15,6 +17,7 @@ What it measures (running means per bucket, from the worker's step timings and t
 draft's answers):
   S      the step's verify and host work, with and without a work-ahead beside it;
   P      a plain step;
+  H      a halves step, scaled to the whole batch;
   c      the wait for a chain drafted on request (SD rounds: the draft's chain step,
          transfer included), the least of its last 8;
   W[n]   the draft's work-ahead at shape n (glue + K tree steps), as it reports it;
@@ -25,6 +28,9 @@ draft's answers):
 The prediction for B sequences:
   plain          B / P
   SD             B a / (S + c)
+  halves         B a / H, H a halves step's time as its share of the whole batch's
+                 (2x for an even split); until measured, the ceiling B a / max(S, c)
+                 (a half's verify and chain take at least half of the whole batch's)
   SSD n, jit     B a / (S + max(0, W[n] - S) + (1 - h[n]^B) c + e)
   SSD n, jit:N   B (h a + (1 - h) a_N) / (S + max(0, W[n] - S) + (1 - h[n]^B) c (N+1)/(K+1) + e)
   SSD n, none    B (h a + 1 - h) / (S + max(0, W[n] - S) + e)
@@ -32,17 +38,19 @@ where a_N is a for an N-token chain (the per-token acceptance that gives a at K,
 over N tokens). The work-ahead runs while the target verifies, so only its overrun
 costs; one miss in the batch makes the whole answer wait for the jit chain, which is why
 a short chain, or `none` (a missed sequence verifies only its own token), can win at
-large batch.
+large batch. Halves pay where the verify grows with the batch (long contexts, large
+batch): two half-batch verifies then cost little more than one whole, and each hides the
+other half's chain.
 
 The model ranks options nobody has run yet. Once an option has run, its realized rate
 stands in for the prediction: the expected tokens of its last 8 steps (B a for SD and for
 SSD with jit, B for plain steps, the model's mix of hits and misses for the other backups)
-over those steps' wait and busy time, a step over 3x their median (a kernel built on first
-use, an admission) left out. Only steps of about the current batch size count (within an
-eighth of it): a bucket spans batch sizes up to twice apart, and steps run while a batch
-filled up would rate an option at the full batch far too low. What differs between
-options is their time; the tokens of one step scatter too widely at small batch (1 to
-K + 1) for a few steps to rank options by them.
+over those steps' wait and busy time (a halves step's as in H), a step over 3x their
+median (a kernel built on first use, an admission) left out. Only steps of about the
+current batch size count (within an eighth of it): a bucket spans batch sizes up to twice
+apart, and steps run while a batch filled up would rate an option at the full batch far
+too low. What differs between options is their time; the tokens of one step scatter too
+widely at small batch (1 to K + 1) for a few steps to rank options by them.
 
 How it chooses: the largest tree with jit first, until it is measured; then one probe of
 SD rounds (measures c). From then on each step runs the best prediction. An option whose
@@ -70,8 +78,8 @@ switch, not of SD rounds.
 A draft on one of the target's GPUs gets no SSD rounds (unless SD rounds are ruled out):
 its work-ahead would compete with the verify for the same GPU (docs/benchmarks.md measures
 it). Overrides pin what they name: --tree-shape fixed, --fan-out or --tree-budget (one tree
-shape), --backup (one backup), --work-ahead always (no SD rounds), --spec-policy always
-(no plain steps). Pure bookkeeping, no torch.
+shape), --backup (one backup), --work-ahead always (no SD rounds), --work-ahead halves
+(halves only), --spec-policy always (no plain steps). Pure bookkeeping, no torch.
 """
 
 from __future__ import annotations
@@ -81,6 +89,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from target_proc.round_model import (  # noqa: F401 - re-exported
+    HALVES,
     MIN_SAMPLES as _MIN_SAMPLES,
     PLAIN,
     SD,
@@ -97,6 +106,7 @@ from target_proc.spec_policy import batch_bucket
 logger = logging.getLogger(__name__)
 
 JIT_ONLY_BELOW = 8  # batch sizes that always use the jit backup
+HALVES_FROM_BATCH = 8  # batch sizes from which SD rounds over halves are an option
 SHORT_JIT_DIV = 4  # the short jit drafts K // 4 tokens (none below K = 4)
 _MARGIN = 0.03  # a choice changes only for a prediction this much faster
 MAX_PROBE_BACKOFF = 8  # probes that change nothing space out up to this many times probe_every
@@ -120,13 +130,14 @@ class RoundPolicy:
     """Per batch-size bucket, the plan of each step; see the module doc."""
 
     def __init__(self, tree_levels, *, allow_ssd: bool = True, allow_sd: bool = True, allow_plain: bool = True,
-                 backup_auto: bool = True,
+                 allow_halves: bool = True, backup_auto: bool = True,
                  probe_every: int = 64, probe_len: int = 4, warmup: int = 4, k: int = 0, short_jit: int = 0):
         """tree_levels(batch) -> the tree shapes SSD may run, largest first (one: pinned;
         shapes are then left to the draft, as 0). backup_auto: choose the backup per
         round (jit, and from batch 8 also `jit:short_jit` when short_jit > 0, or none);
         False keeps the configured backup. k: the speculation length (for the model of a
-        short jit)."""
+        short jit). allow_halves: halves from HALVES_FROM_BATCH (at every batch size when
+        neither SSD nor SD rounds are allowed)."""
         if probe_every < 2 or probe_len < 1 or warmup < 1:
             raise ValueError("need probe_every >= 2, probe_len >= 1 and warmup >= 1")
         if short_jit < 0 or (short_jit and not 0 < short_jit < k):
@@ -137,6 +148,7 @@ class RoundPolicy:
         self.allow_ssd = allow_ssd
         self.allow_sd = allow_sd
         self.allow_plain = allow_plain
+        self.allow_halves = allow_halves
         self.backup_auto = backup_auto
         self.probe_every = probe_every
         self.probe_len = probe_len
@@ -146,20 +158,26 @@ class RoundPolicy:
         self._history: deque = deque([(0, None)] * 3, maxlen=3)  # (bucket, plan) of the last three steps
         self.num_ssd_rounds = 0
         self.num_sd_rounds = 0
+        self.num_halves_steps = 0
         self.num_plain_steps = 0
         self.num_switches = 0
 
     @classmethod
     def for_config(cls, cfg) -> "RoundPolicy":
         spec = cfg.spec
+        if spec.work_ahead == "halves":
+            return cls(spec.tree_levels, allow_ssd=False, allow_sd=False, allow_plain=False, allow_halves=True,
+                       probe_every=cfg.sched.spec_policy_probe_every, k=spec.k)
         allow_sd = spec.work_ahead == "auto" and spec.backup != "none"
         allow_ssd = not allow_sd or not cfg.draft_shares_target_gpu
         if not allow_ssd:
             logger.info("the draft shares the target's GPU (%s): no SSD rounds, whose work-ahead would compete with "
                         "the verify for it; SD rounds or plain steps by measured costs (--work-ahead always runs SSD "
                         "rounds anyway)", cfg.draft.device)
+        # Halves make the draft chain while the target verifies: not on the target's GPU.
         return cls(spec.tree_levels, allow_ssd=allow_ssd, allow_sd=allow_sd,
-                   allow_plain=cfg.sched.spec_policy == "adaptive", backup_auto=spec.backup == "auto",
+                   allow_plain=cfg.sched.spec_policy == "adaptive", allow_halves=allow_sd and allow_ssd,
+                   backup_auto=spec.backup == "auto",
                    probe_every=cfg.sched.spec_policy_probe_every, k=spec.k, short_jit=spec.k // SHORT_JIT_DIV)
 
     bucket = staticmethod(batch_bucket)
@@ -171,14 +189,16 @@ class RoundPolicy:
         return batch_bucket(batch), max(MIN_CONTEXT_BUCKET, batch_bucket(context))
 
     def options(self, batch: int) -> list[RoundPlan]:
-        """Every plan allowed at this batch size: SSD shapes (largest first) x backups, SD, plain."""
+        """Every plan allowed at this batch size: SSD shapes (largest first) x backups, SD, halves, plain."""
         levels = self.tree_levels(batch)
         shapes = levels if len(levels) > 1 else [0]
         short = [f"jit:{self.short_jit}"] if self.short_jit else []
         backups = ["jit", *short, "none"] if self.backup_auto and batch >= JIT_ONLY_BELOW else (
             ["jit"] if self.backup_auto else [""])
         out = [RoundPlan("ssd", n, b) for b in backups for n in shapes] if self.allow_ssd else []
-        return out + ([SD] if self.allow_sd else []) + ([PLAIN] if self.allow_plain else [])
+        halves = self.allow_halves and (batch >= HALVES_FROM_BATCH or not (self.allow_ssd or self.allow_sd))
+        out += [SD] if self.allow_sd else []
+        return out + ([HALVES] if halves else []) + ([PLAIN] if self.allow_plain else [])
 
     # ---------------------------------------------------------------- choosing
 
@@ -190,6 +210,8 @@ class RoundPolicy:
             self.num_ssd_rounds += 1
         elif plan.kind == "sd":
             self.num_sd_rounds += 1
+        elif plan.kind == "halves":
+            self.num_halves_steps += 1
         else:
             self.num_plain_steps += 1
         return plan
@@ -288,17 +310,19 @@ class RoundPolicy:
 
     def record(self, batch: int, plan: RoundPlan, *, context: int = 0, wait_s: float, busy_s: float, num_specs: int = 0,
                num_hits: int = 0, num_drafted: int = 0, drafted_tokens: int = 0, draft_work_s: float = 0.0,
-               steady: bool = True) -> None:
+               steady: bool = True, stepped: int = 0) -> None:
         """One step over `batch` sequences ran `plan`: it waited wait_s for speculations and
         spent busy_s on the verify and host work. num_specs speculations arrived, num_hits
         of them from the tree cache; num_drafted sequences had drafts and produced
         drafted_tokens tokens; draft_work_s: the work-ahead the draft reported with them.
         steady False (a sequence of the batch is in its first rounds, when the draft is
-        still prefilling its prompt): the step measures nothing."""
+        still prefilling its prompt): the step measures nothing. stepped: the sequences
+        the step ran, when fewer than `batch` (a halves step); its other counts are of them."""
         key = self.key(batch, context)
         c = self._buckets.setdefault(key, _Bucket()).costs
-        logger.debug("step batch %d context %d: %s%s, wait %.2f ms, busy %.2f ms, %d/%d hits, %d tokens drafted "
-                     "by %d, work-ahead %.2f ms", batch, context, plan.label(), "" if steady else " (first rounds)",
+        logger.debug("step batch %d context %d: %s%s%s, wait %.2f ms, busy %.2f ms, %d/%d hits, %d tokens drafted "
+                     "by %d, work-ahead %.2f ms", batch, context, plan.label(),
+                     f" ({stepped} run)" if stepped and stepped != batch else "", "" if steady else " (first rounds)",
                      1e3 * wait_s, 1e3 * busy_s, num_hits, num_specs, drafted_tokens, num_drafted, 1e3 * draft_work_s)
         (k3, p3), (k2, p2), (k1, p1) = self._history
         self._history.append((key, plan))
@@ -306,6 +330,12 @@ class RoundPolicy:
             return
         if num_drafted and not (p1 is not None and short_jit_len(p1.backup)):  # full-length speculations only
             c.add_tokens(drafted_tokens, num_drafted)
+        if plan.kind == "halves":  # H and its realized rate only: a half's wait and verify are not S or c
+            if num_specs and k3 == k2 == k1 == key and p3 == p2 == p1 == plan:
+                share = batch / (stepped or batch)  # undrafted sequences yield a token each
+                c.halves_s = _mean(c.halves_s, share * (wait_s + busy_s))
+                c.add_realized(plan, batch, share * (drafted_tokens - num_drafted) + batch, share * (wait_s + busy_s))
+            return
         if k1 != key or p1 is None:
             return
         if not plan.speculate:
@@ -336,21 +366,25 @@ class RoundPolicy:
                 c.extra_s = _mean(c.extra_s, wait_s - modelled)
 
     def record_step(self, plan: RoundPlan, specs: dict, num_draft: list[int], num_accepted: list[int],
-                    wait_s: float, busy_s: float, draft_work_s: float, steady: bool = True, context: int = 0) -> None:
+                    wait_s: float, busy_s: float, draft_work_s: float, steady: bool = True, context: int = 0,
+                    batch: int = 0) -> None:
         """`record` from the worker's view of a step: the speculations that arrived (each
-        with .cache_hit), per sequence its drafts and accepted tokens. steady: no sequence
-        of the batch is in its first rounds (see `record`)."""
+        with .cache_hit), per sequence of the step its drafts and accepted tokens. steady:
+        no sequence of the batch is in its first rounds (see `record`). batch: the running
+        sequences, when the step ran fewer (a halves step)."""
         drafted = [j + 1 for j, m in zip(num_accepted, num_draft) if m]
-        self.record(len(num_draft), plan, context=context, wait_s=wait_s, busy_s=busy_s, num_specs=len(specs),
-                    num_hits=sum(1 for s in specs.values() if s.cache_hit), num_drafted=len(drafted),
-                    drafted_tokens=sum(drafted), draft_work_s=draft_work_s, steady=steady)
+        self.record(batch or len(num_draft), plan, context=context, wait_s=wait_s, busy_s=busy_s,
+                    num_specs=len(specs), num_hits=sum(1 for s in specs.values() if s.cache_hit),
+                    num_drafted=len(drafted), drafted_tokens=sum(drafted), draft_work_s=draft_work_s, steady=steady,
+                    stepped=len(num_draft))
 
     # ---------------------------------------------------------------- reading
 
     def engine_fields(self) -> dict:
         """The policy's part of EngineStats."""
         return dict(num_plain_steps=self.num_plain_steps, num_ssd_rounds=self.num_ssd_rounds,
-                    num_sd_rounds=self.num_sd_rounds, num_round_switches=self.num_switches,
+                    num_sd_rounds=self.num_sd_rounds, num_halves_steps=self.num_halves_steps,
+                    num_round_switches=self.num_switches,
                     round_choices=self.summary())
 
     def costs(self, batch: int, context: int = 0) -> Costs:

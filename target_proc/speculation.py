@@ -84,6 +84,11 @@ def vocab_cuts(msg: SpecResponse, vocab_size: int | None) -> np.ndarray | None:
     return np.where(bad.any(axis=1), bad.argmax(axis=1), ids.shape[1])  # [B]
 
 
+def response_rows(msg: SpecResponse) -> list[tuple[int, int]]:
+    """(seq_id, round) of each row of a response."""
+    return list(zip(np.asarray(msg.seq_ids).tolist(), np.asarray(msg.rounds).tolist()))
+
+
 def awaited_rows(msg: SpecResponse, waiting: dict[int, int],
                  vocab_size: int | None) -> Iterator[tuple[int, int, DraftTokens | None, int]]:
     """The rows of a consistent response that answer an awaited round ({seq_id: round}), as

@@ -8,7 +8,8 @@ One step:
      so the draft's next answer overlaps with 5 and 6 (overlap-scheduled acceptance);
   5. apply stop rules token by token inside the accepted chunk, detokenize, stream;
   6. admit waiting requests (prefill, first token) and release finished ones.
-AR mode is the same loop with m = 0 for every sequence.
+AR mode is the same loop with m = 0 for every sequence; a halves step (SSD) runs 1 to 5
+over one half of the running sequences, in turn (target_proc/halves.py).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from spec_runtime.rejection import rejection_sample
 from spec_runtime.structured import Grammars
 from spec_runtime.validate import RequestError, validate_request
 from target_proc.draft_link import DraftLink
+from target_proc.halves import Halves
 from target_proc.kv_schedule import KVScheduler
 from target_proc.no_draft import NoDraft
 from target_proc.outputs import merge_outputs, record_round, take_output
@@ -87,12 +89,10 @@ class TargetWorker:
         self._context = 0
         # SSD: each step's plan (SSD round, SD round or plain step) from measured costs.
         self.rounds = RoundPolicy.for_config(cfg) if cfg.spec.mode == "ssd" else None
-        # The work_ahead flags of the last three requests. A step waits for the answer to the last
-        # request, which the cache built after the one before answers (or a chain, if that one had
-        # no work-ahead); the first chain after a hit also feeds the accepted branch into the slot;
-        # on a shared GPU the work-ahead after the last request runs beside this step's verify. So
-        # a step measures a choice only when all three flags agree.
+        # The work_ahead flags of the last three requests: a step's answer comes from the cache built
+        # after the request two back, or a chain when that one had no work-ahead (record_round).
         self._last_flags = (True, True, True)
+        self._halves = Halves()
 
     # ------------------------------------------------------------------ loop
 
@@ -248,7 +248,8 @@ class TargetWorker:
         # Plain steps (chosen by the policy) leave the draft in sync: it still gets each
         # outcome, as (0, t) against the speculation it sent, which nobody waits for.
         self._context = sum(s.num_tokens for s in seqs) // len(seqs)  # the round policy's cost bucket
-        plan = self._plan(len(seqs))
+        plan = self._plan(batch := len(seqs))
+        seqs = self._halves.next(seqs) if plan.kind == "halves" else seqs
         speculate = plan.speculate
         specs = self.draft.collect(seqs) if speculate else {}
         t1 = time.perf_counter()
@@ -259,13 +260,12 @@ class TargetWorker:
         tm["verify_s"] += time.perf_counter() - t1
         draft_work_s = self.draft.take_draft_work_s()
         tm["draft_work_s"] += draft_work_s
-
         # Overlap-scheduled acceptance: tell the draft first, post-process after. SSD:
         # the plan says whether the draft works ahead for the next round (at which tree
         # shape, with which backup) or answers it with a chain (SD); plain steps wait for nothing.
         self.draft.send_outcomes(seqs, specs, num_accepted, out_tokens, speculate, lambda n: plan)
         self._accept(seqs, specs, num_draft, num_accepted, out_tokens, logprobs, speculate)
-        self._record_step(seqs, plan, specs, num_draft, num_accepted, t0, t1, draft_work_s)
+        self._record_step(seqs, plan, specs, num_draft, num_accepted, t0, t1, draft_work_s, batch)
         self._emit(seqs)
         return True
 
@@ -295,12 +295,12 @@ class TargetWorker:
                 self.sched.commit(seq)
 
     def _record_step(self, seqs, plan: RoundPlan, specs, num_draft, num_accepted, t0: float, t1: float,
-                     draft_work_s: float) -> None:
-        """Feed the step's timings to the policy that chose its plan."""
+                     draft_work_s: float, batch: int) -> None:
+        """Feed the step's timings to the policy that chose its plan (batch: every running sequence)."""
         if self.rounds is not None:
             self.rounds.record_step(plan, specs, num_draft, num_accepted, t1 - t0, time.perf_counter() - t1,
                                     draft_work_s, steady=all(s.stats.num_rounds > STEADY_AFTER_ROUNDS for s in seqs),
-                                    context=self._context)
+                                    context=self._context, batch=batch)
         elif self.draft.present:
             self.policy.record(len(seqs), plan.speculate, sum(n + 1 for n in num_accepted), time.perf_counter() - t0)
         self._last_flags = self._last_flags[1:] + (plan.work_ahead,)

@@ -2,8 +2,9 @@
 
   - the link owns every sequence's sync state: add, first outcome, speculation, and a
     re-add of every sequence after the draft comes back;
-  - answers taken between collects (with the pushed counters) wait for the next collect,
-    which drops the stale ones;
+  - answers taken between collects (with the pushed counters) wait for the next collect;
+    stale ones are dropped, and one that answers a sequence not awaited now (the other
+    half of the batch in halves steps) waits for that sequence's collect;
   - the draft's counters are the ones it pushed last: a stats request is answered at
     once, without a message to the draft, even while the draft does not read (stalled).
 """
@@ -118,8 +119,28 @@ def test_answers_taken_between_collects_wait_for_the_next(pair):
     _take(draft)
     _answer(draft, 1, 7, 0, [9])  # a round nobody waits for
     _answer(draft, 1, 7, 1, [5, 6])  # the awaited round
-    assert wait_until(lambda: (link._drain(), len(link._stash))[1] == 2, 5.0)
+    assert wait_until(lambda: (link._drain(), [int(x.rounds[0]) for x in link._stash])[1] == [1], 5.0)
     assert link.collect([seq])[7].draft_token_ids.tolist() == [5, 6] and not link._stash
+
+
+def test_an_answer_for_the_other_half_waits_for_its_collect(pair):
+    """Halves steps collect one half while the draft answers the other: an answer to a
+    sequence that is not awaited now, taken by a drain or while waiting, stays for its own
+    collect instead of leaving that sequence without a speculation."""
+    link, draft = pair
+    a, b = _seq(1, [1, 2, 3]), _seq(2, [4, 5, 6])
+    link.admit([a, b])
+    for s in (a, b):
+        s.token_ids.append(9)
+    link.send_first_tokens([a, b])
+    _take(draft)
+    _answer(draft, 1, 2, 1, [7, 7])  # b's answer, drained before a's collect
+    assert wait_until(lambda: (link._drain(), len(link._stash))[1] == 1, 5.0)
+    with ThreadPoolExecutor(1) as pool:
+        collecting = pool.submit(link.collect, [a])
+        _answer(draft, 1, 1, 1, [8, 8])
+        assert collecting.result(timeout=10)[1].draft_token_ids.tolist() == [8, 8]
+    assert link.collect([b])[2].draft_token_ids.tolist() == [7, 7] and not link._stash
 
 
 def _worker(link: DraftLink) -> tuple[TargetWorker, list]:

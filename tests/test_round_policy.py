@@ -1,5 +1,6 @@
 """The SSD round policy: per batch size, SSD rounds (tree shape, backup), SD rounds or plain
-steps, whichever the measured costs predict fastest. Costs are injected (a simulated
+steps (and, from batch 8, SD rounds over halves of the batch), whichever the measured
+costs predict fastest. Costs are injected (a simulated
 draft and target), so nothing here depends on this machine's speed."""
 
 from __future__ import annotations
@@ -11,7 +12,18 @@ from collections import Counter
 import pytest
 
 from spec_runtime.config import ModelConfig, RuntimeConfig, SchedulerConfig, SpeculativeConfig
-from target_proc.round_policy import PLAIN, SD, Costs, RoundPlan, RoundPolicy, chain_tokens, predict, short_jit_len
+from target_proc.round_policy import (
+    HALVES,
+    PLAIN,
+    SD,
+    Costs,
+    RoundPlan,
+    RoundPolicy,
+    chain_tokens,
+    model_rate,
+    predict,
+    short_jit_len,
+)
 
 LEVELS = [16, 8, 4]
 
@@ -21,17 +33,23 @@ def _policy(levels=LEVELS, **kw) -> RoundPolicy:
     return RoundPolicy(lambda b: list(levels), **kw)
 
 
-def simulate(policy, batch, steps, *, verify_s, chain_s, work_s, hit_rate, tokens=3.0, plain_s=None):
+def simulate(policy, batch, steps, *, verify_s, chain_s, work_s, hit_rate, tokens=3.0, plain_s=None, halves=None):
     """Drive the policy as the target worker does, with a draft and target of these costs:
     a step waits for the answer to the last request, from the tree built after the one
     before (its overrun, and the jit chain when any sequence missed) or a chain drafted
-    on request. Returns the plans chosen."""
+    on request. halves: (verify, chain) of half the batch (default: the whole batch's); a
+    halves step waits for its half's chain beyond the other half's verify. Returns the plans chosen."""
     plans, hist = [], [None, None]
     for _ in range(steps):
         plan = policy.choose(batch)
         p2, p1 = hist
         kw = dict(wait_s=0.0, busy_s=plain_s or verify_s)
-        if plan.speculate:
+        if plan == HALVES:
+            v, c = halves or (verify_s, chain_s)  # by default a half costs as much as the whole
+            half = batch // 2
+            kw = dict(wait_s=max(0.0, c - v), busy_s=v, num_specs=half, num_drafted=half,
+                      drafted_tokens=int(tokens * half), stepped=half)
+        elif plan.speculate:
             if p2 is not None and p2.work_ahead:
                 n = p2.branches or LEVELS[0]
                 h, w = hit_rate[n], work_s[n]
@@ -145,7 +163,7 @@ def test_the_choice_follows_the_costs_when_they_change():
 
 
 def test_overrides_pin_what_they_name():
-    p = _policy(levels=[16], allow_sd=False, allow_plain=False, backup_auto=False)
+    p = _policy(levels=[16], allow_sd=False, allow_plain=False, allow_halves=False, backup_auto=False)
     assert p.options(16) == [RoundPlan("ssd", 0, "")]
     plans = simulate(p, 16, 100, verify_s=0.005, chain_s=0.030, work_s={16: 0.040}, hit_rate={16: 0.5})
     assert set(plans) == {RoundPlan("ssd", 0, "")}
@@ -164,6 +182,16 @@ def test_overrides_pin_what_they_name():
                                                    draft=ModelConfig(path="x")))
     kinds = [o.kind for o in default.options(16)]
     assert kinds.count("ssd") == 9 and "sd" in kinds and "plain" in kinds  # 3 trees x jit, jit:1, none
+    assert "halves" in kinds and "halves" not in [o.kind for o in default.options(2)]
+    # --work-ahead halves: halves every step, a batch of one included (its own half).
+    halves = RoundPolicy.for_config(RuntimeConfig(spec=SpeculativeConfig(mode="ssd", k=4, work_ahead="halves"),
+                                                  draft=ModelConfig(path="x")))
+    assert halves.options(16) == [HALVES] and halves.options(1) == [HALVES]
+    # A draft on the target's GPU: no halves (its chains would compete with the verify).
+    shared = RoundPolicy.for_config(RuntimeConfig(spec=SpeculativeConfig(mode="ssd", k=4),
+                                                  target=ModelConfig(path="x", device="cuda:0"),
+                                                  draft=ModelConfig(path="x", device="cuda:0")))
+    assert "halves" not in [o.kind for o in shared.options(16)]
 
 
 def test_predictions_follow_the_model():
@@ -180,29 +208,58 @@ def test_predictions_follow_the_model():
 
 
 def test_greedy_output_is_ars_across_forced_switches(tiny_pair, ar_reference):
-    """The default SSD policies with a probe every 2 steps: SSD rounds (at several tree
-    shapes), SD rounds and plain steps alternate all the time; the output stays exactly
-    AR's and every round of every request is accounted for."""
+    """The default SSD policies with a probe every 2 steps, 8 sequences: SSD rounds (at
+    several tree shapes), SD rounds, halves steps and plain steps alternate all the time;
+    the output stays exactly AR's and every round of every request is accounted for."""
     from e2e_util import make_config, random_prompts
     from protocol.messages import SamplingParams
     from spec_runtime.client import Client
 
     target, draft = tiny_pair
-    prompts = random_prompts(384)
+    prompts = random_prompts(384, lengths=(5, 9, 17, 30, 7, 12, 21, 3))
     sp = SamplingParams(max_tokens=48, ignore_eos=True)
-    ar = ar_reference(target, prompts, sp.max_tokens)
+    ar = ar_reference(target, prompts, sp.max_tokens, max_batch_size=8)
     cfg = make_config(target, draft, mode="ssd", k=3, work_ahead="auto", tree_shape="auto", spec_policy="adaptive")
-    cfg = cfg.replace(sched=SchedulerConfig(max_batch_size=4, max_model_len=256, spec_policy="adaptive",
+    cfg = cfg.replace(sched=SchedulerConfig(max_batch_size=8, max_model_len=256, spec_policy="adaptive",
                                             spec_policy_probe_every=2))
     with Client(cfg) as client:
         res = client.generate_batch(prompts, sp)
         stats = client.engine_stats()
     assert [r.token_ids for r in res] == ar
     assert stats.num_ssd_rounds > 0 and stats.num_sd_rounds > 0 and stats.num_plain_steps > 0
+    assert stats.num_halves_steps > 0
     assert stats.round_choices and all(isinstance(k, int) for k in stats.round_choices)
     t = stats.totals
     assert t.num_cache_hits > 0 and t.num_sd_rounds > 0 and t.num_plain_rounds > 0 and t.num_ar_fallback_rounds == 0
     for r in res:  # the first token comes from the prefill, then each round is one of these
+        s = r.stats
+        assert s.num_rounds - 1 == (s.num_cache_hits + s.num_cache_misses + s.num_sd_rounds + s.num_plain_rounds
+                                    + s.num_ar_fallback_rounds), s
+
+
+def test_halves_steps_give_ars_greedy_output(tiny_pair, ar_reference):
+    """--work-ahead halves: every step verifies one half of the batch while the draft
+    chains the other. Prompts of different lengths finish apart (the halves rebalance);
+    the output is AR's, every round is an SD round, and no answer waited for is lost to
+    the other half's collect (no draft timeout)."""
+    from e2e_util import make_config, random_prompts
+    from protocol.messages import SamplingParams
+    from spec_runtime.client import Client
+
+    target, draft = tiny_pair
+    prompts = random_prompts(384, lengths=(5, 9, 17, 30, 12))
+    max_tokens = [40, 12, 33, 25, 20]
+    ar = ar_reference(target, prompts, max_tokens)
+    cfg = make_config(target, draft, mode="ssd", k=3, work_ahead="halves")
+    with Client(cfg) as client:
+        ids = [client.submit(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(prompts, max_tokens)]
+        res = [client._collect(i) for i in ids]
+        stats = client.engine_stats()
+    assert [r.token_ids for r in res] == ar
+    assert stats.num_halves_steps > 0 and stats.num_ssd_rounds == stats.num_sd_rounds == 0
+    assert stats.num_draft_timeouts == 0 and stats.round_choices and set(stats.round_choices.values()) == {"halves"}
+    assert stats.totals.num_sd_rounds > 0 and stats.totals.num_accepted_tokens > 0
+    for r in res:
         s = r.stats
         assert s.num_rounds - 1 == (s.num_cache_hits + s.num_cache_misses + s.num_sd_rounds + s.num_plain_rounds
                                     + s.num_ar_fallback_rounds), s
@@ -412,7 +469,7 @@ def test_the_first_chain_after_ssd_rounds_does_not_count_against_sd():
     the last hit's branch (25 ms more), a cost of the switch: counted as SD's, it made
     SD look slower than SSD with no backup, and the policy kept SSD rounds."""
     verify, work, chain, catch_up, h, a, batch = 0.0113, 0.0165, 0.0093, 0.025, 0.6, 3.37, 32
-    p = _policy(levels=[4], k=4, short_jit=1)
+    p = _policy(levels=[4], k=4, short_jit=1, allow_halves=False)
     hist, plans = [None, None, None], []
     for _ in range(600):
         plan = p.choose(batch)
@@ -450,7 +507,7 @@ def test_a_rate_realized_at_another_batch_size_does_not_stand_for_this_one():
     assert predict(SD, 16, c, 4) == pytest.approx(16 * 3.33 / 0.0214)  # the model: none realized at 16
     assert predict(SD, 10, c, 4) == pytest.approx(9 * 3.33 / 0.022)  # 9 is within an eighth of 10: it stands
 
-    a, p = 3.33, _policy(levels=[8], k=4, probe_every=64)
+    a, p = 3.33, _policy(levels=[8], k=4, probe_every=64, allow_halves=False)
     hist, plans = [None, None], []
     for step in range(400):
         batch = 9 if step < 60 else 16
@@ -476,7 +533,7 @@ def test_probes_that_change_nothing_space_out():
     an SSD option costs its steps and two switches; after probes that change nothing the
     next comes later (up to 8x probe_every), and once the costs move it probes at the full
     rate again."""
-    p = _policy(levels=[16, 8], k=4, probe_every=32)
+    p = _policy(levels=[16, 8], k=4, probe_every=32, allow_halves=False)
     slow = dict(verify_s=0.0108, chain_s=0.0106, work_s={16: 0.034, 8: 0.030}, hit_rate={16: 0.8, 8: 0.75},
                 tokens=3.33)
     plans = simulate(p, 16, 1200, **slow)
@@ -552,3 +609,35 @@ def test_plain_decoding_is_not_probed_when_even_its_slack_leaves_it_behind():
     p = _policy()
     plans = simulate(p, 1, 200, plain_s=0.018, **FITS)  # SSD 150 tok/s; plain's floor 50, 75 with the slack
     assert PLAIN not in plans
+
+
+# Batch 32 at a long context: the verify and the chain both grow with the batch, so two
+# half-batch verifies cost little more than one whole and each hides the other's chain.
+LONG = dict(verify_s=0.025, chain_s=0.030, work_s={16: 0.060, 8: 0.050, 4: 0.045},
+            hit_rate={16: 0.7, 8: 0.6, 4: 0.5})
+
+
+def test_halves_when_each_halfs_chain_hides_behind_the_other_halfs_verify():
+    p = _policy()
+    plans = simulate(p, 32, 300, **LONG, halves=(0.016, 0.017))
+    assert p.summary() == {32: "halves"} and plans[-100:].count(HALVES) >= 80
+    # Its realized rate: 16 sequences x 3 tokens per 17 ms step.
+    assert predict(HALVES, 32, p.costs(32)) == pytest.approx(16 * 3 / 0.017, rel=0.01)
+    assert p.num_halves_steps == plans.count(HALVES) and p.engine_fields()["num_halves_steps"] == p.num_halves_steps
+
+
+def test_no_halves_when_a_half_costs_as_much_as_the_whole():
+    # A small batch: the verify is bound by the weights, so half a batch takes as long as all of it.
+    p = _policy()
+    plans = simulate(p, 8, 300, verify_s=0.010, chain_s=0.006, work_s={16: 0.030, 8: 0.025, 4: 0.02},
+                     hit_rate={16: 0.5, 8: 0.4, 4: 0.3}, halves=(0.0098, 0.0055))
+    assert HALVES in plans[:40]  # its ceiling (B a / max(S, c)) beats SD: probed
+    assert p.summary() == {8: "sd"} and plans[-100:].count(SD) >= 80
+    c = p.costs(8)
+    # A halves step measures neither the bucket's verify nor its chain, but H: 9.8 ms for
+    # half the batch, 19.6 for all of it. Once measured, H (not the ceiling) predicts halves
+    # whenever a probe has discarded its realized rate, so the ceiling does not win it
+    # the choice again: only probes run it.
+    assert c.verify(False) == pytest.approx(0.010) and c.chain_s == pytest.approx(0.006)
+    assert c.halves_s == pytest.approx(0.0196) and model_rate(HALVES, 8, c) == pytest.approx(8 * 3 / 0.0196)
+    assert plans[-200:].count(HALVES) <= 12 and p.num_switches <= 1

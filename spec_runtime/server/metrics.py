@@ -95,6 +95,9 @@ ENGINE_COUNTERS = (
      "SSD mode: steps whose request asked the draft to work ahead (SSD rounds), as the round policy chose."),
     ("sd_steps", "num_sd_rounds", "spec_decode_sd_steps",
      "SSD mode: steps whose request asked for a chain drafted on request (synchronous SD rounds)."),
+    ("halves_steps", "num_halves_steps", "spec_decode_halves_steps",
+     "SSD mode: steps that ran an SD round over one of two halves of the batch, the draft chaining the other half "
+     "meanwhile."),
     ("plain_steps", "num_plain_steps", "spec_decode_plain_steps",
      "Steps the speculation or round policy ran without speculation, as measured faster."),
     ("round_switches", "num_round_switches", "spec_decode_round_policy_switches",
