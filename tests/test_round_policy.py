@@ -281,11 +281,12 @@ def test_engine_counters_and_the_choice_are_exported():
                 out[name] = float(value)
         return out
 
-    m = scrape(num_ssd_rounds=10, num_sd_rounds=4, num_plain_steps=2, num_round_switches=1, draft_tree_shrinks=3,
-               draft_tree_grows=1, round_choices={1: "ssd 8 branches, backup jit", 16: "sd"})
+    m = scrape(num_ssd_rounds=10, num_sd_rounds=4, num_halves_steps=7, num_plain_steps=2, num_round_switches=1,
+               draft_tree_shrinks=3, draft_tree_grows=1, round_choices={1: "ssd 8 branches, backup jit", 16: "sd"})
     lbl = '{model_name="m"}'
     assert m[f"spec_runtime:spec_decode_ssd_steps_total{lbl}"] == 10
     assert m[f"spec_runtime:spec_decode_sd_steps_total{lbl}"] == 4
+    assert m[f"spec_runtime:spec_decode_halves_steps_total{lbl}"] == 7
     assert m[f"spec_runtime:spec_decode_plain_steps_total{lbl}"] == 2
     assert m[f"spec_runtime:spec_decode_round_policy_switches_total{lbl}"] == 1
     assert m[f"spec_runtime:spec_decode_tree_shrinks_total{lbl}"] == 3
