@@ -181,12 +181,23 @@ def chain_tokens(tokens: float, k: int, n: int) -> float:
 
 
 def predict(plan: RoundPlan, batch: int, c: Costs, k: int = 0) -> float | None:
-    """Tokens/s of `plan` for `batch` sequences: as realized where it has run, else as the
-    model predicts; None while an input is unmeasured. k: the full speculation length."""
+    """Tokens/s of `plan` for `batch` sequences: as realized where it has run at about this
+    batch size; else as the model predicts. Where the plan's last steps ran a larger batch
+    (sequences have finished since), the model is scaled by what the plan realized against
+    it there: the model takes c as the least of its waits and leaves out what a switch
+    costs, and the full batch measured what that comes to. Not from a smaller batch: steps
+    while a batch fills up run beside admissions. None while an input is unmeasured. k: the
+    full speculation length."""
     realized = c.realized_rate(plan, k, batch)
     if realized is not None:
         return realized
-    return model_rate(plan, batch, c, k)
+    model = model_rate(plan, batch, c, k)
+    window = c.realized.get(plan)
+    if model is None or not window or window[-1][0] < batch:
+        return model
+    there = window[-1][0]
+    realized, modelled = c.realized_rate(plan, k, there), model_rate(plan, there, c, k)
+    return model * realized / modelled if realized and modelled else model
 
 
 def model_rate(plan: RoundPlan, batch: int, c: Costs, k: int = 0) -> float | None:

@@ -49,8 +49,9 @@ over those steps' wait and busy time (a halves step's as in H), a step over 3x t
 median (a kernel built on first use, an admission) left out. Only steps of about the
 current batch size count (within an eighth of it): a bucket spans batch sizes up to twice
 apart, and steps run while a batch filled up would rate an option at the full batch far
-too low. What differs between options is their time; the tokens of one step scatter too
-widely at small batch (1 to K + 1) for a few steps to rank options by them.
+too low. Below the batch size of its last steps (sequences finished since), the model is
+scaled by what the option realized against it there (round_model.predict). What differs
+between options is their time; one step's tokens scatter too widely at small batch.
 
 How it chooses: the largest tree with jit first, until it is measured; then one probe of
 SD rounds (measures c). From then on each step runs the best prediction. An option whose
@@ -197,8 +198,7 @@ class RoundPolicy:
             ["jit"] if self.backup_auto else [""])
         out = [RoundPlan("ssd", n, b) for b in backups for n in shapes] if self.allow_ssd else []
         halves = self.allow_halves and (batch >= HALVES_FROM_BATCH or not (self.allow_ssd or self.allow_sd))
-        out += [SD] if self.allow_sd else []
-        return out + ([HALVES] if halves else []) + ([PLAIN] if self.allow_plain else [])
+        return out + [SD] * self.allow_sd + [HALVES] * halves + [PLAIN] * self.allow_plain
 
     # ---------------------------------------------------------------- choosing
 

@@ -642,3 +642,42 @@ def test_no_halves_when_a_half_costs_as_much_as_the_whole():
     assert c.verify(False) == pytest.approx(0.010) and c.chain_s == pytest.approx(0.006)
     assert c.halves_s == pytest.approx(0.0196) and model_rate(HALVES, 8, c) == pytest.approx(8 * 3 / 0.0196)
     assert plans[-200:].count(HALVES) <= 12 and p.num_switches <= 1
+
+
+def test_a_batch_that_shrinks_keeps_what_the_full_batch_realized():
+    """1.5 tokens a sequence per SD round, whose chain waits 2 or 10 ms in turn (the model
+    takes the least, 2). At batch 4 plain steps (7.8 ms) realize 513 tok/s against SD's
+    at most 473 (over 3 steps), though SD's model says 600. When one sequence finishes and
+    3 remain, nothing has run at 3 yet: the model alone rates SD at 450 against plain's
+    385; scaled by what each realized against its model at 4, SD is at most 355 and plain
+    steps go on."""
+    p = _policy(levels=[16], k=4, allow_halves=False)
+    hist, plans = [None, None], []
+
+    def run(batch, steps):
+        nonlocal hist
+        for _ in range(steps):
+            plan = p.choose(batch)
+            p2, p1 = hist
+            if not plan.speculate:
+                kw = dict(wait_s=0.0, busy_s=0.0078)
+            elif p2 is not None and p2.work_ahead:  # trees overrun the verify: never the best
+                kw = dict(wait_s=0.030, busy_s=0.008, num_specs=batch, num_hits=batch, num_drafted=batch,
+                          drafted_tokens=round(1.5 * batch), draft_work_s=0.038)
+            else:
+                kw = dict(wait_s=0.002 if len(plans) % 2 else 0.010, busy_s=0.008, num_specs=batch,
+                          num_drafted=batch, drafted_tokens=round(1.5 * batch))
+            p.record(batch, plan, **kw)
+            plans.append(plan)
+            hist = [p1, plan]
+
+    run(4, 200)
+    c = p.costs(4)
+    assert p.summary()[4] == "plain" and plans[150:].count(PLAIN) >= 40
+    assert model_rate(SD, 3, c, 4) == pytest.approx(450) and model_rate(PLAIN, 3, c, 4) == pytest.approx(384.6, rel=1e-3)
+    realized = c.realized_rate(SD, 4, 4)  # its last steps waited 2, 10, 2 or 10, 2, 10 ms
+    assert realized < 0.8 * model_rate(SD, 4, c, 4)
+    assert predict(SD, 3, c, 4) == pytest.approx(450 * realized / 600)
+    assert predict(SD, 3, c, 4) < predict(PLAIN, 3, c, 4)
+    run(3, 60)
+    assert plans[200:].count(PLAIN) >= 50
