@@ -55,20 +55,37 @@ def test_ssd_with_draft_equal_to_target_mostly_hits(models):
         assert r.stats.num_accepted_tokens == r.stats.num_draft_tokens
 
 
+# Temperature 1 with top_k 8 keeps the support small enough for a chi-square test.
+SAMPLED = dict(max_tokens=8, temperature=1.0, top_k=8, ignore_eos=True)
+NUM_SAMPLED = 1500
+
+
+@pytest.fixture(scope="module")
+def ar_samples(models):
+    """The 8 tokens of NUM_SAMPLED seeded requests (SAMPLED) in AR mode."""
+    target, _, prompts, _ = models
+    with Client(make_config(target, mode="ar", max_batch_size=32)) as client:
+        return first_tokens(client, prompts[0], NUM_SAMPLED, 0, SAMPLED)
+
+
+def _same_distribution(ar, other) -> None:
+    for pos in range(8):
+        p = homogeneity_pvalue([t[pos] for t in ar], [t[pos] for t in other])
+        assert p > 0.001, (pos, p)
+    for pair in ((1, 3), (4, 6), (6, 8)):
+        p = homogeneity_pvalue([t[slice(*pair)] for t in ar], [t[slice(*pair)] for t in other])
+        assert p > 0.001, (pair, p)
+
+
 @pytest.mark.slow
-def test_ssd_sampling_distribution_matches_ar(models):
+def test_ssd_sampling_distribution_matches_ar(models, ar_samples):
     """Exact at temperature 1 with the tree cache in the path: the 8 tokens of 1,500
     seeded requests follow the same distribution in SSD mode (most verify rounds
     answered from the cache, with rejections and recovery tokens) as in AR mode."""
     target, _, prompts, _ = models
-    n = 1500
     # Token 1 comes from prefill, the rest from verify rounds: the first of them usually
     # misses (continuous batching leaves the draft no idle moment to prefetch), later
-    # ones are answered from the cache. top_k keeps the support small enough for a
-    # chi-square test.
-    sp_kw = dict(max_tokens=8, temperature=1.0, top_k=8, ignore_eos=True)
-    with Client(make_config(target, mode="ar", max_batch_size=32)) as client:
-        ar = first_tokens(client, prompts[0], n, 0, sp_kw)
+    # ones are answered from the cache.
     # The draft is the target sampled at temperature 0.6 (q != p, so rejections and
     # recovery tokens happen, and both rank tokens alike); eight branches per depth and
     # a budget that grants them at batch 32 keep most outcomes (the target samples
@@ -76,13 +93,22 @@ def test_ssd_sampling_distribution_matches_ar(models):
     cfg = make_config(target, target, mode="ssd", k=2, max_batch_size=32, draft_temperature=0.6,
                       fan_out=(8, 8, 8), tree_budget=32 * 24)
     with Client(cfg) as client:
-        ssd = first_tokens(client, prompts[0], n, 10**6, sp_kw)
+        ssd = first_tokens(client, prompts[0], NUM_SAMPLED, 10**6, SAMPLED)
         totals = client.engine_stats().totals
     assert totals.num_cache_hits > totals.num_cache_misses > 0, totals
     assert 0 < totals.num_accepted_tokens < totals.num_draft_tokens
-    for pos in range(8):
-        p = homogeneity_pvalue([t[pos] for t in ar], [t[pos] for t in ssd])
-        assert p > 0.001, (pos, p)
-    for pair in ((1, 3), (4, 6), (6, 8)):
-        p = homogeneity_pvalue([t[slice(*pair)] for t in ar], [t[slice(*pair)] for t in ssd])
-        assert p > 0.001, (pair, p)
+    _same_distribution(ar_samples, ssd)
+
+
+def test_halves_sampling_distribution_matches_ar(models, ar_samples):
+    """Exact at temperature 1 with halves steps (--work-ahead halves): each half
+    verifies chains the draft made while the other half verified."""
+    target, _, prompts, _ = models
+    cfg = make_config(target, target, mode="ssd", k=2, max_batch_size=32, draft_temperature=0.6,
+                      work_ahead="halves")
+    with Client(cfg) as client:
+        halves = first_tokens(client, prompts[0], NUM_SAMPLED, 2 * 10**6, SAMPLED)
+        stats = client.engine_stats()
+    assert stats.num_halves_steps > 0 and stats.num_ssd_rounds == stats.num_sd_rounds == 0
+    assert 0 < stats.totals.num_accepted_tokens < stats.totals.num_draft_tokens
+    _same_distribution(ar_samples, halves)
