@@ -9,8 +9,9 @@
 #   scripts/profile_draft.py at 512 to 8192 tokens of context (draft-0.6b, K=8, fan-out 3).
 # PART=e2e:   scripts/bench_e2e.py on one pair (PAIR=32b: target-32b + draft-0.6b, K=8;
 #   PAIR=8b: target-8b + draft-1b, K=${K:-2}); PROMPTS, BATCHES, TEMPS, MAX_TOKENS, ALPHA, MODES,
-#   FAN_OUT (default 3 at every depth), TREE_BUDGET (0: the default), TREE_SHAPE, TARGET_MEM (the
-#   target's --target-gpu-memory-utilization, 0.85; 0.92 fits target-32b on an 80 GB GPU),
+#   FAN_OUT (default 3 at every depth), TREE_BUDGET (0: the default), TREE_SHAPE, WORK_AHEAD (auto,
+#   always or halves), TARGET_MEM (the target's --target-gpu-memory-utilization, 0.85; 0.92 fits
+#   target-32b on an 80 GB GPU),
 #   MAX_BATCH_TOKENS (points whose batch holds more prompt and output tokens are left out),
 #   LOG_LEVEL (DEBUG also writes the round policy's step records to $OUT/steps_$TAG.log).
 # Wheels found in .whl/ are installed into .site/ first; logs and JSON go under $OUT
