@@ -168,6 +168,11 @@ def _flag_message(section: str, cls, message: str) -> str:
     return message
 
 
+# SpeculativeConfig's fields that only SSD reads: given in another mode, they would do nothing.
+SSD_ONLY = ("fan_out", "fan_out_miss", "tree_budget", "tree_shape", "backup", "work_ahead", "ssd_prefetch",
+            "saguaro_rescale")
+
+
 def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
     """Build the frozen config tree from the flags that were given; ConfigErrors lists
     every section's problem."""
@@ -195,6 +200,9 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
             parts[section] = cls(**given[section])
         except ValueError as e:
             errors.append(_flag_message(section, cls, str(e)))
+    if "spec" in parts and parts["spec"].mode != "ssd":
+        errors += [f"{_flag('spec', name)} applies to --mode ssd only (the mode is {parts['spec'].mode})"
+                   for name in SSD_ONLY if name in given["spec"]]
     if errors:
         try:  # the runtime's own fields, checked beside default sections
             RuntimeConfig(**given["runtime"])

@@ -118,13 +118,13 @@ def test_speculative_config_takes_vllms_keys():
 
 def test_config_file_sets_flags_and_the_command_line_wins(tmp_path):
     f = tmp_path / "c.yaml"
-    f.write_text("max-num-seqs: 3\nmax_model_len: 512\nk: 2\ntarget-cuda-graphs: false\nfan-out: [1, 1, 1]\n"
+    f.write_text("max-num-seqs: 3\nmax_model_len: 512\nk: 2\ntarget-cuda-graphs: false\ndraft-top-k: 8\n"
                  "speculative-config: {num_speculative_tokens: 2}\nhost: 127.0.0.2\n")
     argv = expand_config_file(_subparsers(), ["serve", "--config", str(f), "--max-num-seqs", "5"])
     args = build_parser().parse_args(argv)
     cfg = config_from_args(args)
     assert cfg.sched.max_batch_size == 5  # the flag, not the file
-    assert cfg.sched.max_model_len == 512 and cfg.spec.k == 2 and cfg.spec.fan_out == (1, 1, 1)
+    assert cfg.sched.max_model_len == 512 and cfg.spec.k == 2 and cfg.spec.draft_top_k == 8
     assert cfg.target.cuda_graphs is False and args.host == "127.0.0.2"
     assert json.loads(args.speculative_config) == {"num_speculative_tokens": 2}
 
