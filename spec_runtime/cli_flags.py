@@ -168,9 +168,22 @@ def _flag_message(section: str, cls, message: str) -> str:
     return message
 
 
-# SpeculativeConfig's fields that only SSD reads: given in another mode, they would do nothing.
+# SpeculativeConfig's fields that only SSD reads, and those that only a mode with a draft
+# reads: given in another mode, they would do nothing.
 SSD_ONLY = ("fan_out", "fan_out_miss", "tree_budget", "tree_shape", "backup", "work_ahead", "ssd_prefetch",
             "saguaro_rescale")
+DRAFT_ONLY = ("k", "draft_top_k", "draft_temperature", "ngram_max", "ngram_min", "draft_timeout_s")
+
+
+def _mode_problems(mode: str, spec_given: dict, draft_given: dict) -> list[str]:
+    """One line per flag given that the mode does not read."""
+    out = [f"{_flag('spec', n)} applies to --mode ssd only (the mode is {mode})"
+           for n in SSD_ONLY if mode != "ssd" and n in spec_given]
+    if mode == "ar":
+        out += [f"{_flag(s, n)} applies to --mode sd or ssd only (the mode is ar: no draft)"
+                for s, names in (("spec", DRAFT_ONLY), ("draft", draft_given)) for n in names
+                if s == "draft" or n in spec_given]
+    return out
 
 
 def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
@@ -183,6 +196,7 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
             given[section][name] = value
     parts: dict[str, Any] = {}
     errors: list[str] = []
+    draft_given = dict(given["draft"])  # before the flags that set both models
     for flag, name, roles, _ in _ROLE_WIDE:
         if f"vllm.{name}" not in vars(args):
             continue
@@ -200,9 +214,8 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
             parts[section] = cls(**given[section])
         except ValueError as e:
             errors.append(_flag_message(section, cls, str(e)))
-    if "spec" in parts and parts["spec"].mode != "ssd":
-        errors += [f"{_flag('spec', name)} applies to --mode ssd only (the mode is {parts['spec'].mode})"
-                   for name in SSD_ONLY if name in given["spec"]]
+    if "spec" in parts:
+        errors += _mode_problems(parts["spec"].mode, given["spec"], draft_given)
     if errors:
         try:  # the runtime's own fields, checked beside default sections
             RuntimeConfig(**given["runtime"])

@@ -57,6 +57,8 @@ def test_help_texts_say_what_the_flags_do():
     (["--mode", "sd", "--work-ahead", "halves", "--tree-budget", "32"],
      ["--work-ahead applies to --mode ssd only (the mode is sd)", "--tree-budget applies to --mode ssd only"]),
     (["--mode", "ar", "--backup", "jit"], ["--backup applies to --mode ssd only (the mode is ar)"]),
+    (["--mode", "ar", "--k", "3", "--draft", "ngram", "--dtype", "float32"],
+     ["--k applies to --mode sd or ssd only (the mode is ar: no draft)", "--draft applies to --mode sd or ssd"]),
     (["--target", "/does/not/exist"], ["--target /does/not/exist: no such file or directory"]),
     (["--k", "0", "--top-p", "0", "--max-model-len", "8", "--log-level", "LOUD"],
      ["--k must be", "--max-model-len must be >= 16", "--top-p must be", "--log-level must be"]),
