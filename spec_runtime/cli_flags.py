@@ -23,6 +23,7 @@ import glob
 import importlib.util
 import os
 import re
+import sys
 import typing
 from typing import Any, get_args, get_origin
 
@@ -169,18 +170,19 @@ def _flag_message(section: str, cls, message: str) -> str:
 
 
 # SpeculativeConfig's fields that only SSD reads, and those that only a mode with a draft
-# reads: given in another mode, they would do nothing.
+# reads: given in another mode, they do nothing, and a warning says so (a warning, not an
+# error, so that one set of flags can run every mode).
 SSD_ONLY = ("fan_out", "fan_out_miss", "tree_budget", "tree_shape", "backup", "work_ahead", "ssd_prefetch",
             "saguaro_rescale")
 DRAFT_ONLY = ("k", "draft_top_k", "draft_temperature", "ngram_max", "ngram_min", "draft_timeout_s")
 
 
-def _mode_problems(mode: str, spec_given: dict, draft_given: dict) -> list[str]:
-    """One line per flag given that the mode does not read."""
-    out = [f"{_flag('spec', n)} applies to --mode ssd only (the mode is {mode})"
+def unread_flags(mode: str, spec_given: dict, draft_given: dict) -> list[str]:
+    """One line per flag given that `mode` does not read."""
+    out = [f"{_flag('spec', n)} does nothing with --mode {mode} (SSD only)"
            for n in SSD_ONLY if mode != "ssd" and n in spec_given]
     if mode == "ar":
-        out += [f"{_flag(s, n)} applies to --mode sd or ssd only (the mode is ar: no draft)"
+        out += [f"{_flag(s, n)} does nothing with --mode ar (no draft)"
                 for s, names in (("spec", DRAFT_ONLY), ("draft", draft_given)) for n in names
                 if s == "draft" or n in spec_given]
     return out
@@ -214,8 +216,6 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
             parts[section] = cls(**given[section])
         except ValueError as e:
             errors.append(_flag_message(section, cls, str(e)))
-    if "spec" in parts:
-        errors += _mode_problems(parts["spec"].mode, given["spec"], draft_given)
     if errors:
         try:  # the runtime's own fields, checked beside default sections
             RuntimeConfig(**given["runtime"])
@@ -223,11 +223,14 @@ def config_from_args(args: argparse.Namespace) -> RuntimeConfig:
             errors.append(_flag_message("runtime", RuntimeConfig, str(e)))
         raise ConfigErrors(errors)
     try:
-        return RuntimeConfig(**parts, **given["runtime"])
+        cfg = RuntimeConfig(**parts, **given["runtime"])
     except ValueError as e:
         mode_msg = str(e).startswith("mode ")
         raise ConfigErrors([_flag_message("spec" if mode_msg else "runtime",
                                           SpeculativeConfig if mode_msg else RuntimeConfig, str(e))]) from None
+    for line in unread_flags(cfg.spec.mode, given["spec"], draft_given):
+        print(f"spec-runtime: warning: {line}", file=sys.stderr)
+    return cfg
 
 
 def model_path_problem(role: str, path: str) -> str | None:

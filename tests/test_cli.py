@@ -11,7 +11,7 @@ import pytest
 
 from protocol.messages import RequestStats, SamplingParams
 from spec_runtime.cli import _cap_max_tokens, _summary, build_parser, main
-from spec_runtime.cli_flags import ConfigErrors
+from spec_runtime.cli_flags import ConfigErrors, config_from_args
 from spec_runtime.client import GenerationResult
 from spec_runtime.config import ModelConfig, RuntimeConfig, SpeculativeConfig
 
@@ -54,11 +54,6 @@ def test_help_texts_say_what_the_flags_do():
     (["--k", "0"], ["--k must be in [1, 32]"]),
     (["--mode", "ssd", "--draft", "ngram"], ["--mode ssd needs a draft model"]),
     (["--fan-out", "1,2"], ["--fan-out needs K+1"]),
-    (["--mode", "sd", "--work-ahead", "halves", "--tree-budget", "32"],
-     ["--work-ahead applies to --mode ssd only (the mode is sd)", "--tree-budget applies to --mode ssd only"]),
-    (["--mode", "ar", "--backup", "jit"], ["--backup applies to --mode ssd only (the mode is ar)"]),
-    (["--mode", "ar", "--k", "3", "--draft", "ngram", "--dtype", "float32"],
-     ["--k applies to --mode sd or ssd only (the mode is ar: no draft)", "--draft applies to --mode sd or ssd"]),
     (["--target", "/does/not/exist"], ["--target /does/not/exist: no such file or directory"]),
     (["--k", "0", "--top-p", "0", "--max-model-len", "8", "--log-level", "LOUD"],
      ["--k must be", "--max-model-len must be >= 16", "--top-p must be", "--log-level must be"]),
@@ -144,3 +139,18 @@ def test_generate_json_caps_max_tokens_and_reports_startup_phases(tiny_llama_dir
     assert res["startup"]["target"]["ready_s"] >= res["startup"]["target"]["load_s"] > 0
     st = res["stats"]
     assert st["mean_acceptance_length"] == pytest.approx(1 + st["num_accepted_tokens"] / st["num_drafts"], abs=1e-4)
+
+
+@pytest.mark.parametrize("flags,expected", [
+    (["--mode", "sd", "--work-ahead", "halves", "--tree-budget", "32"],
+     ["--tree-budget does nothing with --mode sd (SSD only)", "--work-ahead does nothing with --mode sd (SSD only)"]),
+    (["--mode", "ar", "--backup", "jit", "--k", "3", "--draft", "ngram", "--dtype", "float32"],
+     ["--backup does nothing with --mode ar (SSD only)", "--k does nothing with --mode ar (no draft)",
+      "--draft does nothing with --mode ar (no draft)"]),
+    (["--mode", "ssd", "--work-ahead", "halves", "--k", "3", "--dtype", "float32"], []),
+])
+def test_flags_the_mode_does_not_read_are_named_in_a_warning(flags, expected, capsys):
+    """One set of flags can run every mode; what a mode does not read is said, once, before loading."""
+    cfg = config_from_args(build_parser().parse_args(["generate", "hi", *flags]))
+    assert cfg.spec.mode == flags[1]
+    assert capsys.readouterr().err.splitlines() == [f"spec-runtime: warning: {line}" for line in expected]
