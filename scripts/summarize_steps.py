@@ -1,0 +1,114 @@
+"""Where each point's step time went, from a run's round-policy step records
+(`LOG_LEVEL=DEBUG bash scripts/gpu_ssd.sh` writes them, with the line that ends each
+point, to $OUT/steps_$TAG.log; plain or gzipped).
+
+    python scripts/summarize_steps.py bench/results/round_policy_steps_8b_halves_from4_nvidia-h100-x2_2026-11-26.log.gz
+
+Per point (the records up to its "[ssd] P=... B=..." line):
+  - other batch sizes: the share of step time at batch sizes below the point's, while its
+    batch filled up and emptied;
+  - per plan at the point's batch size: steps, and tokens/s over the steps three or more
+    after a change of plan (its own tokens over its own time; at least MIN_STEADY of them);
+  - the loss: step time at the point's batch size beyond what its best plan would have
+    taken for the same tokens, as a share of all step time (probes, switches and choices
+    other than the best), and the part of it in the first three steps after each change
+    of plan.
+Steps of a sequence's first rounds are left out, as the policy leaves them out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import re
+import sys
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scripts.replay_round_policy import STEP  # noqa: E402
+
+POINT = re.compile(r"^\[ssd\] P=(\d+) T=([\d.]+) B=(\d+):")
+MIN_STEADY = 10  # steady steps before a plan's rate is shown
+
+
+@dataclass
+class Step:
+    batch: int
+    plan: str  # the record's label
+    tokens: int
+    seconds: float
+
+
+def read(path: str) -> list[tuple[str, list[Step]]]:
+    """(point, its steady steps) for each point of the file, in order."""
+    opener = gzip.open if path.endswith(".gz") else open
+    points, steps = [], []
+    with opener(path, "rt") as f:
+        for line in f:
+            m = STEP.search(line)
+            if m is not None:
+                batch, _, label, first, wait, busy, _, _, tokens, drafted, _ = m.groups()
+                if first is None:
+                    stepped = re.fullmatch(r"(.*) \((\d+) run\)", label)  # a halves step: its sequences
+                    plan, n = (stepped.group(1), int(stepped.group(2))) if stepped else (label, int(batch))
+                    steps.append(Step(int(batch), plan, int(tokens) + n - int(drafted),
+                                      (float(wait) + float(busy)) / 1e3))
+                continue
+            p = POINT.match(line)
+            if p is not None:
+                points.append((f"prompt {p.group(1)}, T {p.group(2)}, batch {p.group(3)}", steps))
+                steps = []
+    return points
+
+
+def summarize(steps: list[Step]) -> dict:
+    """The measures of the module doc for one point's steps."""
+    total = sum(s.seconds for s in steps)
+    batch = max(s.batch for s in steps)
+    full = [s for s in steps if s.batch == batch]
+    since, last, n = [], None, 0
+    for s in full:
+        n = n + 1 if s.plan == last else 0
+        last = s.plan
+        since.append(n)
+    sums = defaultdict(lambda: [0, 0.0, 0])
+    for s, k in zip(full, since):
+        if k >= 3:
+            sums[s.plan][0] += s.tokens
+            sums[s.plan][1] += s.seconds
+            sums[s.plan][2] += 1
+    rates = {p: t / sec for p, (t, sec, count) in sums.items() if count >= MIN_STEADY}
+    counts = defaultdict(int)
+    for s in full:
+        counts[s.plan] += 1
+    out = dict(batch=batch, total_s=total, other_batch=(total - sum(s.seconds for s in full)) / total,
+               plans={p: (counts[p], rates.get(p)) for p in sorted(counts, key=counts.get, reverse=True)})
+    if rates:
+        best = max(rates, key=rates.get)
+        extra = [s.seconds - s.tokens / rates[best] for s in full]
+        out.update(best=best, loss=sum(extra) / total,
+                   switch_loss=sum(e for e, k in zip(extra, since) if k < 3) / total)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("log")
+    args = p.parse_args(argv)
+    for point, steps in read(args.log):
+        if not steps:
+            continue
+        r = summarize(steps)
+        plans = ", ".join(f"{label} {n} steps" + (f" {rate:.0f} tok/s" if rate else "")
+                          for label, (n, rate) in r["plans"].items())
+        loss = (f"loss against {r['best']}: {100 * r['loss']:.1f}% ({100 * r['switch_loss']:.1f}% in the first "
+                f"three steps after a change)" if "best" in r else "no plan with enough steady steps")
+        print(f"{point}: {r['total_s']:.2f} s of steps, {100 * r['other_batch']:.0f}% at other batch sizes; {loss}; "
+              f"{plans}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""scripts/summarize_steps.py: where each point's step time went, from step records."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "summarize_steps.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("summarize_steps", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclass looks its module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _step(batch, plan, wait, busy, tokens, drafted, first=False):
+    return (f"(target pid=1) DEBUG target_proc.round_policy: step batch {batch} context 600: {plan}"
+            f"{' (first rounds)' if first else ''}, wait {wait:.2f} ms, busy {busy:.2f} ms, 0/{drafted} hits, "
+            f"{tokens} tokens drafted by {drafted}, work-ahead 0.00 ms")
+
+
+def test_a_points_steps_split_into_its_best_plan_the_rest_and_other_batch_sizes(tmp_path, capsys):
+    lines = [_step(4, "sd", 30, 30, 4, 4, first=True)]  # a first round: left out
+    lines += [_step(4, "sd", 10, 10, 12, 4)] * 14  # 12 tokens / 20 ms: 600 tok/s
+    lines += [_step(4, "plain", 0, 10, 0, 0)] * 2  # 4 tokens / 10 ms: 3.3 ms more than SD's rate
+    lines += [_step(2, "sd", 10, 10, 6, 2), "[ssd] P=512 T=0.0 B=4: 500.0 tok/s (decode 510.0)"]
+    # A halves step runs 2 of the 4 sequences: 6 tokens (its 2, 3 each) in 10 ms.
+    lines += [_step(4, "halves (2 run)", 0.5, 9.5, 6, 2)] * 13 + ["[ssd] P=512 T=0.0 B=4: 600.0 tok/s"]
+    log = tmp_path / "steps.log.gz"
+    with gzip.open(log, "wt") as f:
+        f.write("\n".join(["unrelated line", *lines]) + "\n")
+    mod = _module()
+    (_, first), (_, second) = mod.read(str(log))
+    r = mod.summarize(first)
+    assert r["total_s"] == pytest.approx(0.32) and r["other_batch"] == pytest.approx(0.02 / 0.32)
+    assert r["best"] == "sd" and r["plans"] == {"sd": (14, pytest.approx(600)), "plain": (2, None)}
+    assert r["loss"] == pytest.approx(2 * (0.010 - 4 / 600) / 0.32)
+    assert r["switch_loss"] == pytest.approx(r["loss"])  # both plain steps follow the change
+    h = mod.summarize(second)
+    assert h["best"] == "halves" and h["plans"]["halves"][1] == pytest.approx(600) and h["loss"] == pytest.approx(0)
+    mod.main([str(log)])
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 and out[0].startswith("prompt 512, T 0.0, batch 4: 0.32 s of steps, 6% at other batch sizes")
