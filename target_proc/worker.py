@@ -87,7 +87,7 @@ class TargetWorker:
         self.timing["num_steps"] = 0
         self.policy = SpecPolicy(cfg.sched.spec_policy, cfg.sched.spec_policy_probe_every)
         self._context = 0
-        # SSD: each step's plan (SSD round, SD round or plain step) from measured costs.
+        # SSD: each step's plan (SSD round, SD round, halves step or plain step) from measured costs.
         self.rounds = RoundPolicy.for_config(cfg) if cfg.spec.mode == "ssd" else None
         # The work_ahead flags of the last three requests: a step's answer comes from the cache built
         # after the request two back, or a chain when that one had no work-ahead (record_round).
