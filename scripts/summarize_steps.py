@@ -22,7 +22,7 @@ import argparse
 import gzip
 import re
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,11 +81,9 @@ def summarize(steps: list[Step]) -> dict:
             sums[s.plan][1] += s.seconds
             sums[s.plan][2] += 1
     rates = {p: t / sec for p, (t, sec, count) in sums.items() if count >= MIN_STEADY}
-    counts = defaultdict(int)
-    for s in full:
-        counts[s.plan] += 1
+    counts = Counter(s.plan for s in full)
     out = dict(batch=batch, total_s=total, other_batch=(total - sum(s.seconds for s in full)) / total,
-               plans={p: (counts[p], rates.get(p)) for p in sorted(counts, key=counts.get, reverse=True)})
+               plans={p: (n, rates.get(p)) for p, n in counts.most_common()})
     if rates:
         best = max(rates, key=rates.get)
         extra = [s.seconds - s.tokens / rates[best] for s in full]

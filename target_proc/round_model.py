@@ -208,9 +208,9 @@ def model_rate(plan: RoundPlan, batch: int, c: Costs, k: int = 0) -> float | Non
         return batch / p if p else None
     if c.tokens is None:
         return None
+    if plan.kind == "halves" and c.halves_s is not None:
+        return batch * c.tokens / c.halves_s
     if plan.kind in ("sd", "halves"):
-        if plan.kind == "halves" and c.halves_s is not None:
-            return batch * c.tokens / c.halves_s
         s = c.verify(False)
         if s is None or c.chain_s is None:
             return None

@@ -333,8 +333,8 @@ class RoundPolicy:
         if plan.kind == "halves":  # H and its realized rate only: a half's wait and verify are not S or c
             if num_specs and k3 == k2 == k1 == key and p3 == p2 == p1 == plan:
                 share = batch / (stepped or batch)  # undrafted sequences yield a token each
-                c.halves_s = _mean(c.halves_s, share * (wait_s + busy_s))
-                c.add_realized(plan, batch, share * (drafted_tokens - num_drafted) + batch, share * (wait_s + busy_s))
+                c.halves_s = _mean(c.halves_s, seconds := share * (wait_s + busy_s))
+                c.add_realized(plan, batch, share * (drafted_tokens - num_drafted) + batch, seconds)
             return
         if k1 != key or p1 is None:
             return
