@@ -1,13 +1,45 @@
 """The round policy's plans and cost model: what one step may run (RoundPlan), what is
-measured per bucket (Costs), and the predicted tokens/s of each plan (model_rate; the
-formulas are in target_proc/round_policy.py's module doc). Pure bookkeeping, no torch."""
+measured per bucket (Costs), and the predicted tokens/s of each plan (model_rate). The
+options are in target_proc/round_policy.py's module doc.
+
+What it measures (running means per bucket, from the worker's step timings and the
+draft's answers):
+  S      the step's verify and host work, with and without a work-ahead beside it;
+  P      a plain step;
+  H      a halves step, scaled to the whole batch;
+  c      the wait for a chain drafted on request (SD rounds: the draft's chain step,
+         transfer included), the least of its last 8;
+  W[n]   the draft's work-ahead at shape n (glue + K tree steps), as it reports it;
+  h[n]   the share of look-ups that hit a tree of shape n;
+  a      tokens per sequence per round with a full speculation (accepted + 1), the
+         mean over the last 32 rounds;
+  e      what SSD rounds wait beyond the model below (transfer, answer time).
+The prediction for B sequences:
+  plain          B / P
+  SD             B a / (S + c)
+  halves         B a / H, H a halves step's time as its share of the whole batch's
+                 (2x for an even split); until measured, the ceiling B a / max(S, c)
+                 (a half's verify and chain take at least half of the whole batch's)
+  SSD n, jit     B a / (S + max(0, W[n] - S) + (1 - h[n]^B) c + e)
+  SSD n, jit:N   B (h a + (1 - h) a_N) / (S + max(0, W[n] - S) + (1 - h[n]^B) c (N+1)/(K+1) + e)
+  SSD n, none    B (h a + 1 - h) / (S + max(0, W[n] - S) + e)
+where a_N is a for an N-token chain (the per-token acceptance that gives a at K, summed
+over N tokens). The work-ahead runs while the target verifies, so only its overrun
+costs; one miss in the batch makes the whole answer wait for the jit chain, which is why
+a short chain, or `none` (a missed sequence verifies only its own token), can win at
+large batch. Halves pay where the verify grows with the batch (long contexts, large
+batch): two half-batch verifies then cost little more than one whole, and each hides the
+other half's chain.
+
+Pure bookkeeping, no torch."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import statistics
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 DECAY = 0.8  # weight of a running mean's past
 OUTLIER = 4.0  # a running mean takes a sample at most this factor off it
@@ -16,6 +48,8 @@ WINDOW = 8  # steps of each option's realized rate kept
 REALIZED_MIN = 3  # steps before a realized rate counts
 STALL = 3.0  # a step this many times the window's median is a stall, left out of a realized rate
 TOKENS_WINDOW = 32  # steps behind the mean tokens per sequence per round
+MARGIN = 0.03  # the round policy's choice changes only for a prediction this much faster
+PLAIN_PRIOR_SLACK = 1.5  # plain decoding is measured once its floor estimate comes this close to the best
 
 
 @dataclass(frozen=True)
@@ -134,9 +168,18 @@ class Costs:
         tokens = sum(t for _, t, _ in kept) if per_seq is None else per_seq * sum(n for n, _, _ in kept)
         return tokens / sum(s for _, _, s in kept)
 
+    def realized_steps(self, plan: "RoundPlan", batch: int) -> int:
+        """How many of `plan`'s realized steps ran about `batch` sequences (as realized_rate counts them)."""
+        return sum(1 for e in self.realized.get(plan, ()) if abs(e[0] - batch) <= batch // 8)
+
     def add_realized(self, plan: "RoundPlan", sequences: int, tokens: float, seconds: float) -> None:
         if seconds > 0:
             self.realized.setdefault(plan, deque(maxlen=WINDOW)).append((sequences, tokens, seconds))
+
+    def measured(self) -> bool:
+        """Whether any step has measured anything here."""
+        return bool(self.samples or self.realized or self.chain_window or self.tokens_window) or any(
+            v is not None for v in (self.plain_s, self.halves_s, *self.verify_s.values()))
 
     def verify(self, work_ahead: bool) -> float | None:
         v = self.verify_s[work_ahead]
@@ -152,6 +195,28 @@ class Costs:
         chain = (self.chain_s or 0.0) * ((n + 1) / (k + 1) if n and k else 1.0)
         miss = 0.0 if backup == "none" else (1.0 - h ** batch) * chain
         return max(0.0, w - s) + miss
+
+
+def seeded(src: Costs, shape: dict[int, int]) -> Costs:
+    """A new bucket's costs, started from a neighbouring bucket's: every time, rate and
+    realized step as measured there, and under shape[n] what the neighbour measured at
+    tree shape n. The tree ladder divides one budget of tree rows by the batch size, so
+    shapes at the same place of two ladders span about as many rows. The bucket's own
+    steps then replace these as running means and windows do."""
+    c = copy.deepcopy(src)
+    c.work_s = {shape[n]: w for n, w in src.work_s.items() if n in shape}
+    c.hit_rate = {shape[n]: h for n, h in src.hit_rate.items() if n in shape}
+    c.samples = Counter({("w", shape[n]): v for (_, n), v in src.samples.items() if n in shape})
+    c.realized = {moved: deque(w, maxlen=WINDOW) for p, w in c.realized.items()
+                  if (moved := reshaped(p, shape)) is not None}
+    return c
+
+
+def reshaped(plan: RoundPlan | None, shape: dict[int, int]) -> RoundPlan | None:
+    """`plan` with its tree shape n as shape[n] (None for an SSD plan of a shape not in `shape`)."""
+    if plan is None or plan.kind != "ssd":
+        return plan
+    return replace(plan, branches=shape[plan.branches]) if plan.branches in shape else None
 
 
 def short_jit_len(backup: str) -> int:
@@ -223,3 +288,33 @@ def model_rate(plan: RoundPlan, batch: int, c: Costs, k: int = 0) -> float | Non
     per_seq = c.tokens_per_sequence(plan, k)
     tokens = batch * (c.tokens if per_seq is None else per_seq)  # the configured backup: as jit
     return tokens / (c.verify(True) + max(0.0, wait + c.extra_s))
+
+
+def unmeasured_alternative(batch: int, best: RoundPlan, rates: dict, opts: list[RoundPlan], c: Costs,
+                           k: int) -> RoundPlan | None:
+    """An option worth measuring before `best` runs: plain decoding while P was never
+    measured and its floor estimate (P taken as S) is within PLAIN_PRIOR_SLACK of
+    `best`; the next smaller tree below one that overruns the verify, when it would
+    beat `best` if it fit (its hit rate at most the larger one's)."""
+    if c.plain_s is None and PLAIN in rates and PLAIN_PRIOR_SLACK * rates[PLAIN] >= rates[best]:
+        return PLAIN
+    s = c.verify(True)
+    if s is None or c.tokens is None:
+        return None
+    for backup in dict.fromkeys(p.backup for p in opts if p.kind == "ssd" and p.branches):
+        shapes = [p for p in opts if p.kind == "ssd" and p.branches and p.backup == backup]
+        for larger, smaller in zip(shapes, shapes[1:]):
+            measured = c.samples[("w", smaller.branches)] >= MIN_SAMPLES
+            if measured or c.samples[("w", larger.branches)] < MIN_SAMPLES:
+                continue
+            if c.work_s[larger.branches] <= s:
+                break  # the larger tree fits: a smaller one cannot be faster
+            # The larger tree's rate as if it fit: its hit rate, the verify's time.
+            fit = Costs(verify_s=c.verify_s, chain_s=c.chain_s, work_s={0: 0.0},
+                        hit_rate={0: c.hit_rate[larger.branches]}, tokens=c.tokens, extra_s=c.extra_s,
+                        samples=Counter({("w", 0): MIN_SAMPLES}))
+            if model_rate(RoundPlan("ssd", 0, backup), batch, fit, k) > (1 + MARGIN) * rates[best]:
+                return smaller
+            break
+    return None
+

@@ -13,34 +13,7 @@ tokens share one bucket) the options are:
 Every option yields the target's distribution exactly; they differ only in speed, so the
 policy predicts each one's tokens/s and runs the fastest.
 
-What it measures (running means per bucket, from the worker's step timings and the
-draft's answers):
-  S      the step's verify and host work, with and without a work-ahead beside it;
-  P      a plain step;
-  H      a halves step, scaled to the whole batch;
-  c      the wait for a chain drafted on request (SD rounds: the draft's chain step,
-         transfer included), the least of its last 8;
-  W[n]   the draft's work-ahead at shape n (glue + K tree steps), as it reports it;
-  h[n]   the share of look-ups that hit a tree of shape n;
-  a      tokens per sequence per round with a full speculation (accepted + 1), the
-         mean over the last 32 rounds;
-  e      what SSD rounds wait beyond the model below (transfer, answer time).
-The prediction for B sequences:
-  plain          B / P
-  SD             B a / (S + c)
-  halves         B a / H, H a halves step's time as its share of the whole batch's
-                 (2x for an even split); until measured, the ceiling B a / max(S, c)
-                 (a half's verify and chain take at least half of the whole batch's)
-  SSD n, jit     B a / (S + max(0, W[n] - S) + (1 - h[n]^B) c + e)
-  SSD n, jit:N   B (h a + (1 - h) a_N) / (S + max(0, W[n] - S) + (1 - h[n]^B) c (N+1)/(K+1) + e)
-  SSD n, none    B (h a + 1 - h) / (S + max(0, W[n] - S) + e)
-where a_N is a for an N-token chain (the per-token acceptance that gives a at K, summed
-over N tokens). The work-ahead runs while the target verifies, so only its overrun
-costs; one miss in the batch makes the whole answer wait for the jit chain, which is why
-a short chain, or `none` (a missed sequence verifies only its own token), can win at
-large batch. Halves pay where the verify grows with the batch (long contexts, large
-batch): two half-batch verifies then cost little more than one whole, and each hides the
-other half's chain.
+What each option is predicted to yield, from what is measured, is in target_proc/round_model.py.
 
 The model ranks options nobody has run yet. Once an option has run, its realized rate
 stands in for the prediction: the expected tokens of its last 8 steps (B a for SD and for
@@ -53,8 +26,12 @@ too low. Below the batch size of its last steps (sequences finished since), the 
 scaled by what the option realized against it there (round_model.predict). What differs
 between options is their time; one step's tokens scatter too widely at small batch.
 
-How it chooses: the largest tree with jit first, until it is measured; then one probe of
-SD rounds (measures c). From then on each step runs the best prediction. An option whose
+How it chooses: a bucket that has measured nothing starts from the nearest bucket with a
+choice (fewest doublings of batch size and context apart): its costs, realized steps and
+choice, each tree shape's under the shape at the same place of its own ladder. Sequences
+that finish leave batch sizes behind that nothing has run at, and a context that grows
+crosses into a new bucket. With no such bucket: the largest tree with jit first, until it
+is measured; then one probe of SD rounds (measures c). From then on each step runs the best prediction. An option whose
 inputs are not measured yet is probed before it is run: the next smaller tree when the
 best one overruns the verify; plain decoding once its estimate with P taken as S comes
 within PLAIN_PRIOR_SLACK of the best. That estimate is a floor: a plain step verifies one
@@ -64,7 +41,9 @@ Every `probe_every` steps another option is probed for `probe_len` steps so its
 measurements stay current: the one the model predicts fastest when that beats the
 choice's realized rate (a realized rate from a few steps of a transition must not rule an
 option out), else the runner-up (every fourth probe goes to the other options in turn). A
-probe discards the option's earlier realized rate. A probe costs its steps and two
+probe discards the option's earlier realized rate; one that loses by less than 10% runs on
+until it has a full window (8 steps), as a few steps of SSD at small batch scatter too
+widely to decide between options this close (one miss makes the whole batch wait). A probe costs its steps and two
 switches, so one after which the choice stands doubles the wait for the next (up to 8 x
 probe_every steps), and a change of choice restores it. Running means clamp each sample
 to within 4x of the mean, so one stall does not skew them. A step measures an option only
@@ -92,6 +71,7 @@ from dataclasses import dataclass, field
 from target_proc.round_model import (  # noqa: F401 - re-exported
     HALVES,
     MIN_SAMPLES as _MIN_SAMPLES,
+    MARGIN as _MARGIN,
     PLAIN,
     SD,
     Costs,
@@ -99,8 +79,12 @@ from target_proc.round_model import (  # noqa: F401 - re-exported
     chain_tokens,
     model_rate,
     predict,
+    WINDOW,
+    reshaped,
     running_mean as _mean,
+    seeded,
     short_jit_len,
+    unmeasured_alternative,
 )
 from target_proc.spec_policy import batch_bucket
 
@@ -109,9 +93,8 @@ logger = logging.getLogger(__name__)
 JIT_ONLY_BELOW = 8  # batch sizes that always use the jit backup
 HALVES_FROM_BATCH = 8  # batch sizes from which SD rounds over halves are an option
 SHORT_JIT_DIV = 4  # the short jit drafts K // 4 tokens (none below K = 4)
-_MARGIN = 0.03  # a choice changes only for a prediction this much faster
 MAX_PROBE_BACKOFF = 8  # probes that change nothing space out up to this many times probe_every
-PLAIN_PRIOR_SLACK = 1.5  # plain decoding is measured once its floor estimate comes this close to the best
+CLOSE = 0.1  # a probe that comes this close to the choice runs on until its realized window is full
 MIN_CONTEXT_BUCKET = 1024  # contexts below this share one bucket of costs
 STEADY_AFTER_ROUNDS = 3  # a sequence's rounds (its prefill included) before its steps measure costs
 
@@ -124,7 +107,9 @@ class _Bucket:
     steps_since_probe: int = 0
     num_probes: int = 0
     probed: RoundPlan | None = None  # the option of the periodic probe under way
+    extended: bool = False  # the probe under way has run on (CLOSE)
     backoff: int = 1  # the next periodic probe comes after probe_every * backoff steps
+    batch: int = 0  # the batch size of its last step
 
 
 class RoundPolicy:
@@ -189,10 +174,14 @@ class RoundPolicy:
         the draft's tree work both grow with the context, so its costs are kept apart."""
         return batch_bucket(batch), max(MIN_CONTEXT_BUCKET, batch_bucket(context))
 
+    def shapes(self, batch: int) -> list[int]:
+        """The tree shapes of this batch size's SSD options, largest first (one pinned: [0])."""
+        levels = self.tree_levels(batch)
+        return levels if len(levels) > 1 else [0]
+
     def options(self, batch: int) -> list[RoundPlan]:
         """Every plan allowed at this batch size: SSD shapes (largest first) x backups, SD, halves, plain."""
-        levels = self.tree_levels(batch)
-        shapes = levels if len(levels) > 1 else [0]
+        shapes = self.shapes(batch)
         short = [f"jit:{self.short_jit}"] if self.short_jit else []
         backups = ["jit", *short, "none"] if self.backup_auto and batch >= JIT_ONLY_BELOW else (
             ["jit"] if self.backup_auto else [""])
@@ -219,7 +208,7 @@ class RoundPolicy:
     def _choose(self, batch: int, context: int) -> RoundPlan:
         key = self.key(batch, context)
         self._current[key[0]] = key
-        b = self._buckets.setdefault(key, _Bucket())
+        b = self._bucket(key, batch)
         if b.probe:
             return b.probe.popleft()
         opts = self.options(batch)
@@ -237,9 +226,11 @@ class RoundPolicy:
         if b.choice in rates and rates[b.choice] >= (1 - _MARGIN) * rates[best]:
             best = b.choice  # hold on to the choice unless another is clearly faster
         if b.probed is not None:  # a periodic probe has ended: it won, or the next one waits longer
+            if self._extend_probe(b, batch, best, rates):
+                return b.probe.popleft()
             b.backoff = 1 if best == b.probed else min(MAX_PROBE_BACKOFF, 2 * b.backoff)
             b.probed = None
-        explore = self._unmeasured_alternative(batch, best, rates, opts, c)
+        explore = unmeasured_alternative(batch, best, rates, opts, c, self.k)
         if explore is not None:
             return self._start_probe(b, explore)
         self._set_choice(key, b, best, rates)
@@ -247,48 +238,55 @@ class RoundPolicy:
         others = [p for p in ranked if p != best]
         if others and b.steps_since_probe >= self.probe_every * b.backoff:
             # The runner-up, and every other option in turn once in a while, so that one
-            # slow first measurement cannot rule an option out for good.
+            # slow first measurement cannot rule an option out for good. An option whose
+            # model predicts it faster than the choice runs is probed first: its realized
+            # rate may come from a few steps of a transition.
+            hopeful = max(others, key=lambda p: model_rate(p, batch, c, self.k) or 0.0)
+            hope = model_rate(hopeful, batch, c, self.k) or 0.0
+            if hope > (1 + _MARGIN) * rates[best]:
+                target = hopeful
+            elif (b.num_probes + 1) % 4 or len(others) == 1:
+                target = others[0]
+            else:
+                target = others[1 + ((b.num_probes + 1) // 4) % (len(others) - 1)]
             b.steps_since_probe = 0
             b.num_probes += 1
-            # An option whose model predicts it faster than the choice runs is probed first:
-            # its realized rate may come from a few steps of a transition.
-            hopeful = max(others, key=lambda p: model_rate(p, batch, c, self.k) or 0.0)
-            if (model_rate(hopeful, batch, c, self.k) or 0.0) > (1 + _MARGIN) * rates[best]:
-                b.probed = hopeful
-            elif b.num_probes % 4 or len(others) == 1:
-                b.probed = others[0]
-            else:
-                b.probed = others[1 + (b.num_probes // 4) % (len(others) - 1)]
-            return self._start_probe(b, b.probed)
+            b.probed, b.extended = target, False
+            return self._start_probe(b, target)
         return best
 
-    def _unmeasured_alternative(self, batch: int, best: RoundPlan, rates: dict, opts: list[RoundPlan],
-                                c: Costs) -> RoundPlan | None:
-        """An option worth measuring before `best` runs: plain decoding while P was never
-        measured and its floor estimate (P taken as S) is within PLAIN_PRIOR_SLACK of
-        `best`; the next smaller tree below one that overruns the verify, when it would
-        beat `best` if it fit (its hit rate at most the larger one's)."""
-        if c.plain_s is None and PLAIN in rates and PLAIN_PRIOR_SLACK * rates[PLAIN] >= rates[best]:
-            return PLAIN
-        s = c.verify(True)
-        if s is None or c.tokens is None:
-            return None
-        for backup in dict.fromkeys(p.backup for p in opts if p.kind == "ssd" and p.branches):
-            shapes = [p for p in opts if p.kind == "ssd" and p.branches and p.backup == backup]
-            for larger, smaller in zip(shapes, shapes[1:]):
-                measured = c.samples[("w", smaller.branches)] >= _MIN_SAMPLES
-                if measured or c.samples[("w", larger.branches)] < _MIN_SAMPLES:
-                    continue
-                if c.work_s[larger.branches] <= s:
-                    break  # the larger tree fits: a smaller one cannot be faster
-                # The larger tree's rate as if it fit: its hit rate, the verify's time.
-                fit = Costs(verify_s=c.verify_s, chain_s=c.chain_s, work_s={0: 0.0},
-                            hit_rate={0: c.hit_rate[larger.branches]}, tokens=c.tokens, extra_s=c.extra_s,
-                            samples=Counter({("w", 0): _MIN_SAMPLES}))
-                if model_rate(RoundPlan("ssd", 0, backup), batch, fit, self.k) > (1 + _MARGIN) * rates[best]:
-                    return smaller
-                break
-        return None
+    def _extend_probe(self, b: _Bucket, batch: int, best: RoundPlan, rates: dict) -> bool:
+        """Whether the periodic probe that has just ended runs on: once, when it lost to the
+        choice by less than CLOSE, until its realized window is full. A few steps of SSD at
+        small batch scatter widely (one miss makes the whole batch wait), too widely to
+        decide between options this close."""
+        p = b.probed
+        if b.extended or p == best or p not in rates or rates[p] < (1 - CLOSE) * rates[best]:
+            return False
+        missing = WINDOW - b.costs.realized_steps(p, batch)
+        b.extended = missing > 0
+        b.probe.extend([p] * missing)
+        return b.extended
+
+    def _bucket(self, key: tuple[int, int], batch: int) -> _Bucket:
+        """The bucket of `key`. One that has measured nothing starts from the nearest one
+        with a choice (fewest doublings of batch size and context apart; round_model.seeded):
+        sequences that finish leave a batch size nothing has run at, which would otherwise
+        measure every option from scratch, the largest tree first."""
+        b = self._buckets.setdefault(key, _Bucket())
+        if b.choice is None and not b.probe and not b.costs.measured():
+            near = [(abs(k[0].bit_length() - key[0].bit_length()) + abs(k[1].bit_length() - key[1].bit_length()),
+                     -k[0], k[1]) for k, o in self._buckets.items() if o.choice is not None]
+            if near:
+                _, neg_batch, context = min(near)
+                src = self._buckets[(-neg_batch, context)]
+                shape = dict(zip(self.shapes(src.batch), self.shapes(batch)))
+                b.costs, b.choice = seeded(src.costs, shape), reshaped(src.choice, shape)
+                logger.info("batch size ~%d, context up to %d tokens: starts from the costs of batch size ~%d, "
+                            "context up to %d tokens (%s)", key[0], key[1], -neg_batch, context,
+                            b.choice.label() if b.choice else "no choice")
+        b.batch = batch
+        return b
 
     def _start_probe(self, b: _Bucket, plan: RoundPlan) -> RoundPlan:
         b.costs.realized.pop(plan, None)  # the probe measures it afresh
