@@ -35,18 +35,18 @@ Pure bookkeeping, no torch."""
 
 from __future__ import annotations
 
-import copy
 import functools
 import statistics
 from collections import Counter, deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 DECAY = 0.8  # weight of a running mean's past
 OUTLIER = 4.0  # a running mean takes a sample at most this factor off it
 MIN_SAMPLES = 2  # measurements of W[n] and h[n] before a tree shape is predicted
 WINDOW = 8  # steps of each option's realized rate kept
 REALIZED_MIN = 3  # steps before a realized rate counts
-STALL = 3.0  # a step this many times the window's median is a stall, left out of a realized rate
+STALL = 3.0  # an SSD step this many times the window's median is a stall, left out of a realized rate
+STEADY_STALL = 1.5  # the same for the other plans, whose steps take about the same time each
 TOKENS_WINDOW = 32  # steps behind the mean tokens per sequence per round
 MARGIN = 0.03  # the round policy's choice changes only for a prediction this much faster
 PLAIN_PRIOR_SLACK = 1.5  # plain decoding is measured once its floor estimate comes this close to the best
@@ -148,9 +148,11 @@ class Costs:
     def realized_rate(self, plan: "RoundPlan", k: int = 0, batch: int | None = None) -> float | None:
         """Tokens/s of `plan` over its last steps, None below REALIZED_MIN of them: the
         expected tokens of its steps (tokens_per_sequence, else their own) over the
-        steps' time. A step over STALL times the median (a kernel built on first use, an
-        admission) is left out. Time, not each step's tokens/s, is what a plan's steps
-        realize: at batch 1 a step's tokens range from 1 to K + 1, and a window of such
+        steps' time. A stall (a kernel built on first use, an admission, a host hiccup
+        that holds up a few steps in a row) is left out: an SSD step over STALL times the
+        window's median, as SSD steps wait for the jit chain whenever a sequence misses;
+        a step of another plan, whose steps each take about the same time, over
+        STEADY_STALL times. Time, not each step's tokens/s, is what a plan's steps realize: at batch 1 a step's tokens range from 1 to K + 1, and a window of such
         ratios would rank options by luck.
 
         batch: count only steps of about this many sequences (within an eighth). A bucket
@@ -162,7 +164,7 @@ class Costs:
             window = [e for e in window if abs(e[0] - batch) <= batch // 8]
         if not window or len(window) < REALIZED_MIN:
             return None
-        cap = STALL * statistics.median(s for _, _, s in window)
+        cap = (STALL if plan.work_ahead else STEADY_STALL) * statistics.median(s for _, _, s in window)
         kept = [(n, t, s) for n, t, s in window if s <= cap]
         per_seq = self.tokens_per_sequence(plan, k)
         tokens = sum(t for _, t, _ in kept) if per_seq is None else per_seq * sum(n for n, _, _ in kept)
@@ -175,11 +177,6 @@ class Costs:
     def add_realized(self, plan: "RoundPlan", sequences: int, tokens: float, seconds: float) -> None:
         if seconds > 0:
             self.realized.setdefault(plan, deque(maxlen=WINDOW)).append((sequences, tokens, seconds))
-
-    def measured(self) -> bool:
-        """Whether any step has measured anything here."""
-        return bool(self.samples or self.realized or self.chain_window or self.tokens_window) or any(
-            v is not None for v in (self.plain_s, self.halves_s, *self.verify_s.values()))
 
     def verify(self, work_ahead: bool) -> float | None:
         v = self.verify_s[work_ahead]
@@ -195,28 +192,6 @@ class Costs:
         chain = (self.chain_s or 0.0) * ((n + 1) / (k + 1) if n and k else 1.0)
         miss = 0.0 if backup == "none" else (1.0 - h ** batch) * chain
         return max(0.0, w - s) + miss
-
-
-def seeded(src: Costs, shape: dict[int, int]) -> Costs:
-    """A new bucket's costs, started from a neighbouring bucket's: every time, rate and
-    realized step as measured there, and under shape[n] what the neighbour measured at
-    tree shape n. The tree ladder divides one budget of tree rows by the batch size, so
-    shapes at the same place of two ladders span about as many rows. The bucket's own
-    steps then replace these as running means and windows do."""
-    c = copy.deepcopy(src)
-    c.work_s = {shape[n]: w for n, w in src.work_s.items() if n in shape}
-    c.hit_rate = {shape[n]: h for n, h in src.hit_rate.items() if n in shape}
-    c.samples = Counter({("w", shape[n]): v for (_, n), v in src.samples.items() if n in shape})
-    c.realized = {moved: deque(w, maxlen=WINDOW) for p, w in c.realized.items()
-                  if (moved := reshaped(p, shape)) is not None}
-    return c
-
-
-def reshaped(plan: RoundPlan | None, shape: dict[int, int]) -> RoundPlan | None:
-    """`plan` with its tree shape n as shape[n] (None for an SSD plan of a shape not in `shape`)."""
-    if plan is None or plan.kind != "ssd":
-        return plan
-    return replace(plan, branches=shape[plan.branches]) if plan.branches in shape else None
 
 
 def short_jit_len(backup: str) -> int:

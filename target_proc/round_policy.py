@@ -26,12 +26,8 @@ too low. Below the batch size of its last steps (sequences finished since), the 
 scaled by what the option realized against it there (round_model.predict). What differs
 between options is their time; one step's tokens scatter too widely at small batch.
 
-How it chooses: a bucket that has measured nothing starts from the nearest bucket with a
-choice (fewest doublings of batch size and context apart): its costs, realized steps and
-choice, each tree shape's under the shape at the same place of its own ladder. Sequences
-that finish leave batch sizes behind that nothing has run at, and a context that grows
-crosses into a new bucket. With no such bucket: the largest tree with jit first, until it
-is measured; then one probe of SD rounds (measures c). From then on each step runs the best prediction. An option whose
+How it chooses: the largest tree with jit first, until it is measured; then one probe of
+SD rounds (measures c). From then on each step runs the best prediction. An option whose
 inputs are not measured yet is probed before it is run: the next smaller tree when the
 best one overruns the verify; plain decoding once its estimate with P taken as S comes
 within PLAIN_PRIOR_SLACK of the best. That estimate is a floor: a plain step verifies one
@@ -80,9 +76,7 @@ from target_proc.round_model import (  # noqa: F401 - re-exported
     model_rate,
     predict,
     WINDOW,
-    reshaped,
     running_mean as _mean,
-    seeded,
     short_jit_len,
     unmeasured_alternative,
 )
@@ -109,7 +103,6 @@ class _Bucket:
     probed: RoundPlan | None = None  # the option of the periodic probe under way
     extended: bool = False  # the probe under way has run on (CLOSE)
     backoff: int = 1  # the next periodic probe comes after probe_every * backoff steps
-    batch: int = 0  # the batch size of its last step
 
 
 class RoundPolicy:
@@ -208,7 +201,7 @@ class RoundPolicy:
     def _choose(self, batch: int, context: int) -> RoundPlan:
         key = self.key(batch, context)
         self._current[key[0]] = key
-        b = self._bucket(key, batch)
+        b = self._buckets.setdefault(key, _Bucket())
         if b.probe:
             return b.probe.popleft()
         opts = self.options(batch)
@@ -267,26 +260,6 @@ class RoundPolicy:
         b.extended = missing > 0
         b.probe.extend([p] * missing)
         return b.extended
-
-    def _bucket(self, key: tuple[int, int], batch: int) -> _Bucket:
-        """The bucket of `key`. One that has measured nothing starts from the nearest one
-        with a choice (fewest doublings of batch size and context apart; round_model.seeded):
-        sequences that finish leave a batch size nothing has run at, which would otherwise
-        measure every option from scratch, the largest tree first."""
-        b = self._buckets.setdefault(key, _Bucket())
-        if b.choice is None and not b.probe and not b.costs.measured():
-            near = [(abs(k[0].bit_length() - key[0].bit_length()) + abs(k[1].bit_length() - key[1].bit_length()),
-                     -k[0], k[1]) for k, o in self._buckets.items() if o.choice is not None]
-            if near:
-                _, neg_batch, context = min(near)
-                src = self._buckets[(-neg_batch, context)]
-                shape = dict(zip(self.shapes(src.batch), self.shapes(batch)))
-                b.costs, b.choice = seeded(src.costs, shape), reshaped(src.choice, shape)
-                logger.info("batch size ~%d, context up to %d tokens: starts from the costs of batch size ~%d, "
-                            "context up to %d tokens (%s)", key[0], key[1], -neg_batch, context,
-                            b.choice.label() if b.choice else "no choice")
-        b.batch = batch
-        return b
 
     def _start_probe(self, b: _Bucket, plan: RoundPlan) -> RoundPlan:
         b.costs.realized.pop(plan, None)  # the probe measures it afresh

@@ -1,0 +1,50 @@
+"""The SSD round policy's measurements under noise: a probe that comes close to the choice
+runs until its realized rate rests on a full window, and a few stalled steps in a row do
+not rule out a plan whose steps otherwise take the same time each. Costs are injected
+(tests/test_round_policy.py's simulated draft and target)."""
+
+from __future__ import annotations
+
+from itertools import groupby
+
+import pytest
+
+from target_proc.round_model import WINDOW
+from target_proc.round_policy import PLAIN, SD, Costs, RoundPlan
+from tests.test_round_policy import _policy, simulate
+
+SLOW_TREES = dict(verify_s=0.0108, chain_s=0.0106, work_s={16: 0.034, 8: 0.030}, hit_rate={16: 0.8, 8: 0.75},
+                  tokens=3.33)
+
+
+def test_a_close_probe_runs_until_its_window_is_full():
+    """SD leads SSD by about 5%. A periodic probe of SSD that loses by so little runs on
+    until its realized rate rests on a full window (WINDOW steps after the first three of
+    the switch) before the choice stands; a probe of plain decoding, 40% behind, does not."""
+    p = _policy(levels=[16, 8], k=4, allow_halves=False, backup_auto=False)
+    # SSD 16: 4a / (S + (W - S) + (1 - 0.9^4) c) = 4a / 22.5 ms; SD: 4a / 21.4 ms.
+    costs = dict(SLOW_TREES, work_s={16: 0.0188, 8: 0.025}, hit_rate={16: 0.9, 8: 0.85})
+    plans = simulate(p, 4, 600, **costs)
+    assert p.summary() == {4: "sd"}
+    probes = [(plan, len(list(g))) for plan, g in groupby(plans[100:]) if plan != SD]
+    ssd = [n for plan, n in probes if plan.kind == "ssd"]
+    assert ssd and all(n == WINDOW + 3 for n in ssd), probes
+    assert all(n == 6 for plan, n in probes if plan.kind == "plain"), probes
+
+
+@pytest.mark.parametrize("plan", [PLAIN, SD])
+def test_a_few_stalled_steps_do_not_set_a_steady_plans_rate(plan):
+    """Plain steps and SD rounds take about the same time each (8 ms here). Three steps in a
+    row held up to 13-35 ms by the host are left out of the realized rate; an SSD round,
+    which waits for the jit chain whenever a sequence misses, keeps steps up to 3x the
+    median."""
+    c = Costs(tokens=3.0)
+    for s in [0.008, 0.008, 0.008, 0.008, 0.013, 0.033, 0.035]:
+        c.add_realized(plan, 4, 4.0 if plan == PLAIN else 12.0, s)
+    per_step = 4.0 if plan == PLAIN else 12.0
+    assert c.realized_rate(plan, 4, 4) == pytest.approx(per_step / 0.008)
+    ssd = RoundPlan("ssd", 16, "jit")
+    c.hit_rate[16] = 0.9
+    for s in [0.008, 0.008, 0.016, 0.008, 0.016]:
+        c.add_realized(ssd, 4, 12.0, s)
+    assert c.realized_rate(ssd, 4, 4) == pytest.approx(5 * 12.0 / 0.056)
