@@ -256,12 +256,12 @@ class EngineStats(_Cold, tag="stats"):
     num_ssd_rounds: int = 0
     num_sd_rounds: int = 0
     num_halves_steps: int = 0
-    # SSD: times the round policy's choice for a batch size changed (probes not counted),
-    # and its choice per batch-size bucket ("ssd 27 branches, backup jit", "sd", "plain").
+    # SSD: times the round policy's choice for a batch size changed (probes not counted), its choice
+    # per batch-size bucket ("ssd 27 branches, backup jit", "sd", "plain"), its host time (choose + record).
     num_round_switches: int = 0
     round_choices: dict[int, str] = {}
-    # The draft's own time to answer SpecRequests (as last reported): the part of draft_wait_s
-    # it spends working, the rest being transfer and queueing.
+    round_policy_s: float = 0.0
+    # The draft's own time to answer SpecRequests (last reported): draft_wait_s less transfer and queueing.
     draft_answer_s: float = 0.0
     draft_num_answers: int = 0
     # SSD (tree_shape auto): times the draft shrank or grew its tree to fit the verify.

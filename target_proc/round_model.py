@@ -39,6 +39,7 @@ import functools
 import statistics
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 DECAY = 0.8  # weight of a running mean's past
 OUTLIER = 4.0  # a running mean takes a sample at most this factor off it
@@ -52,12 +53,12 @@ MARGIN = 0.03  # the round policy's choice changes only for a prediction this mu
 PLAIN_PRIOR_SLACK = 1.5  # plain decoding is measured once its floor estimate comes this close to the best
 
 
-@dataclass(frozen=True)
-class RoundPlan:
+class RoundPlan(NamedTuple):
     """One step's choice. kind: "ssd", "sd", "halves" (an SD round over one of two halves
     of the batch, in turn: the draft chains one half while the target verifies the other)
     or "plain". branches: SSD branches per sequence (0: the draft's own). backup: what
-    answers the next round's misses ("": the configured backup)."""
+    answers the next round's misses ("": the configured backup). A tuple: the policy keys
+    its windows and rates by plan at every step, and a tuple hashes in C."""
 
     kind: str
     branches: int = 0
@@ -164,11 +165,13 @@ class Costs:
             window = [e for e in window if abs(e[0] - batch) <= batch // 8]
         if not window or len(window) < REALIZED_MIN:
             return None
-        cap = (STALL if plan.work_ahead else STEADY_STALL) * statistics.median(s for _, _, s in window)
-        kept = [(n, t, s) for n, t, s in window if s <= cap]
+        cap = (STALL if plan.work_ahead else STEADY_STALL) * statistics.median([s for _, _, s in window])
+        sequences = tokens = seconds = 0.0
+        for n, t, s in window:
+            if s <= cap:
+                sequences, tokens, seconds = sequences + n, tokens + t, seconds + s
         per_seq = self.tokens_per_sequence(plan, k)
-        tokens = sum(t for _, t, _ in kept) if per_seq is None else per_seq * sum(n for n, _, _ in kept)
-        return tokens / sum(s for _, _, s in kept)
+        return (tokens if per_seq is None else per_seq * sequences) / seconds
 
     def realized_steps(self, plan: "RoundPlan", batch: int) -> int:
         """How many of `plan`'s realized steps ran about `batch` sequences (as realized_rate counts them)."""

@@ -61,6 +61,7 @@ shape), --backup (one backup), --work-ahead always (no SD rounds), --work-ahead 
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
@@ -133,6 +134,7 @@ class RoundPolicy:
         self.probe_len = probe_len
         self.warmup = warmup
         self._buckets: dict[tuple[int, int], _Bucket] = {}
+        self._options: dict[int, list[RoundPlan]] = {}  # per batch size (tree_levels is fixed)
         self._current: dict[int, tuple[int, int]] = {}  # batch bucket -> the key of its last step
         self._history: deque = deque([(0, None)] * 3, maxlen=3)  # (bucket, plan) of the last three steps
         self.num_ssd_rounds = 0
@@ -140,6 +142,7 @@ class RoundPolicy:
         self.num_halves_steps = 0
         self.num_plain_steps = 0
         self.num_switches = 0
+        self.host_s = 0.0  # time spent in choose and record
 
     @classmethod
     def for_config(cls, cfg) -> "RoundPolicy":
@@ -174,6 +177,11 @@ class RoundPolicy:
 
     def options(self, batch: int) -> list[RoundPlan]:
         """Every plan allowed at this batch size: SSD shapes (largest first) x backups, SD, halves, plain."""
+        if batch not in self._options:
+            self._options[batch] = self._list_options(batch)
+        return self._options[batch]
+
+    def _list_options(self, batch: int) -> list[RoundPlan]:
         shapes = self.shapes(batch)
         short = [f"jit:{self.short_jit}"] if self.short_jit else []
         backups = ["jit", *short, "none"] if self.backup_auto and batch >= JIT_ONLY_BELOW else (
@@ -187,7 +195,9 @@ class RoundPolicy:
     def choose(self, batch: int, context: int = 0) -> RoundPlan:
         """The plan of the step about to run over `batch` sequences of `context` tokens
         on average."""
+        t0 = time.perf_counter()
         plan = self._choose(batch, context)
+        self.host_s += time.perf_counter() - t0
         if plan.kind == "ssd":
             self.num_ssd_rounds += 1
         elif plan.kind == "sd":
@@ -289,12 +299,22 @@ class RoundPolicy:
         steady False (a sequence of the batch is in its first rounds, when the draft is
         still prefilling its prompt): the step measures nothing. stepped: the sequences
         the step ran, when fewer than `batch` (a halves step); its other counts are of them."""
+        t0 = time.perf_counter()
+        self._record(batch, plan, context, wait_s, busy_s, num_specs, num_hits, num_drafted, drafted_tokens,
+                     draft_work_s, steady, stepped)
+        self.host_s += time.perf_counter() - t0
+
+    def _record(self, batch: int, plan: RoundPlan, context: int, wait_s: float, busy_s: float, num_specs: int,
+                num_hits: int, num_drafted: int, drafted_tokens: int, draft_work_s: float, steady: bool,
+                stepped: int) -> None:
         key = self.key(batch, context)
         c = self._buckets.setdefault(key, _Bucket()).costs
-        logger.debug("step batch %d context %d: %s%s%s, wait %.2f ms, busy %.2f ms, %d/%d hits, %d tokens drafted "
-                     "by %d, work-ahead %.2f ms", batch, context, plan.label(),
-                     f" ({stepped} run)" if stepped and stepped != batch else "", "" if steady else " (first rounds)",
-                     1e3 * wait_s, 1e3 * busy_s, num_hits, num_specs, drafted_tokens, num_drafted, 1e3 * draft_work_s)
+        if logger.isEnabledFor(logging.DEBUG):  # the step record (scripts/replay_round_policy.py reads it)
+            logger.debug("step batch %d context %d: %s%s%s, wait %.2f ms, busy %.2f ms, %d/%d hits, %d tokens "
+                         "drafted by %d, work-ahead %.2f ms", batch, context, plan.label(),
+                         f" ({stepped} run)" if stepped and stepped != batch else "",
+                         "" if steady else " (first rounds)", 1e3 * wait_s, 1e3 * busy_s, num_hits, num_specs,
+                         drafted_tokens, num_drafted, 1e3 * draft_work_s)
         (k3, p3), (k2, p2), (k1, p1) = self._history
         self._history.append((key, plan))
         if not steady:
@@ -356,7 +376,7 @@ class RoundPolicy:
         return dict(num_plain_steps=self.num_plain_steps, num_ssd_rounds=self.num_ssd_rounds,
                     num_sd_rounds=self.num_sd_rounds, num_halves_steps=self.num_halves_steps,
                     num_round_switches=self.num_switches,
-                    round_choices=self.summary())
+                    round_choices=self.summary(), round_policy_s=self.host_s)
 
     def costs(self, batch: int, context: int = 0) -> Costs:
         return self._buckets.setdefault(self.key(batch, context), _Bucket()).costs

@@ -229,6 +229,7 @@ def test_greedy_output_is_ars_across_forced_switches(tiny_pair, ar_reference):
     assert stats.num_ssd_rounds > 0 and stats.num_sd_rounds > 0 and stats.num_plain_steps > 0
     assert stats.num_halves_steps > 0
     assert stats.round_choices and all(isinstance(k, int) for k in stats.round_choices)
+    assert 0 < stats.round_policy_s < stats.loop_s  # the policy's own host time, within the steps'
     t = stats.totals
     assert t.num_cache_hits > 0 and t.num_sd_rounds > 0 and t.num_plain_rounds > 0 and t.num_ar_fallback_rounds == 0
     for r in res:  # the first token comes from the prefill, then each round is one of these
