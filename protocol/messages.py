@@ -2,9 +2,8 @@
 
 Vocabulary (used the same way everywhere):
   - draft_token_ids: the K tokens the draft proposes for one sequence.
-  - draft_probs:     q, the distribution each draft token was sampled from, sent
-                     sparse as its top-k (q_token_ids, q_probs) so a SpecResponse
-                     does not grow with the vocabulary.
+  - draft_probs:     q, the distribution each draft token was sampled from, sent sparse as its
+                     top-k (q_token_ids, q_probs) so a SpecResponse does not grow with the vocabulary.
   - num_accepted:    j, how many draft tokens the target accepted (0..K).
   - recovery/bonus:  the token the target sampled after the accepted prefix: recovery at the
                      first rejection (j < K), bonus when all K were accepted. Both travel as `token_id`.
@@ -243,13 +242,15 @@ class EngineStats(_Cold, tag="stats"):
     draft_num_cache_entries: int = -1
     # Timing totals since start (seconds) over num_steps decode/verify steps: target forward + acceptance,
     # time blocked on speculations, the draft's work-ahead as reported (SSD), the loop iterations that ran
-    # a step, whole (loop_s), and their admissions (admit_s: prefill forwards, first tokens).
+    # a step, whole (loop_s), and their admissions (admit_s: prefill forwards, first tokens). host_parts:
+    # parts of a step's host work: poll (client and draft sockets), outcomes (sent to the draft), accept, record.
     num_steps: int = 0
     verify_s: float = 0.0
     draft_wait_s: float = 0.0
     draft_work_s: float = 0.0
     loop_s: float = 0.0
     admit_s: float = 0.0
+    host_parts: dict[str, float] = {}
     # Steps the speculation policy ran as plain decoding (spec_policy="adaptive").
     num_plain_steps: int = 0
     # SSD: steps after a request with work-ahead (SSD rounds), without (SD rounds), and halves steps.
@@ -318,8 +319,7 @@ class SpecRequest(_Hot, tag="req"):
 
     For sequence i: num_accepted[i] of its last speculation were accepted, then
     token_ids[i] (recovery or bonus) was sampled. For a fresh sequence the
-    outcome is (0, first token sampled after prefill).
-    """
+    outcome is (0, first token sampled after prefill)."""
 
     step: int
     seq_ids: np.ndarray  # [B] int64

@@ -104,7 +104,9 @@ def run_mode(args, mode: str) -> list[dict]:
                   f"{r['mean_tokens_per_round']:.2f} "
                   f"tok/round, hit {r['cache_hit_rate']}, v={r['verify_ms_per_step']:.2f} ms, "
                   f"wait={r['draft_wait_ms_per_step']:.2f} ms, work={r['draft_work_ms_per_step']:.2f} ms, "
-                  f"host={r['host_ms_per_step']:.2f} ms, policy={r['policy_ms_per_step']:.3f} ms, "
+                  f"host={r['host_ms_per_step']:.2f} ms ("
+                  + ", ".join(f"{k} {v:.3f}" for k, v in r["host_parts_ms_per_step"].items())
+                  + f"), policy={r['policy_ms_per_step']:.3f} ms, "
                   f"admit={r['admit_ms_per_step']:.2f} ms, steps {r['steps']}, "
                   f"ssd/sd rounds {r['ssd_rounds']}/{r['sd_rounds']}, halves steps {r['halves_steps']}, "
                   f"plain steps {r['plain_steps']}, "
@@ -171,6 +173,10 @@ def _row(mode, temp, bs, wall, decode_wall, results, before, after, args) -> dic
         # SSD: the round policy's own host time (choosing each step's plan, recording its costs),
         # within the wait (choosing) and the host work (recording).
         "policy_ms_per_step": 1e3 * (after.round_policy_s - before.round_policy_s) / steps,
+        # Parts of the host work per step: poll (client and draft sockets), outcomes (sent to the
+        # draft), accept (stop rules, stats), record (the policies' bookkeeping).
+        "host_parts_ms_per_step": {name: 1e3 * (v - before.host_parts.get(name, 0.0)) / steps
+                                   for name, v in after.host_parts.items()},
         "host_ms_per_step": 1e3 * ((after.loop_s - before.loop_s) - (after.admit_s - before.admit_s)
                                    - (after.verify_s - before.verify_s)
                                    - (after.draft_wait_s - before.draft_wait_s)) / steps,

@@ -22,18 +22,8 @@ from collections import deque
 import torch
 
 from protocol.codec import ProtocolError
-from protocol.messages import (
-    PLACEHOLDER_TOKEN_ID,
-    AbortRequest,
-    EngineStats,
-    ErrorReply,
-    GenerateRequest,
-    RequestOutput,
-    RequestStats,
-    StatsRequest,
-    TokenOutputs,
-    add_totals,
-)
+from protocol.messages import (PLACEHOLDER_TOKEN_ID, AbortRequest, EngineStats, ErrorReply, GenerateRequest,
+                               RequestOutput, RequestStats, StatsRequest, TokenOutputs, add_totals)
 from protocol.sparse_q import DraftTokens
 from spec_runtime.config import RuntimeConfig, step_token_budget
 from spec_runtime.engine.forward_batch import ForwardItem
@@ -85,6 +75,7 @@ class TargetWorker:
         self.outputs: dict[bytes, list[RequestOutput]] = {}
         self.timing = dict.fromkeys(("verify_s", "draft_wait_s", "draft_work_s", "loop_s", "admit_s"), 0.0)
         self.timing["num_steps"] = 0
+        self.timing["host_parts"] = dict.fromkeys(("poll", "outcomes", "accept", "record"), 0.0)
         self.policy = SpecPolicy(cfg.sched.spec_policy, cfg.sched.spec_policy_probe_every)
         self._context = 0
         # SSD: each step's plan (SSD round, SD round, halves step or plain step) from measured costs.
@@ -110,6 +101,7 @@ class TargetWorker:
             if ran:  # the parts of a step's iteration that verify_s and draft_wait_s leave out
                 self.timing["loop_s"] += time.perf_counter() - t0
                 self.timing["admit_s"] += t2 - t1
+                self.timing["host_parts"]["poll"] += t1 - t0
 
     def poll_clients(self, block: bool) -> None:
         timeout = 0.05 if block else 0.0
@@ -257,15 +249,20 @@ class TargetWorker:
         tm = self.timing
         tm["num_steps"] += 1
         tm["draft_wait_s"] += t1 - t0
-        tm["verify_s"] += time.perf_counter() - t1
+        tm["verify_s"] += (t2 := time.perf_counter()) - t1
         draft_work_s = self.draft.take_draft_work_s()
         tm["draft_work_s"] += draft_work_s
         # Overlap-scheduled acceptance: tell the draft first, post-process after. SSD:
         # the plan says whether the draft works ahead for the next round (at which tree
         # shape, with which backup) or answers it with a chain (SD); plain steps wait for nothing.
         self.draft.send_outcomes(seqs, specs, num_accepted, out_tokens, speculate, lambda n: plan)
+        t3 = time.perf_counter()
         self._accept(seqs, specs, num_draft, num_accepted, out_tokens, logprobs, speculate)
+        t4 = time.perf_counter()
         self._record_step(seqs, plan, specs, num_draft, num_accepted, t0, t1, draft_work_s, batch)
+        parts = tm["host_parts"]
+        parts["outcomes"], parts["accept"] = parts["outcomes"] + t3 - t2, parts["accept"] + t4 - t3
+        parts["record"] += time.perf_counter() - t4
         self._emit(seqs)
         return True
 
