@@ -153,8 +153,9 @@ class Costs:
         that holds up a few steps in a row) is left out: an SSD step over STALL times the
         window's median, as SSD steps wait for the jit chain whenever a sequence misses;
         a step of another plan, whose steps each take about the same time, over
-        STEADY_STALL times. Time, not each step's tokens/s, is what a plan's steps realize: at batch 1 a step's tokens range from 1 to K + 1, and a window of such
-        ratios would rank options by luck.
+        STEADY_STALL times. Time, not each step's tokens/s, is what a plan's steps realize:
+        at batch 1 a step's tokens range from 1 to K + 1, and a window of such ratios would
+        rank options by luck.
 
         batch: count only steps of about this many sequences (within an eighth). A bucket
         holds batch sizes up to twice apart, and a rate realized while a batch was filling
