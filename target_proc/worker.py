@@ -384,7 +384,7 @@ class TargetWorker:
             totals=self.totals,
             **(self.rounds.engine_fields() if self.rounds else {"num_plain_steps": self.policy.num_plain_steps}),
             **self.draft.engine_fields(),
-            **self.timing,
+            **{**self.timing, "host_parts": dict(self.timing["host_parts"])},  # a copy: the loop adds on
             num_kv_blocks=self.kv.num_blocks,
             num_free_kv_blocks=self.kv.num_free_blocks,
             num_preemptions=self.sched.num_preemptions,
