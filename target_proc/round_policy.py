@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass, field
 
 from target_proc.round_model import (  # noqa: F401 - re-exported
@@ -72,12 +72,12 @@ from target_proc.round_model import (  # noqa: F401 - re-exported
     MARGIN as _MARGIN,
     PLAIN,
     SD,
+    WINDOW,
     Costs,
     RoundPlan,
     chain_tokens,
     model_rate,
     predict,
-    WINDOW,
     running_mean as _mean,
     short_jit_len,
     unmeasured_alternative,
