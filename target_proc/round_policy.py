@@ -17,14 +17,14 @@ What each option is predicted to yield, from what is measured, is in target_proc
 
 The model ranks options nobody has run yet. Once an option has run, its realized rate
 stands in for the prediction: the expected tokens of its last 8 steps (B a for SD and for
-SSD with jit, B for plain steps, the model's mix of hits and misses for the other backups)
-over those steps' wait and busy time (a halves step's as in H), a step over 3x their
-median (a kernel built on first use, an admission) left out. Only steps of about the
-current batch size count (within an eighth of it): a bucket spans batch sizes up to twice
-apart, and steps run while a batch filled up would rate an option at the full batch far
-too low. Below the batch size of its last steps (sequences finished since), the model is
-scaled by what the option realized against it there (round_model.predict). What differs
-between options is their time; one step's tokens scatter too widely at small batch.
+SSD with jit, B for plain steps, the model's mix of hits and misses for the other
+backups) over those steps' wait and busy time (a halves step's as in H), stalled steps
+left out (round_model.Costs.realized_rate). Only steps of about the current batch size
+count (within an eighth of it): a bucket spans batch sizes up to twice apart, and steps
+run while a batch filled up would rate an option at the full batch far too low. Below the
+batch size of its last steps (sequences finished since), the model is scaled by what the
+option realized against it there (round_model.predict). What differs between options is
+their time; one step's tokens scatter too widely at small batch.
 
 How it chooses: the largest tree with jit first, until it is measured; then one probe of
 SD rounds (measures c). From then on each step runs the best prediction. An option whose
@@ -43,8 +43,7 @@ widely to decide between options this close (one miss makes the whole batch wait
 probe costs its steps and two switches, so one after which the choice stands doubles the
 wait for the next (up to 8 x probe_every steps), and a change of choice restores it.
 Running means clamp each sample to within 4x of the mean, so one stall does not skew
-them; a realized rate leaves out stalled steps (round_model.Costs.realized_rate). A step
-measures an option only when the two requests before it made the same choice (its wait
+them. A step measures an option only when the two requests before it made the same choice (its wait
 answers the request one back, from the cache built after the request two back), and only
 when no sequence of the batch is in its first STEADY_AFTER_ROUNDS rounds. A realized rate
 also needs the request three back to have made it: the first chain after SSD rounds first
@@ -143,7 +142,7 @@ class RoundPolicy:
         self.num_halves_steps = 0
         self.num_plain_steps = 0
         self.num_switches = 0
-        self.host_s = 0.0  # time spent in choose and record
+        self.host_s = 0.0  # time spent in choose and record_step (the worker's calls)
 
     @classmethod
     def for_config(cls, cfg) -> "RoundPolicy":
@@ -300,14 +299,6 @@ class RoundPolicy:
         steady False (a sequence of the batch is in its first rounds, when the draft is
         still prefilling its prompt): the step measures nothing. stepped: the sequences
         the step ran, when fewer than `batch` (a halves step); its other counts are of them."""
-        t0 = time.perf_counter()
-        self._record(batch, plan, context, wait_s, busy_s, num_specs, num_hits, num_drafted, drafted_tokens,
-                     draft_work_s, steady, stepped)
-        self.host_s += time.perf_counter() - t0
-
-    def _record(self, batch: int, plan: RoundPlan, context: int, wait_s: float, busy_s: float, num_specs: int,
-                num_hits: int, num_drafted: int, drafted_tokens: int, draft_work_s: float, steady: bool,
-                stepped: int) -> None:
         key = self.key(batch, context)
         c = self._buckets.setdefault(key, _Bucket()).costs
         if logger.isEnabledFor(logging.DEBUG):  # the step record (scripts/replay_round_policy.py reads it)
@@ -364,11 +355,13 @@ class RoundPolicy:
         with .cache_hit), per sequence of the step its drafts and accepted tokens. steady:
         no sequence of the batch is in its first rounds (see `record`). batch: the running
         sequences, when the step ran fewer (a halves step)."""
+        t0 = time.perf_counter()
         drafted = [j + 1 for j, m in zip(num_accepted, num_draft) if m]
         self.record(batch or len(num_draft), plan, context=context, wait_s=wait_s, busy_s=busy_s,
                     num_specs=len(specs), num_hits=sum(1 for s in specs.values() if s.cache_hit),
                     num_drafted=len(drafted), drafted_tokens=sum(drafted), draft_work_s=draft_work_s, steady=steady,
                     stepped=len(num_draft))
+        self.host_s += time.perf_counter() - t0
 
     # ---------------------------------------------------------------- reading
 

@@ -261,7 +261,8 @@ class TargetWorker:
         t4 = time.perf_counter()
         self._record_step(seqs, plan, specs, num_draft, num_accepted, t0, t1, draft_work_s, batch)
         parts = tm["host_parts"]
-        parts["outcomes"], parts["accept"] = parts["outcomes"] + t3 - t2, parts["accept"] + t4 - t3
+        parts["outcomes"] += t3 - t2
+        parts["accept"] += t4 - t3
         parts["record"] += time.perf_counter() - t4
         self._emit(seqs)
         return True

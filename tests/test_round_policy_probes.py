@@ -51,8 +51,8 @@ def test_a_few_stalled_steps_do_not_set_a_steady_plans_rate(plan):
 
 
 def test_the_policys_host_time_is_counted_and_exported():
-    """choose and record add their own time to host_s, which EngineStats carries as
-    round_policy_s (bench_e2e.py's policy_ms_per_step)."""
+    """choose and record_step (the worker's calls) add their own time to host_s, which
+    EngineStats carries as round_policy_s (bench_e2e.py's policy_ms_per_step)."""
     p = _policy(levels=[16, 8], k=4, allow_halves=False)
     assert p.engine_fields()["round_policy_s"] == 0.0
     simulate(p, 4, 50, **SLOW_TREES)
