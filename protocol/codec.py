@@ -1,22 +1,26 @@
-"""Wire codec: msgspec Structs to zmq frames and back, arrays as zero-copy frames.
+"""Wire codec: msgspec Structs to zmq frames and back, large arrays as zero-copy frames.
 
 A message travels as a multipart zmq message:
 
     frame 0      msgpack of the Struct (tag first: every message is array_like)
-    frame 1..n   the raw bytes of each numpy array in the message, C-contiguous,
+    frame 1..n   the raw bytes of each large numpy array in the message, C-contiguous,
                  little-endian, in the order the encoder met them
 
-Inside frame 0 each array is replaced by a small descriptor
-`[dtype_name, shape, frame_index]`, e.g. `["int64", [4, 8], 2]`. The decoder checks
-the descriptor against the frame before building the array: dtype in `ALLOWED_DTYPES`,
-`prod(shape) * itemsize == len(frame)`, index in range, every extra frame used
-exactly once. Frame count and frame size are bounded before msgpack is touched.
+Inside frame 0 each array is replaced by a small descriptor `[dtype_name, shape, data]`:
+data is the index of the array's frame, e.g. `["int64", [4, 8], 2]`, or, for an array of
+at most `INLINE_BYTES` bytes, its raw bytes (msgpack bin). Every frame costs the sender
+and the receiver a zmq message part, and a step's messages on the spec link carry a few
+arrays of a few hundred bytes each: inline, such a message is one frame. The decoder
+checks the descriptor against the data before building the array: dtype in
+`ALLOWED_DTYPES`, `prod(shape) * itemsize == len(data)`, a frame index in range, every
+extra frame used exactly once. Frame count and frame size are bounded before msgpack is
+touched.
 
-Buffer ownership: `encode` returns memoryviews over the caller's arrays (no copy
+Buffer ownership: `encode` returns memoryviews over the caller's large arrays (no copy
 unless an array was not C-contiguous little-endian); the caller must not modify
 them until the send completes (pyzmq `copy=False` holds a reference). Arrays from
-`Decoder.decode` are read-only views over the received frames and keep those
-frames alive; copy one (`arr.copy()`) to write to it or to hold it for a long time.
+`Decoder.decode` are read-only views over the received data and keep it alive; copy
+one (`arr.copy()`) to write to it or to hold it for a long time.
 
 Every decode failure raises `ProtocolError`; nothing else escapes `decode`.
 No pickle anywhere.
@@ -49,6 +53,7 @@ DEFAULT_MAX_FRAMES = 32
 _MAX_NDIM = 8
 _MAX_DIM = 1 << 40  # any larger dimension cannot match a frame under the limits
 _HANDSHAKE_TAGS = ("hello", "init", "ready")
+INLINE_BYTES = 4096  # arrays up to this size travel inside frame 0
 
 
 class ProtocolError(ValueError):
@@ -87,6 +92,8 @@ def _enc_hook(obj: Any) -> Any:
             name, wire_dtype = known
         # No-op (no copy) for the usual C-contiguous little-endian array.
         arr = np.ascontiguousarray(obj, dtype=wire_dtype)
+        if arr.nbytes <= _enc_state.inline_bytes:
+            return [name, list(arr.shape), arr.tobytes()]
         frames = _enc_state.frames
         # A flat uint8 view: its memoryview has len == nbytes, even for bool and
         # zero-size arrays, which memoryview.cast would refuse.
@@ -100,13 +107,15 @@ def _enc_hook(obj: Any) -> Any:
 _encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 
 
-def encode(msg: msgspec.Struct) -> list[bytes | memoryview]:
-    """Message -> frames for `send_multipart(frames, copy=False)`.
+def encode(msg: msgspec.Struct, inline_bytes: int = INLINE_BYTES) -> list[bytes | memoryview]:
+    """Message -> frames for `send_multipart(frames, copy=False)`; arrays of at most
+    inline_bytes bytes go inside frame 0 (0: every array in a frame of its own).
 
     Raises ProtocolError for an array of a dtype outside ALLOWED_DTYPES or an
     unencodable field (a sender bug, reported before anything is sent).
     """
     _enc_state.frames = frames = [b""]
+    _enc_state.inline_bytes = inline_bytes
     try:
         frames[0] = _encoder.encode(msg)
     except ProtocolError:
@@ -193,7 +202,7 @@ class Decoder:
             raise TypeError(f"unsupported type {type_}")
         # ValueErrors here come back from msgspec as ValidationError with the field path.
         if not (isinstance(obj, (list, tuple)) and len(obj) == 3):
-            raise ValueError("array descriptor must be [dtype, shape, frame_index]")
+            raise ValueError("array descriptor must be [dtype, shape, frame index or bytes]")
         name, shape, index = obj
         dtype = ALLOWED_DTYPES.get(name) if isinstance(name, str) else None
         if dtype is None:
@@ -204,18 +213,19 @@ class Decoder:
             and all(type(d) is int and 0 <= d < _MAX_DIM for d in shape)
         ):
             raise ValueError(f"bad array shape {shape!r}")
-        bufs, used = self._state.bufs, self._state.used
-        if type(index) is not int or not 1 <= index < len(bufs):
-            raise ValueError(f"array frame index {index!r} out of range 1..{len(bufs) - 1}")
-        if index in used:
-            raise ValueError(f"array frame {index} referenced twice")
-        used.add(index)
-        buf = bufs[index]
+        if type(index) is bytes:  # inline
+            buf, where = memoryview(index), "inline array"
+        else:
+            bufs, used = self._state.bufs, self._state.used
+            if type(index) is not int or not 1 <= index < len(bufs):
+                raise ValueError(f"array frame index {index!r} out of range 1..{len(bufs) - 1}")
+            if index in used:
+                raise ValueError(f"array frame {index} referenced twice")
+            used.add(index)
+            buf, where = bufs[index], f"array frame {index}"
         expected = math.prod(shape) * dtype.itemsize
         if expected != buf.nbytes:
-            raise ValueError(
-                f"array frame {index}: shape {list(shape)} of {name} needs {expected} bytes, got {buf.nbytes}"
-            )
+            raise ValueError(f"{where}: shape {list(shape)} of {name} needs {expected} bytes, got {buf.nbytes}")
         arr = np.frombuffer(buf, dtype=dtype).reshape(shape)
         arr.flags.writeable = False  # a view of the network buffer: never written in place
         return arr

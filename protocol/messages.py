@@ -11,9 +11,9 @@ Vocabulary (used the same way everywhere):
                      the target's current round for that sequence is stale.
 
 Arrays (token ids, probabilities) are numpy arrays inside the Structs; the codec
-(`protocol.codec`) sends each as an extra zero-copy frame. Every message is
-array_like=True (positional msgpack arrays, tag first); hot ones are also gc=False,
-as vLLM's engine core does.
+(`protocol.codec`) sends a small one inside the message and a large one as an extra
+zero-copy frame. Every message is array_like=True (positional msgpack arrays, tag
+first); hot ones are also gc=False, as vLLM's engine core does.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 # Placeholder for "no token" in fixed-shape arrays.
 PLACEHOLDER_TOKEN_ID = -1

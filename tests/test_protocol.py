@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from protocol import messages as m
 from protocol.codec import (
+    INLINE_BYTES,
     Decoder,
     ProtocolError,
     check_token_ids,
@@ -128,10 +129,11 @@ def test_samples_cover_every_message():
 
 
 @pytest.mark.parametrize("msg", SAMPLES, ids=lambda s: type(s).__name__)
-def test_round_trip(msg):
-    frames = encode(msg)
-    n_arrays = sum(isinstance(getattr(msg, f), np.ndarray) for f in msg.__struct_fields__)
-    assert len(frames) == 1 + n_arrays
+@pytest.mark.parametrize("inline_bytes", [0, INLINE_BYTES])
+def test_round_trip(msg, inline_bytes):
+    frames = encode(msg, inline_bytes=inline_bytes)
+    arrays = [a for f in msg.__struct_fields__ if isinstance(a := getattr(msg, f), np.ndarray)]
+    assert len(frames) == 1 + sum(a.nbytes > inline_bytes for a in arrays)
     # through bytes, as a socket would deliver them
     out = DECODERS[_union_for(msg)].decode([bytes(f) for f in frames])
     assert_same(msg, out)
@@ -141,9 +143,19 @@ def test_round_trip(msg):
             assert not v.flags.writeable
 
 
+def test_small_arrays_travel_inline_and_large_ones_in_frames():
+    small, large = _ids(8), np.arange(INLINE_BYTES // 8 + 1, dtype=np.int64)
+    frames = encode(m.AddSequence(seq_id=1, prompt_token_ids=small))
+    assert len(frames) == 1
+    frames = encode(m.AddSequence(seq_id=1, prompt_token_ids=large))
+    assert len(frames) == 2 and np.shares_memory(np.frombuffer(frames[1], np.int64), large)
+    out = DECODERS[m.SpecLinkToDraft].decode([bytes(f) for f in frames])
+    np.testing.assert_array_equal(out.prompt_token_ids, large)
+
+
 def test_encode_is_zero_copy_and_handles_odd_arrays():
     arr = np.arange(12, dtype=np.int64)
-    frames = encode(m.Release(seq_ids=arr))
+    frames = encode(m.Release(seq_ids=arr), inline_bytes=0)
     assert np.shares_memory(np.frombuffer(frames[1], np.int64), arr)
     # non-contiguous and big-endian arrays are normalized (copied) for the wire
     msg = m.Release(seq_ids=np.arange(20, dtype=">i8")[::2])
@@ -186,11 +198,12 @@ def test_config_rejects_unknown_and_invalid():
 
 def test_version_check():
     check_version(SAMPLES[0])
-    with pytest.raises(ProtocolError, match="protocol version 2, expected 1") as e:
-        check_version(m.Hello(protocol_version=2, role="draft", pid=1))
+    other = m.PROTOCOL_VERSION + 1
+    with pytest.raises(ProtocolError, match=f"protocol version {other}, expected {m.PROTOCOL_VERSION}") as e:
+        check_version(m.Hello(protocol_version=other, role="draft", pid=1))
     assert e.value.code == "version"
     # a future Hello with more fields still reports the version, not a field error
-    frame = msgspec.msgpack.encode(["hello", 2, "draft", 1, "extra"])
+    frame = msgspec.msgpack.encode(["hello", other, "draft", 1, "extra"])
     with pytest.raises(ProtocolError) as e:
         DECODERS[m.HandshakeMessage].decode([frame])
     assert e.value.code == "version"
@@ -213,7 +226,8 @@ def test_check_token_ids():
 
 _REQ = m.SpecRequest(step=1, seq_ids=_ids(2), rounds=_ids(2), num_accepted=np.zeros(2, np.int32),
                      token_ids=_ids(2), seq_lens=_ids(2), k=4)
-_REQ_FRAMES = [bytes(f) for f in encode(_REQ)]
+_REQ_FRAMES = [bytes(f) for f in encode(_REQ, inline_bytes=0)]
+_REQ_INLINE = msgspec.msgpack.decode(encode(_REQ)[0])  # the same with its arrays inside
 
 
 def _with_frame0(obj, arrays=_REQ_FRAMES[1:]):
@@ -240,14 +254,18 @@ MALFORMED = {
     "bad_dtype": _with_frame0(["req", 1, ["object", [2], 1], *_REQ_LIST[3:]]),
     "negative_dim": _with_frame0(["req", 1, ["int64", [-2], 1], *_REQ_LIST[3:]]),
     "huge_dims": _with_frame0(["req", 1, ["int64", [0, 2**62, 2**62], 1], *_REQ_LIST[3:]]),
-    "wrong_union": [bytes(f) for f in encode(m.Hello(protocol_version=1, role="x", pid=1))],
+    "wrong_union": [bytes(f) for f in encode(m.Hello(protocol_version=m.PROTOCOL_VERSION, role="x", pid=1))],
     "pickle": [pickle.dumps(_REQ)],
     "pickle_frames": [pickle.dumps(_REQ), *_REQ_FRAMES[1:]],
+    "inline_short": _with_frame0(["req", 1, ["int64", [2], b"\x00" * 15], *_REQ_INLINE[3:]], []),
+    "inline_as_text": _with_frame0(["req", 1, ["int64", [2], "\x00" * 16], *_REQ_INLINE[3:]], []),
+    "inline_and_a_frame": [bytes(f) for f in encode(_REQ)] + [b"\x00" * 8],
 }
 
 
 def test_malformed_sanity():
-    assert DECODERS[m.SpecLinkToDraft].decode(_with_frame0(_REQ_LIST)).k == 4  # the base case is valid
+    assert DECODERS[m.SpecLinkToDraft].decode(_with_frame0(_REQ_LIST)).k == 4  # the base cases are valid
+    assert DECODERS[m.SpecLinkToDraft].decode(_with_frame0(_REQ_INLINE, [])).k == 4
 
 
 @pytest.mark.parametrize("name", sorted(MALFORMED))
@@ -259,9 +277,9 @@ def test_malformed_raises_protocol_error(name):
 
 def test_size_limits():
     small = Decoder(m.SpecLinkToDraft, max_frame_bytes=100)
-    small.decode(encode(m.Release(seq_ids=_ids(12))))  # 96 bytes: fits
+    small.decode(encode(m.Release(seq_ids=_ids(12)), inline_bytes=0))  # 96 bytes: fits
     with pytest.raises(ProtocolError, match="frame 1 has 104 bytes") as e:
-        small.decode(encode(m.Release(seq_ids=_ids(13))))
+        small.decode(encode(m.Release(seq_ids=_ids(13)), inline_bytes=0))
     assert e.value.code == "too_large"
     with pytest.raises(ProtocolError, match="frames") as e:
         Decoder(m.SpecLinkToDraft, max_frames=3).decode(_REQ_FRAMES)
