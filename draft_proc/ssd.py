@@ -175,6 +175,14 @@ class SSDEngine:
             torch.cuda.synchronize(self.runner.device)  # sync: measure the work, not its launch
         self.last_work_s = time.perf_counter() - t0
 
+    def take_in(self, seqs: list[DraftSeq]) -> None:
+        """A plain step's outcomes, which nobody waits an answer for: their look-ups
+        answer nothing, and no work-ahead follows."""
+        for s in seqs:
+            self._pending.pop(s.seq_id, None)
+            self._pending_depth.pop(s.seq_id, None)
+        self.skip_work_ahead(seqs)
+
     def skip_work_ahead(self, seqs: list[DraftSeq]) -> None:
         """No work-ahead this round: drop the entries that answered it, and give each
         sequence answered from the tree its speculation's KV. A hit's tokens have KV

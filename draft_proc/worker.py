@@ -223,13 +223,16 @@ class DraftWorker:
         ok = self._apply_outcomes(req)
         if not ok:
             return
+        if not req.work_ahead and backup_k == 0:
+            self._take_in(ok)
+            return
         t1 = time.perf_counter()
         if self.ssd is not None:
             # Right after an SD round no tree stands behind this answer: a round that
             # speculates gets chains, as SD rounds do, whatever it names for cache misses.
             specs, hits_by_depth = self.ssd.propose(ok, req.k, count_misses=counted,
                                                     backup_k=req.k if self._last_sd and req.work_ahead else backup_k)
-        elif backup_k == 0:  # the target decodes plainly: take in the outcomes only
+        elif backup_k == 0:  # no backup asked of a draft without a tree cache: no drafts
             for s in ok:
                 s.set_no_speculation()
             specs, hits_by_depth = [NO_DRAFT] * len(ok), []
@@ -237,9 +240,7 @@ class DraftWorker:
             specs, hits_by_depth = self.speculator.propose(ok, req.k), []
         t2 = time.perf_counter()
         self.channel.send(self._response(req.step, req.k, ok, specs, hits_by_depth))
-        if self.kv is not None:
-            for seq in ok:  # their confirmed tokens' K/V is final now: name the full blocks
-                self.kv.commit(seq)
+        self._commit(ok)
         t3 = time.perf_counter()
         self.answer_s += t3 - t0
         self.num_answers += 1
@@ -247,8 +248,7 @@ class DraftWorker:
             logger.debug("answer step %d: %d seqs, %d hits; outcomes %.2f ms, drafts %.2f ms, send %.2f ms",
                          req.step, len(ok), sum(bool(s.cache_hit) for s in specs), 1e3 * (t1 - t0),
                          1e3 * (t2 - t1), 1e3 * (t3 - t2))
-        if time.monotonic() - self._pushed_at >= STATS_PUSH_S:
-            self.push_stats()
+        self._push_stats_due()
         if self.ssd is not None:
             self._worked_ahead = bool(req.work_ahead)
             self._last_sd = not req.work_ahead and backup_k != 0
@@ -263,6 +263,24 @@ class DraftWorker:
                 # The next round is synchronous SD: entries for this round's outcomes
                 # would answer a speculation that is no longer outstanding.
                 self.ssd.skip_work_ahead(ok)
+
+    def _take_in(self, seqs: list[DraftSeq]) -> None:
+        """A plain step's outcomes (no work-ahead, no backup): the target waits for no
+        answer, so none is drafted or sent; the sequences' state has moved on."""
+        if self.ssd is not None:
+            self.ssd.take_in(seqs)
+            self._worked_ahead = self._last_sd = False
+        self._commit(seqs)
+        self._push_stats_due()
+
+    def _commit(self, seqs: list[DraftSeq]) -> None:
+        if self.kv is not None:
+            for seq in seqs:  # their confirmed tokens' K/V is final now: name the full blocks
+                self.kv.commit(seq)
+
+    def _push_stats_due(self) -> None:
+        if time.monotonic() - self._pushed_at >= STATS_PUSH_S:
+            self.push_stats()
 
     def _apply_outcomes(self, req: SpecRequest) -> list[DraftSeq]:
         """Apply each sequence's outcome (j, t) of the target's last round; a sequence whose

@@ -331,8 +331,8 @@ class SpecRequest(_Hot, tag="req"):
     seq_lens: np.ndarray  # [B] int64
     # The K the target wants this round (<= configured K).
     k: int
-    # SSD: whether the draft works ahead after answering (False: the next answer is a
-    # chain drafted on request, a synchronous SD round; target_proc.round_policy).
+    # SSD: whether the draft works ahead after answering (False: the next answer is a chain
+    # drafted on request, a synchronous SD round; with backup "none", a plain step: no answer).
     work_ahead: bool = True
     # SSD: branches per sequence of the work-ahead (0: the draft's own choice), and what answers
     # this request's cache misses ("": the configured backup; "jit"; "jit:N", N tokens; "none").

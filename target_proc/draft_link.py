@@ -10,8 +10,8 @@ The draft is a helper, never a dependency:
     round verifies nothing, which is plain decoding), and the draft is then *suspect*:
     no round waits on it again until it answers a probe (a stalled draft costs one
     timeout, not one per round);
-  - a dead draft is noticed from the socket itself (a zmq monitor reports the
-    disconnect), and sends never block (NOBLOCK);
+  - a dead draft is noticed from the socket itself, and sends never block
+    (target_proc.draft_socket);
   - a response for a round we no longer wait for is stale and dropped;
   - a draft token id outside the target's vocabulary can never be accepted: the
     speculation is cut before it (a shorter speculation is still exact) and logged;
@@ -29,13 +29,10 @@ import time
 from typing import Any, Callable
 
 import numpy as np
-import zmq
-from zmq.utils.monitor import recv_monitor_message
 
-from protocol.codec import ProtocolError, encode
-from protocol.messages import AddSequence, DraftStats, DraftStatsRequest, ErrorReply, Release, SpecResponse
-from protocol.sparse_q import DraftTokens
-from target_proc.draft_timeout import DraftTimeout
+from protocol.messages import AddSequence, DraftStats, ErrorReply, Release, SpecResponse
+from protocol.sparse_q import NO_DRAFT, DraftTokens
+from target_proc.draft_socket import DraftSocket
 from target_proc.outputs import draft_fields
 from target_proc.sequence import Sequence
 from target_proc.speculation import Outcome, awaited_rows, inconsistent, response_rows, spec_request
@@ -45,102 +42,33 @@ logger = logging.getLogger(__name__)
 DRAIN_EVERY_S = 0.1  # how often an idle or plain-decoding loop takes what the draft sent
 
 
-class DraftLink:
+class DraftLink(DraftSocket):
     def __init__(self, channel, address: str, timeout_s: float | None, k: int, vocab_size: int | None = None):
-        """channel: an unconnected PAIR Channel; the link connects it to `address` once
-        its monitor is attached, so the first connect is seen too. timeout_s: None measures
-        it. vocab_size: the target's; draft token ids outside [0, vocab_size) are treated
-        as rejected."""
-        self.channel = channel
+        """channel, address, timeout_s: as DraftSocket's. vocab_size: the target's; draft
+        token ids outside [0, vocab_size) are treated as rejected."""
+        super().__init__(channel, address, timeout_s)
         self.vocab_size = vocab_size
         self.num_out_of_vocab = 0  # draft tokens cut because the target has no such id
-        self.timeout = DraftTimeout(timeout_s)
         self.k = k
         self.step = 0
         self._step_sent = 0.0
         # Per-sequence sync state. synced: the draft's view of the sequence is current;
         # rounds: the round whose speculation is awaited (a response for another is stale);
-        # desynced: the draft said it cannot serve the sequence, so it is re-added.
+        # desynced: the draft said it cannot serve the sequence, so it is re-added;
+        # unanswered: its last outcome came from a plain step, which the draft does not answer.
         self.synced: set[int] = set()
         self.rounds: dict[int, int] = {}
         self.desynced: set[int] = set()
-        self.last_stats: DraftStats | None = None  # the counters the draft pushed last
+        self.unanswered: set[int] = set()
         self.last_draft_work_s = 0.0
         self.num_timeouts = 0
-        self.num_reconnects = 0
-        # Bumped whenever the draft's state can no longer be trusted to match ours.
-        self.generation = 0
         self._seen_generation = 0
         self._drained = 0.0
-        self.connected = False
-        self.healthy = True
-        self._probe_sent = 0.0
         self._pending_releases: set[int] = set()
         self._stash: list[SpecResponse] = []  # responses taken outside a collect
         self.hits_by_depth = [0] * (k + 1)
-        # Up = the ZMTP handshake finished (with CURVE, the key check passed too), not
-        # merely the transport connected. No ZMQ_IMMEDIATE: with it, a PAIR socket whose
-        # peer re-binds after a restart refuses every send (EAGAIN) for good. Sends stay
-        # non-blocking, and nothing is sent while the draft is known to be down.
-        self._monitor = channel.socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
-        channel.connect(address)
 
     present = True  # there is a draft (NoDraft says False)
-
-    @property
-    def timeout_s(self) -> float:
-        return self.timeout.value
-
-    @property
-    def alive(self) -> bool:
-        return self.connected and self.healthy
-
-    def poll_health(self) -> None:
-        """Take socket events; while suspect, probe the draft and listen for any answer."""
-        while self._monitor.poll(0):
-            event = recv_monitor_message(self._monitor)["event"]
-            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED and not self.connected:
-                self.connected = True
-                self.healthy = True
-                self._back()
-                if self.generation > 1:
-                    self.num_reconnects += 1
-                    logger.warning("draft reconnected; re-adding every sequence and resuming speculation")
-            elif event == zmq.EVENT_DISCONNECTED and self.connected:
-                self.connected = False
-                logger.warning("draft disconnected; decoding without speculation until it is back")
-        if self.connected and not self.healthy:
-            now = time.monotonic()
-            if now - self._probe_sent > self.timeout_s:
-                self._probe_sent = now
-                self._send(DraftStatsRequest())
-            while (msg := self._recv(0.0)) is not None:
-                if isinstance(msg, DraftStats):
-                    self.last_stats = msg
-                    self.healthy = True
-                    self._back()
-                    logger.warning("draft answers again; re-adding every sequence and resuming speculation")
-                    break
-
-    def wait_connected(self, timeout_s: float) -> None:
-        """Block until the spec link is up (start-up: Ready is sent only after this, so the
-        first request is speculated like every other)."""
-        deadline = time.monotonic() + timeout_s
-        while not self.connected:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the draft process did not accept the spec link within {timeout_s:.0f} s")
-            self.poll_health()
-            time.sleep(0.01)
-
-    def _send(self, msg) -> bool:
-        try:
-            self.channel.socket.send_multipart(encode(msg), copy=False, flags=zmq.NOBLOCK)
-            return True
-        except zmq.Again:
-            if self.healthy:
-                logger.warning("draft is not accepting messages; decoding without speculation")
-            self.healthy = False
-            return False
 
     def add(self, seq: Sequence, token_ids: list[int]) -> None:
         """The draft prefills token_ids; its next outcome carries the token after them."""
@@ -152,11 +80,12 @@ class DraftLink:
     def request(self, outcomes: list[Outcome], work_ahead: bool = True, branches: int = 0, backup: str = "") -> None:
         """Send one step's outcomes; work_ahead: whether the draft (SSD) works ahead after
         answering, with `branches` per sequence (0: its own choice); backup: what answers
-        this request's misses ("": the configured backup)."""
+        this request's misses ("": the configured backup). Neither (a plain step): the draft
+        takes the outcomes in and answers nothing."""
         if not outcomes:
             return
         self.step += 1
-        self._step_sent = time.monotonic()
+        self._step_sent = time.monotonic() if work_ahead or backup != "none" else 0.0
         self._send(spec_request(self.step, outcomes, self.k, work_ahead, branches, backup))
 
     def release(self, seq_ids: list[int]) -> None:
@@ -169,7 +98,7 @@ class DraftLink:
             self._pending_releases.update(seq_ids)
 
     def _back(self) -> None:
-        self.generation += 1
+        super()._back()
         if self._pending_releases:
             ids, self._pending_releases = sorted(self._pending_releases), set()
             self.release(ids)
@@ -185,6 +114,7 @@ class DraftLink:
         if self.generation != self._seen_generation:
             self._seen_generation = self.generation
             self.synced.clear()
+            self.unanswered.clear()
         now = time.monotonic()
         if now - self._drained >= DRAIN_EVERY_S:
             self._drained = now
@@ -207,40 +137,52 @@ class DraftLink:
     def collect(self, seqs: list[Sequence]) -> dict[int, DraftTokens]:
         """This round's speculations of `seqs`, as many as arrive in time. Sequences whose
         draft state may be stale are re-added first, with their last outcome, and awaited
-        like the rest; one left without an answer decodes plainly and is re-added next round."""
+        like the rest; one left without an answer decodes plainly and is re-added next round.
+        A sequence whose last step was plain was not answered: it verifies nothing, at once."""
         if not self.alive:
             self.synced.difference_update(s.seq_id for s in seqs)
             return {}
         self._resync([s for s in seqs if s.seq_id not in self.synced or s.seq_id in self.desynced])
-        waiting = {s.seq_id: self.rounds.get(s.seq_id, 0) for s in seqs if s.seq_id in self.synced}
+        waiting = {s.seq_id: self.rounds.get(s.seq_id, 0) for s in seqs
+                   if s.seq_id in self.synced and s.seq_id not in self.unanswered}
         specs = self.wait_speculations(waiting)
         for sid in waiting:
             if sid not in specs:
                 self.synced.discard(sid)
                 self._next_round(sid)
+        for s in seqs:
+            if s.seq_id in self.unanswered and s.seq_id in self.synced:
+                specs[s.seq_id] = NO_DRAFT
         return specs
 
     def send_outcomes(self, seqs: list[Sequence], specs: dict[int, DraftTokens], num_accepted: list[int],
                       token_ids: list[list[int]], speculated: bool, choose_work_ahead: Callable[[int], Any]) -> Any:
         """Tell the draft each sequence's outcome (j, t) of this step, before the host
         post-processes it. A plain step (speculated False) still sends the outcome of every
-        synced sequence, as (0, t) against the speculation it sent, which nobody waits for.
-        choose_work_ahead(number of outcomes) gives the request's work_ahead flag, or a
+        synced sequence, as (0, t); a plan with no work-ahead and backup "none" (a plain
+        step's) asks for no answer, and those sequences are `unanswered` until their next
+        outcome. choose_work_ahead(number of outcomes) gives the request's work_ahead flag, or a
         plan (target_proc.round_policy.RoundPlan) with its tree shape and backup too;
         returns it (True when nothing was sent)."""
         if not self.alive:
             return True
-        outcomes = []
+        outcomes, rounds, synced, desynced = [], self.rounds, self.synced, self.desynced
         for seq, j, toks in zip(seqs, num_accepted, token_ids):
             sid = seq.seq_id
-            in_sync = sid in specs or (not speculated and sid in self.synced)
-            if in_sync and not seq.will_finish(j + 1) and sid not in self.desynced:
-                outcomes.append(self._outcome(sid, j, toks[j], seq.num_tokens + j + 1))
+            in_sync = sid in specs or (not speculated and sid in synced)
+            if in_sync and sid not in desynced and not seq.will_finish(j + 1):
+                rounds[sid] = r = rounds.get(sid, 0) + 1
+                outcomes.append(Outcome(sid, r, j, toks[j], seq.num_tokens + j + 1))
         choice = choose_work_ahead(len(outcomes))
         if isinstance(choice, bool):
-            self.request(outcomes, work_ahead=choice)
+            work_ahead, branches, backup = choice, 0, ""
         else:
-            self.request(outcomes, work_ahead=choice.work_ahead, branches=choice.branches, backup=choice.backup)
+            work_ahead, branches, backup = choice.work_ahead, choice.branches, choice.backup
+        self.request(outcomes, work_ahead=work_ahead, branches=branches, backup=backup)
+        if work_ahead or backup != "none":
+            self.unanswered.difference_update(o.seq_id for o in outcomes)
+        else:
+            self.unanswered.update(o.seq_id for o in outcomes)
         return choice
 
     def finish(self, seq_id: int) -> None:
@@ -250,6 +192,7 @@ class DraftLink:
         self.synced.discard(seq_id)
         self.rounds.pop(seq_id, None)
         self.desynced.discard(seq_id)
+        self.unanswered.discard(seq_id)
 
     def preempt(self, seq_id: int) -> None:
         """Forget a preempted sequence's draft state; it is re-added, like any unsynced
@@ -258,6 +201,7 @@ class DraftLink:
         self.release([seq_id])
         self.synced.discard(seq_id)
         self.desynced.discard(seq_id)
+        self.unanswered.discard(seq_id)
 
     def take_draft_work_s(self) -> float:
         """Seconds the draft reported working ahead since the last call (SSD)."""
@@ -286,6 +230,7 @@ class DraftLink:
         outcomes = []
         for seq in seqs:
             self.desynced.discard(seq.seq_id)
+            self.unanswered.discard(seq.seq_id)
             self.add(seq, seq.token_ids[:-1])
             outcomes.append(self._outcome(seq.seq_id, 0, seq.last_token_id, seq.num_tokens))
         self.request(outcomes)
@@ -391,10 +336,3 @@ class DraftLink:
                 logger.warning("draft error %s: %s", msg.code, msg.message)
         elif isinstance(msg, DraftStats):
             self.last_stats = msg
-
-    def _recv(self, timeout_s: float):
-        try:
-            return self.channel.recv(timeout_s=max(0.0, timeout_s))
-        except ProtocolError as e:
-            logger.warning("dropping a malformed message from the draft: %s", e)
-            return None

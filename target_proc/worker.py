@@ -238,7 +238,7 @@ class TargetWorker:
             return False
         t0 = time.perf_counter()
         # Plain steps (chosen by the policy) leave the draft in sync: it still gets each
-        # outcome, as (0, t) against the speculation it sent, which nobody waits for.
+        # outcome, as (0, t), and answers nothing (DraftLink.send_outcomes).
         self._context = sum(s.num_tokens for s in seqs) // len(seqs)  # the round policy's cost bucket
         plan = self._plan(batch := len(seqs))
         seqs = self._halves.next(seqs) if plan.kind == "halves" else seqs

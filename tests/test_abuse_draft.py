@@ -75,8 +75,9 @@ class _Rounds:
         # First outcome after (re-)adding: (0, the token after the prompt).
         self.state[sid] = {"len": len(prompt), "round": 0, "proposed": 0}
 
-    def request(self, outcomes: list[tuple[int, int, int, int]], k: int = K):
-        """outcomes: (seq_id, num_accepted, token_id, seq_len); rounds are tracked here."""
+    def request(self, outcomes: list[tuple[int, int, int, int]], k: int = K, **flags):
+        """outcomes: (seq_id, num_accepted, token_id, seq_len); rounds are tracked here.
+        flags: SpecRequest's work_ahead, branches and backup."""
         self.step += 1
         rounds = []
         for sid, *_ in outcomes:
@@ -87,7 +88,7 @@ class _Rounds:
             step=self.step, seq_ids=np.array([o[0] for o in outcomes], np.int64), rounds=np.array(rounds, np.int64),
             num_accepted=np.array([o[1] for o in outcomes], np.int32),
             token_ids=np.array([o[2] for o in outcomes], np.int64),
-            seq_lens=np.array([o[3] for o in outcomes], np.int64), k=k))
+            seq_lens=np.array([o[3] for o in outcomes], np.int64), k=k, **flags))
 
     def replies_until_stats(self) -> list:
         """Everything the draft sent before answering a DraftStatsRequest (which proves it
@@ -125,6 +126,25 @@ def test_fuzz_draft_spec_socket(draft):
     assert n >= 1000 and thread.is_alive()
     _real_exchange(peer, 1, vocab)
     assert thread.is_alive() and not worker.seqs and not os.path.exists(PWNED)
+
+
+def test_a_plain_steps_outcomes_are_taken_in_without_an_answer(draft):
+    peer, worker, thread, vocab = draft
+    r = _Rounds(peer)
+    r.add(20, [5, 9, 14, 3])
+    r.request([(20, 0, 7, 5)])
+    (resp,) = r.replies_until_stats()
+    assert int(resp.num_draft_tokens[0]) == K
+    r.request([(20, 0, 8, 6)], work_ahead=False, backup="none")  # plain: the draft's K tokens were not verified
+    assert r.replies_until_stats() == []
+    r.request([(20, 0, 9, 7)], work_ahead=False, backup="none")
+    assert r.replies_until_stats() == []
+    assert worker.seqs[20].token_ids == [5, 9, 14, 3, 7, 8, 9]
+    r.request([(20, 0, 10, 8)], work_ahead=False)  # an SD round: answered with a chain
+    (resp,) = r.replies_until_stats()
+    assert resp.seq_ids.tolist() == [20] and resp.rounds.tolist() == [4] and int(resp.num_draft_tokens[0]) == K
+    peer.send(m.Release(seq_ids=np.array([20], np.int64)))
+    assert r.replies_until_stats() == [] and thread.is_alive()
 
 
 def test_draft_rejects_out_of_range_outcomes_alone(draft):

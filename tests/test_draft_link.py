@@ -1,7 +1,8 @@
 """DraftLink: the target's end of the spec link, against this test as the draft.
 
   - the link owns every sequence's sync state: add, first outcome, speculation, and a
-    re-add of every sequence after the draft comes back;
+    re-add of every sequence after the draft comes back; a plain step's outcomes ask for
+    no answer, and the step after waits for none;
   - answers taken between collects (with the pushed counters) wait for the next collect;
     stale ones are dropped, and one that answers a sequence not awaited now (the other
     half of the batch in halves steps) waits for that sequence's collect;
@@ -12,6 +13,7 @@
 from __future__ import annotations
 
 import shutil
+import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
@@ -24,6 +26,7 @@ from protocol import messages as m
 from protocol.transport import Channel, ipc_address, private_ipc_dir
 from spec_runtime.config import RuntimeConfig, SchedulerConfig, SpeculativeConfig
 from target_proc.draft_link import DraftLink
+from target_proc.round_model import PLAIN, SD
 from target_proc.sequence import Sequence
 from target_proc.worker import TargetWorker
 
@@ -100,6 +103,37 @@ def test_the_link_keeps_each_sequence_in_sync(pair):
     link.finish(7)
     (rel,) = _take(draft)
     assert isinstance(rel, m.Release) and 7 not in link.rounds and 7 not in link.synced
+
+
+def test_a_plain_step_asks_for_no_answer_and_the_next_step_waits_for_none(pair):
+    link, draft = pair
+    seq = _seq(7, [1, 2, 3])
+    link.admit([seq])
+    seq.token_ids.append(4)
+    link.send_first_tokens([seq])
+    _, req = _take(draft)
+    _answer(draft, req.step, 7, 1, [5])
+    specs = link.collect([seq])
+    # A plain step: its outcome (0, 8) still goes to the draft, which is told not to answer.
+    link.send_outcomes([seq], specs, [0], [[8, 0]], False, lambda n: PLAIN)
+    (req,) = _take(draft)
+    assert (req.work_ahead, req.backup, req.rounds.tolist(), req.token_ids.tolist()) == (False, "none", [2], [8])
+    seq.token_ids.append(8)
+    # The next step speculates: the sequence verifies nothing, with no wait (the link's
+    # draft timeout is 5 s) and no re-add, and its outcome goes out against round 3.
+    t0 = time.monotonic()
+    specs = link.collect([seq])
+    assert time.monotonic() - t0 < 1.0 and specs[7].num_draft_tokens == 0 and 7 in link.synced
+    link.send_outcomes([seq], specs, [0], [[9, 0]], True, lambda n: SD)
+    (req,) = _take(draft)
+    assert (req.work_ahead, req.backup, req.rounds.tolist(), req.seq_lens.tolist()) == (False, "", [3], [6])
+    seq.token_ids.append(9)
+    # That step asked for an answer: the one after waits for it.
+    with ThreadPoolExecutor(1) as pool:
+        collecting = pool.submit(link.collect, [seq])
+        assert draft.recv(timeout_s=0.3) is None and not collecting.done()
+        _answer(draft, req.step, 7, 3, [4, 4])
+        assert collecting.result(timeout=10)[7].draft_token_ids.tolist() == [4, 4]
 
 
 def test_a_sequence_that_ends_at_its_first_token_is_never_added(pair):
