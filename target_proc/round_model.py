@@ -36,7 +36,6 @@ Pure bookkeeping, no torch."""
 from __future__ import annotations
 
 import functools
-import statistics
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -166,7 +165,7 @@ class Costs:
             window = [e for e in window if abs(e[0] - batch) <= batch // 8]
         if not window or len(window) < REALIZED_MIN:
             return None
-        cap = (STALL if plan.work_ahead else STEADY_STALL) * statistics.median([s for _, _, s in window])
+        cap = (STALL if plan.work_ahead else STEADY_STALL) * _median([s for _, _, s in window])
         sequences = tokens = seconds = 0.0
         for n, t, s in window:
             if s <= cap:
@@ -196,6 +195,13 @@ class Costs:
         chain = (self.chain_s or 0.0) * ((n + 1) / (k + 1) if n and k else 1.0)
         miss = 0.0 if backup == "none" else (1.0 - h ** batch) * chain
         return max(0.0, w - s) + miss
+
+
+def _median(xs: list[float]) -> float:
+    """statistics.median, without its checks of the values' types (the policy's every step)."""
+    xs = sorted(xs)
+    m = len(xs) // 2
+    return xs[m] if len(xs) % 2 else (xs[m - 1] + xs[m]) / 2
 
 
 def short_jit_len(backup: str) -> int:

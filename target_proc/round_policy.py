@@ -42,6 +42,8 @@ on until it has a full window (8 steps), as a few steps of SSD at small batch sc
 widely to decide between options this close (one miss makes the whole batch wait). A
 probe costs its steps and two switches, so one after which the choice stands doubles the
 wait for the next (up to 8 x probe_every steps), and a change of choice restores it.
+A choice that stood RANK_EVERY rankings in a row is ranked once in RANK_EVERY steps: ranking
+every option is most of the policy's host time.
 Running means clamp each sample to within 4x of the mean, so one stall does not skew
 them. A step measures an option only when the two requests before it made the same choice (its wait
 answers the request one back, from the cache built after the request two back), and only
@@ -66,20 +68,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from target_proc.round_model import (  # noqa: F401 - re-exported
-    HALVES,
-    MIN_SAMPLES as _MIN_SAMPLES,
-    MARGIN as _MARGIN,
-    PLAIN,
-    SD,
-    WINDOW,
-    Costs,
-    RoundPlan,
-    chain_tokens,
-    model_rate,
-    predict,
-    running_mean as _mean,
-    short_jit_len,
-    unmeasured_alternative,
+    HALVES, MIN_SAMPLES as _MIN_SAMPLES, MARGIN as _MARGIN, PLAIN, SD, WINDOW, Costs, RoundPlan, chain_tokens,
+    model_rate, predict, running_mean as _mean, short_jit_len, unmeasured_alternative,
 )
 from target_proc.spec_policy import batch_bucket
 
@@ -92,6 +82,7 @@ MAX_PROBE_BACKOFF = 8  # probes that change nothing space out up to this many ti
 CLOSE = 0.1  # a probe that comes this close to the choice runs on until its realized window is full
 MIN_CONTEXT_BUCKET = 1024  # contexts below this share one bucket of costs
 STEADY_AFTER_ROUNDS = 3  # a sequence's rounds (its prefill included) before its steps measure costs
+RANK_EVERY = 4  # a choice that stood this many rankings in a row is ranked once in this many steps
 
 
 @dataclass
@@ -104,6 +95,8 @@ class _Bucket:
     probed: RoundPlan | None = None  # the option of the periodic probe under way
     extended: bool = False  # the probe under way has run on (CLOSE)
     backoff: int = 1  # the next periodic probe comes after probe_every * backoff steps
+    stood: int = 0  # rankings in a row that kept the choice (none since a probe)
+    hold: int = 0  # steps the choice runs before the options are ranked again
 
 
 class RoundPolicy:
@@ -211,9 +204,13 @@ class RoundPolicy:
     def _choose(self, batch: int, context: int) -> RoundPlan:
         key = self.key(batch, context)
         self._current[key[0]] = key
-        b = self._buckets.setdefault(key, _Bucket())
+        b = self._bucket(key)
         if b.probe:
             return b.probe.popleft()
+        if b.hold:
+            b.hold -= 1
+            b.steps_since_probe += 1
+            return b.choice
         opts = self.options(batch)
         c = b.costs
         first = opts[0]
@@ -232,10 +229,11 @@ class RoundPolicy:
             if self._extend_probe(b, batch, best, rates):
                 return b.probe.popleft()
             b.backoff = 1 if best == b.probed else min(MAX_PROBE_BACKOFF, 2 * b.backoff)
-            b.probed = None
+            b.probed, b.stood = None, 0
         explore = unmeasured_alternative(batch, best, rates, opts, c, self.k)
         if explore is not None:
             return self._start_probe(b, explore)
+        b.stood = b.stood + 1 if best == b.choice else 0
         self._set_choice(key, b, best, rates)
         b.steps_since_probe += 1
         others = [p for p in ranked if p != best]
@@ -256,6 +254,7 @@ class RoundPolicy:
             b.num_probes += 1
             b.probed, b.extended = target, False
             return self._start_probe(b, target)
+        b.hold = RANK_EVERY - 1 if b.stood >= RANK_EVERY else 0
         return best
 
     def _extend_probe(self, b: _Bucket, batch: int, best: RoundPlan, rates: dict) -> bool:
@@ -300,7 +299,7 @@ class RoundPolicy:
         still prefilling its prompt): the step measures nothing. stepped: the sequences
         the step ran, when fewer than `batch` (a halves step); its other counts are of them."""
         key = self.key(batch, context)
-        c = self._buckets.setdefault(key, _Bucket()).costs
+        c = self._bucket(key).costs
         if logger.isEnabledFor(logging.DEBUG):  # the step record (scripts/replay_round_policy.py reads it)
             logger.debug("step batch %d context %d: %s%s%s, wait %.2f ms, busy %.2f ms, %d/%d hits, %d tokens "
                          "drafted by %d, work-ahead %.2f ms", batch, context, plan.label(),
@@ -373,7 +372,13 @@ class RoundPolicy:
                     round_choices=self.summary(), round_policy_s=self.host_s)
 
     def costs(self, batch: int, context: int = 0) -> Costs:
-        return self._buckets.setdefault(self.key(batch, context), _Bucket()).costs
+        return self._bucket(self.key(batch, context)).costs
+
+    def _bucket(self, key: tuple[int, int]) -> _Bucket:
+        b = self._buckets.get(key)  # no new _Bucket (and Costs) built per call for setdefault
+        if b is None:
+            b = self._buckets[key] = _Bucket()
+        return b
 
     def summary(self) -> dict[int, str]:
         """The choice per batch-size bucket (at the context of its last step), for stats and logs."""

@@ -1,7 +1,8 @@
 """The SSD round policy's measurements under noise: a probe that comes close to the choice
 runs until its realized rate rests on a full window, and a few stalled steps in a row do
-not rule out a plan whose steps otherwise take the same time each. Costs are injected
-(tests/test_round_policy.py's simulated draft and target)."""
+not rule out a plan whose steps otherwise take the same time each; and its host time: a
+standing choice is ranked once in a few steps. Costs are injected (tests/test_round_policy.py's
+simulated draft and target)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from itertools import groupby
 
 import pytest
 
-from target_proc.round_model import WINDOW
-from target_proc.round_policy import PLAIN, SD, Costs, RoundPlan
+from target_proc.round_model import WINDOW, predict
+from target_proc.round_policy import PLAIN, RANK_EVERY, SD, Costs, RoundPlan
 from tests.test_round_policy import _policy, simulate
 
 SLOW_TREES = dict(verify_s=0.0108, chain_s=0.0106, work_s={16: 0.034, 8: 0.030}, hit_rate={16: 0.8, 8: 0.75},
@@ -60,3 +61,27 @@ def test_the_policys_host_time_is_counted_and_exported():
     assert first > 0.0
     p.choose(4)
     assert p.engine_fields()["round_policy_s"] > first
+
+
+def test_a_standing_choice_is_ranked_once_in_a_few_steps(monkeypatch):
+    """Ranking every option is most of the policy's host time per step. A choice that
+    stood RANK_EVERY rankings in a row runs RANK_EVERY steps per ranking."""
+    import target_proc.round_policy as rp
+
+    p = _policy(levels=[16, 8], k=4, allow_halves=False, backup_auto=False)
+    simulate(p, 4, 300, **SLOW_TREES)  # SD stands (plain and SSD are probed now and then)
+    calls = []
+    monkeypatch.setattr(rp, "predict", lambda plan, *a, **kw: calls.append(plan) or predict(plan, *a, **kw))
+    b = p._bucket(p.key(4, 0))
+    b.probe.clear()
+    b.probed, b.steps_since_probe, b.stood, b.hold = None, 0, 0, 0
+    options = len(p.options(4))
+    ranked = []
+    for _ in range(RANK_EVERY + 5 * RANK_EVERY):
+        before = len(calls)
+        assert p.choose(4) == SD
+        ranked.append(len(calls) > before)
+        p.record(4, SD, wait_s=0.0106, busy_s=0.0108, num_specs=4, num_drafted=4, drafted_tokens=13)
+    # Ranked at each of the first RANK_EVERY steps, then once in RANK_EVERY.
+    assert ranked == [True] * RANK_EVERY + ([False] * (RANK_EVERY - 1) + [True]) * 5
+    assert len(calls) == options * ranked.count(True)
