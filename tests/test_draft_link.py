@@ -61,6 +61,17 @@ def _take(draft: Channel) -> list:
     return got
 
 
+def _started(link: DraftLink, draft: Channel) -> tuple[Sequence, m.SpecRequest]:
+    """Sequence 7 (prompt 1, 2, 3) added, its first token (4) sampled and sent: the
+    sequence and that first SpecRequest."""
+    seq = _seq(7, [1, 2, 3])
+    link.admit([seq])
+    seq.token_ids.append(4)
+    link.send_first_tokens([seq])
+    *_, req = _take(draft)
+    return seq, req
+
+
 def _answer(draft: Channel, step: int, seq_id: int, rnd: int, tokens: list[int]) -> None:
     draft.send(m.SpecResponse(step=step, seq_ids=np.array([seq_id]), rounds=np.array([rnd]),
                               draft_token_ids=np.array([tokens]), num_draft_tokens=np.array([len(tokens)], np.int32),
@@ -107,11 +118,7 @@ def test_the_link_keeps_each_sequence_in_sync(pair):
 
 def test_a_plain_step_asks_for_no_answer_and_the_next_step_waits_for_none(pair):
     link, draft = pair
-    seq = _seq(7, [1, 2, 3])
-    link.admit([seq])
-    seq.token_ids.append(4)
-    link.send_first_tokens([seq])
-    _, req = _take(draft)
+    seq, req = _started(link, draft)
     _answer(draft, req.step, 7, 1, [5])
     specs = link.collect([seq])
     # A plain step: its outcome (0, 8) still goes to the draft, which is told not to answer.
@@ -146,11 +153,7 @@ def test_a_sequence_that_ends_at_its_first_token_is_never_added(pair):
 
 def test_answers_taken_between_collects_wait_for_the_next(pair):
     link, draft = pair
-    seq = _seq(7, [1, 2, 3])
-    link.admit([seq])
-    seq.token_ids.append(4)
-    link.send_first_tokens([seq])
-    _take(draft)
+    seq, _ = _started(link, draft)
     _answer(draft, 1, 7, 0, [9])  # a round nobody waits for
     _answer(draft, 1, 7, 1, [5, 6])  # the awaited round
     assert wait_until(lambda: (link._drain(), [int(x.rounds[0]) for x in link._stash])[1] == [1], 5.0)
