@@ -207,11 +207,12 @@ class RoundPolicy:
         b = self._bucket(key)
         if b.probe:
             return b.probe.popleft()
-        if b.hold:
+        opts = self.options(batch)
+        if b.hold and b.choice in opts:  # (a batch that shrank may not offer it)
             b.hold -= 1
             b.steps_since_probe += 1
             return b.choice
-        opts = self.options(batch)
+        b.hold = 0
         c = b.costs
         first = opts[0]
         if first.kind == "ssd" and c.samples[("w", first.branches)] < max(self.warmup, _MIN_SAMPLES):

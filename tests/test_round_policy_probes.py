@@ -11,7 +11,7 @@ from itertools import groupby
 import pytest
 
 from target_proc.round_model import WINDOW, predict
-from target_proc.round_policy import PLAIN, RANK_EVERY, SD, Costs, RoundPlan
+from target_proc.round_policy import HALVES, PLAIN, RANK_EVERY, SD, Costs, RoundPlan
 from tests.test_round_policy import _policy, simulate
 
 SLOW_TREES = dict(verify_s=0.0108, chain_s=0.0106, work_s={16: 0.034, 8: 0.030}, hit_rate={16: 0.8, 8: 0.75},
@@ -85,3 +85,16 @@ def test_a_standing_choice_is_ranked_once_in_a_few_steps(monkeypatch):
     # Ranked at each of the first RANK_EVERY steps, then once in RANK_EVERY.
     assert ranked == [True] * RANK_EVERY + ([False] * (RANK_EVERY - 1) + [True]) * 5
     assert len(calls) == options * ranked.count(True)
+
+
+def test_a_held_choice_the_batch_no_longer_offers_is_ranked_again():
+    """Halves steps run from batch 8; batch 7 shares batch 8's bucket. A halves choice
+    held there is not run at batch 7: the options are ranked at once."""
+    p = _policy(levels=[16, 8], k=4)
+    simulate(p, 8, 60, **SLOW_TREES)
+    b = p._bucket(p.key(8, 0))
+    b.probe.clear()
+    b.probed, b.choice, b.hold = None, HALVES, RANK_EVERY - 1
+    assert HALVES in p.options(8) and HALVES not in p.options(7)
+    assert p.choose(8) == HALVES and b.hold == RANK_EVERY - 2
+    assert p.choose(7) != HALVES
