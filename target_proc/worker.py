@@ -278,14 +278,16 @@ class TargetWorker:
         """Count each round, then append its accepted and recovery/bonus tokens one by one (a stop cuts there)."""
         ssd = self.cfg.spec.mode == "ssd"
         sd_round = ssd and speculate and not self._last_flags[-2]
+        append, speculating = self.stop_checker.append, bool(self.k and speculate)
         for i, seq in enumerate(seqs):
-            j = num_accepted[i]
+            j, toks = num_accepted[i], out_tokens[i]
             record_round(seq.stats, num_draft[i], j, specs.get(seq.seq_id), ssd=ssd, sd_round=sd_round,
-                         speculating=bool(self.k and speculate), plain=bool(self.k and not speculate))
+                         speculating=speculating, plain=bool(self.k) and not speculating)
+            tokens_only = logprobs is None and seq.grammar is None  # the usual request
             for t in range(j + 1):
                 # A complete grammar ends the sequence at its last token, as in AR decoding.
-                if (self.stop_checker.append(seq, out_tokens[i][t], *logprobs_at(logprobs, i, t))
-                        or self._grammar_commit(seq, out_tokens[i][t:t + 1])):
+                if (append(seq, toks[t]) if tokens_only else append(seq, toks[t], *logprobs_at(logprobs, i, t))
+                        or self._grammar_commit(seq, toks[t:t + 1])):
                     break
             if seq.finished:
                 self.finish(seq)
