@@ -1,0 +1,118 @@
+"""Host time of the target's per-step bookkeeping, without a model: the parts of a step
+that bench_e2e.py's `host_parts_ms_per_step` names.
+
+  - accept: TargetWorker._accept over B sequences (real Sequence, StopChecker and
+    KVScheduler with prefix caching), each accepting a random 0..K drafts plus one token;
+  - outcomes: DraftLink.send_outcomes of a plain step and of an SD round over B
+    sequences, sent over ipc to a process that drains the socket.
+
+    python scripts/bench_host.py --batch 64 --k 4 --out bench/results/host_step_b64_cpu.json
+
+Each part runs --steps steps per repeat; the JSON keeps every repeat's mean (us per step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import random
+import shutil
+import time
+from types import SimpleNamespace
+
+import zmq
+
+from protocol.messages import SamplingParams, SpecLinkToTarget
+from protocol.sparse_q import NO_DRAFT
+from protocol.transport import Channel, ipc_address, private_ipc_dir
+from spec_runtime.engine.kv_blocks import KVBlocks
+from target_proc.draft_link import DraftLink
+from target_proc.kv_schedule import KVScheduler
+from target_proc.round_model import PLAIN, SD
+from target_proc.sequence import Sequence, StopChecker
+from target_proc.worker import TargetWorker
+
+PROMPT = 1024
+
+
+def _sequences(batch: int, k: int, steps: int, rng: random.Random) -> tuple[SimpleNamespace, list[Sequence]]:
+    """B sequences of PROMPT tokens with KV tables for `steps` verify steps, and a stand-in
+    for the worker that _accept reads."""
+    kv = KVBlocks(batch * (PROMPT + (k + 1) * steps) // 16 + 4 * batch, 16, True)
+    sched = KVScheduler(kv, k, PROMPT + (k + 1) * steps + 16, batch, None)
+    seqs = []
+    for i in range(batch):
+        s = Sequence(seq_id=i, request_id=str(i), client=b"c", prompt_token_ids=[rng.randrange(1000) for _ in range(PROMPT)],
+                     sampling=SamplingParams(max_tokens=1 << 30, ignore_eos=True), seed=i)
+        s.stats.accepted_per_position, s.stats.drafted_per_position = [0] * k, [0] * k
+        kv.admit(i, s.token_ids, PROMPT + (k + 1) * steps + 8, PROMPT)
+        seqs.append(s)
+    worker = SimpleNamespace(cfg=SimpleNamespace(spec=SimpleNamespace(mode="sd")), _last_flags=(True,) * 3, k=k,
+                             stop_checker=StopChecker([0], 1 << 30), sched=sched, finish=lambda s: None,
+                             _grammar_commit=lambda seq, token_ids: False)  # no grammar: False at once
+    return worker, seqs
+
+
+def time_accept(batch: int, k: int, steps: int, seed: int) -> float:
+    rng = random.Random(seed)
+    worker, seqs = _sequences(batch, k, steps, rng)
+    accepted = [[rng.randrange(k + 1) for _ in range(batch)] for _ in range(steps)]
+    tokens = [[rng.randrange(1000) for _ in range(k + 1)] for _ in range(batch)]
+    t0 = time.perf_counter()
+    for j in accepted:
+        TargetWorker._accept(worker, seqs, {}, [k] * batch, j, tokens, None, True)
+    return 1e6 * (time.perf_counter() - t0) / steps
+
+
+def _drain(address: str) -> None:
+    sock = zmq.Context().socket(zmq.PAIR)
+    sock.bind(address)
+    while sock.recv_multipart():
+        pass
+
+
+def time_outcomes(batch: int, k: int, steps: int) -> dict[str, float]:
+    ipc_dir = private_ipc_dir()
+    address = ipc_address(ipc_dir, "spec")
+    peer = mp.get_context("spawn").Process(target=_drain, args=(address,), daemon=True)
+    peer.start()
+    link = DraftLink(Channel(zmq.PAIR, SpecLinkToTarget), address, timeout_s=5.0, k=k, vocab_size=1000)
+    try:
+        link.wait_connected(10.0)
+        seqs = [Sequence(seq_id=i, request_id=str(i), client=b"c", prompt_token_ids=list(range(PROMPT)),
+                         sampling=SamplingParams(max_tokens=1 << 30), seed=i) for i in range(batch)]
+        link.synced.update(range(batch))
+        tokens, out = [[5] * (k + 1)] * batch, {}
+        for name, plan, specs in (("plain", PLAIN, {}), ("sd", SD, dict.fromkeys(range(batch), NO_DRAFT))):
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                link.send_outcomes(seqs, specs, [0] * batch, tokens, plan.speculate, lambda n, p=plan: p)
+            out[name] = 1e6 * (time.perf_counter() - t0) / steps
+        return out
+    finally:
+        link.channel.close()
+        peer.kill()
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    runs = []
+    for r in range(args.repeats):
+        runs.append({"accept_us": time_accept(args.batch, args.k, args.steps, seed=r),
+                     **{f"outcomes_{n}_us": v for n, v in time_outcomes(args.batch, args.k, args.steps).items()}})
+        print(f"repeat {r}: " + ", ".join(f"{n} {v:.1f}" for n, v in runs[-1].items()), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "runs": runs}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
