@@ -35,7 +35,7 @@ from protocol.sparse_q import NO_DRAFT, DraftTokens
 from target_proc.draft_socket import DraftSocket
 from target_proc.outputs import draft_fields
 from target_proc.sequence import Sequence
-from target_proc.speculation import Outcome, awaited_rows, inconsistent, response_rows, spec_request
+from target_proc.speculation import Outcome, answered, awaited_rows, inconsistent, response_rows, spec_request
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class DraftLink(DraftSocket):
         if not outcomes:
             return
         self.step += 1
-        self._step_sent = time.monotonic() if work_ahead or backup != "none" else 0.0
+        self._step_sent = time.monotonic() if answered(work_ahead, backup) else 0.0
         self._send(spec_request(self.step, outcomes, self.k, work_ahead, branches, backup))
 
     def release(self, seq_ids: list[int]) -> None:
@@ -166,20 +166,19 @@ class DraftLink(DraftSocket):
         returns it (True when nothing was sent)."""
         if not self.alive:
             return True
-        outcomes, rounds, synced, desynced = [], self.rounds, self.synced, self.desynced
+        outcomes = []
         for seq, j, toks in zip(seqs, num_accepted, token_ids):
             sid = seq.seq_id
-            in_sync = sid in specs or (not speculated and sid in synced)
-            if in_sync and sid not in desynced and not seq.will_finish(j + 1):
-                rounds[sid] = r = rounds.get(sid, 0) + 1
-                outcomes.append(Outcome(sid, r, j, toks[j], seq.num_tokens + j + 1))
+            in_sync = sid in specs or (not speculated and sid in self.synced)
+            if in_sync and sid not in self.desynced and not seq.will_finish(j + 1):
+                outcomes.append(self._outcome(sid, j, toks[j], seq.num_tokens + j + 1))
         choice = choose_work_ahead(len(outcomes))
         if isinstance(choice, bool):
             work_ahead, branches, backup = choice, 0, ""
         else:
             work_ahead, branches, backup = choice.work_ahead, choice.branches, choice.backup
         self.request(outcomes, work_ahead=work_ahead, branches=branches, backup=backup)
-        if work_ahead or backup != "none":
+        if answered(work_ahead, backup):
             self.unanswered.difference_update(o.seq_id for o in outcomes)
         else:
             self.unanswered.update(o.seq_id for o in outcomes)

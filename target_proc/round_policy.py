@@ -41,16 +41,16 @@ probe discards the option's earlier realized rate; one that loses by less than 1
 on until it has a full window (8 steps), as a few steps of SSD at small batch scatter too
 widely to decide between options this close (one miss makes the whole batch wait). A
 probe costs its steps and two switches, so one after which the choice stands doubles the
-wait for the next (up to 8 x probe_every steps), and a change of choice restores it.
-A choice that stood RANK_EVERY rankings in a row is ranked once in RANK_EVERY steps: ranking
-every option is most of the policy's host time.
-Running means clamp each sample to within 4x of the mean, so one stall does not skew
-them. A step measures an option only when the two requests before it made the same choice (its wait
-answers the request one back, from the cache built after the request two back), and only
-when no sequence of the batch is in its first STEADY_AFTER_ROUNDS rounds. A realized rate
-also needs the request three back to have made it: the first chain after SSD rounds first
-feeds the draft the tokens of the last hit's branch (their KV lies in the tree's scratch
-rows), a cost of the switch, not of SD rounds.
+wait for the next (up to 8 x probe_every steps), and a change of choice restores it. A
+choice that stood RANK_EVERY rankings in a row is ranked once in RANK_EVERY steps:
+ranking every option is most of the policy's host time. Running means clamp each sample
+to within 4x of the mean, so one stall does not skew them. A step measures an option
+only when the two requests before it made the same choice (its wait answers the request
+one back, from the cache built after the request two back), and only when no sequence of
+the batch is in its first STEADY_AFTER_ROUNDS rounds. A realized rate also needs the
+request three back to have made it: the first chain after SSD rounds first feeds the
+draft the tokens of the last hit's branch (their KV lies in the tree's scratch rows), a
+cost of the switch, not of SD rounds.
 `jit` is the backup below batch 8; from 8, jit, jit:N and none are all options.
 
 A draft on one of the target's GPUs gets no SSD rounds (unless SD rounds are ruled out):

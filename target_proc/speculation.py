@@ -44,6 +44,12 @@ def spec_request(step: int, outcomes: list[Outcome], k: int, work_ahead: bool, b
     )
 
 
+def answered(work_ahead: bool, backup: str) -> bool:
+    """Whether the draft answers a request: not one without work-ahead or backup (a
+    plain step's, which nobody waits for)."""
+    return work_ahead or backup != "none"
+
+
 def inconsistent(msg: SpecResponse) -> str | None:
     """Why the arrays of a SpecResponse do not fit together, or None. The codec checks
     each array alone; a peer could still send B seq ids with fewer rounds."""
