@@ -142,6 +142,27 @@ class ModelDrafter(Speculator):
             items.append(ForwardItem(s.token_ids[start:], start, self.kv.rows(s, n), "last"))
         return items
 
+    def keep_up(self, seqs: list[DraftSeq]) -> None:
+        """Feed every confirmed token but the last that a sequence has no KV for.
+
+        After a run of plain steps each sequence would otherwise carry one uncached token
+        per step into its next chain, whose first step then runs eagerly over all of them
+        (a ragged shape no graph holds) while the target waits. Fed as they arrive (one
+        request holds up to K plain steps: target_proc.draft_link), they take one forward
+        of at most K + 1 tokens per sequence while the target verifies, padded to a graph's
+        shape (every row's logits are asked for only because the runner pads nothing else:
+        cuda_graphs.pad_to_graph), and the next chain starts with its two-token catch-up."""
+        items, fed = [], []
+        for s in seqs:
+            n = s.num_tokens
+            if s.num_cached < n - 1:
+                items.append(ForwardItem(s.token_ids[s.num_cached:n - 1], s.num_cached, self.kv.rows(s, n - 1), "all"))
+                fed.append(s)
+        if items:
+            self.runner.run(items)
+            for s in fed:
+                s.num_cached = s.num_tokens - 1
+
     def propose(self, seqs: list[DraftSeq], k: int) -> list[DraftTokens]:
         out = [NO_DRAFT] * len(seqs)
         if not seqs:

@@ -25,3 +25,7 @@ class Speculator(ABC):
 
     def release(self, seq: DraftSeq) -> None:  # noqa: B027 - optional hook
         """The sequence is gone."""
+
+    def keep_up(self, seqs: list[DraftSeq]) -> None:  # noqa: B027 - optional hook
+        """Outcomes that asked for no answer (plain steps) moved these sequences on: compute
+        what the next propose would otherwise catch up on first."""

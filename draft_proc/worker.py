@@ -63,14 +63,22 @@ def backup_len(backup: str, k: int) -> int | None:
     if backup.startswith("jit:") and backup[4:].isdigit() and 1 <= int(backup[4:]) <= k:
         return int(backup[4:])
     return None
+def draft_has_own_gpu(cfg) -> bool:
+    """Whether the draft runs on a CUDA device none of the target's ranks uses."""
+    return cfg.draft_model.device.startswith("cuda") and not cfg.draft_shares_target_gpu
+
+
 STATS_PUSH_S = 0.5  # the longest the target's copy of the counters lags while answering
 
 
 class DraftWorker:
-    def __init__(self, cfg, channel, speculator: Speculator, vocab_size: int, num_slots: int, ssd=None, kv=None):
+    def __init__(self, cfg, channel, speculator: Speculator, vocab_size: int, num_slots: int, ssd=None, kv=None,
+                 keep_up: bool | None = None):
         """kv: the draft_proc.kv.DraftKV that holds the sequences' KV blocks (a model
         draft); None: the sequences take the num_slots indices only (the n-gram
-        speculator, or a drafter over a slot layout)."""
+        speculator, or a drafter over a slot layout). keep_up: compute the KV of a plain
+        step's tokens as they come (Speculator.keep_up); default: on a GPU of the draft's
+        own, where that work delays no verify."""
         self.cfg = cfg
         self.channel = channel
         self.speculator = speculator
@@ -95,6 +103,7 @@ class DraftWorker:
         self._shapes_named = False  # a SpecRequest named its tree shape
         self._pushed: DraftStats | None = None  # the counters pushed last, and when
         self._pushed_at = 0.0
+        self.keep_up = keep_up if keep_up is not None else draft_has_own_gpu(cfg)
 
     def run_forever(self) -> None:
         while self.running:
@@ -207,15 +216,12 @@ class DraftWorker:
         t0 = time.perf_counter()
         self._observe_tree_window(t0)
         self.num_requests += 1
-        b = len(req.seq_ids)
-        arrays = (req.seq_ids, req.rounds, req.num_accepted, req.token_ids, req.seq_lens)
         backup_k = backup_len(req.backup, req.k)  # tokens a cache miss gets; None: no such backup
-        # Integer dtypes only: a float array could carry NaN, which int() refuses.
-        if (any(np.asarray(a).shape != (b,) or not np.issubdtype(np.asarray(a).dtype, np.integer) for a in arrays)
-                or not 1 <= req.k <= self.cfg.spec.k or req.branches < 0 or backup_k is None):
+        if not self._well_formed(req, backup_k):
             self.channel.send(ErrorReply(code="bad_request", message=f"SpecRequest arrays must all be integer "
-                                         f"[{b}], 1 <= k <= {self.cfg.spec.k}, branches >= 0 and backup one of "
-                                         f"{BACKUP_CHOICES}"))
+                                         f"[{len(req.seq_ids)}], 1 <= k <= {self.cfg.spec.k}, branches >= 0, backup "
+                                         f"one of {BACKUP_CHOICES}, and a request to answer must name each sequence "
+                                         "once"))
             return
         # A sequence the draft did not work ahead for has no cache entries: its miss is a
         # synchronous SD round the target chose, not a cache miss.
@@ -264,12 +270,28 @@ class DraftWorker:
                 # would answer a speculation that is no longer outstanding.
                 self.ssd.skip_work_ahead(ok)
 
+    def _well_formed(self, req: SpecRequest, backup_k: int | None) -> bool:
+        """Whether a SpecRequest's fields fit together. Integer arrays only (a float array
+        could carry NaN, which int() refuses); a sequence named twice only where no answer
+        is asked for (the outcomes of several plain steps, in order)."""
+        b = len(req.seq_ids)
+        arrays = (req.seq_ids, req.rounds, req.num_accepted, req.token_ids, req.seq_lens)
+        if any(np.asarray(a).shape != (b,) or not np.issubdtype(np.asarray(a).dtype, np.integer) for a in arrays):
+            return False
+        if not 1 <= req.k <= self.cfg.spec.k or req.branches < 0 or backup_k is None:
+            return False
+        return not (req.work_ahead or backup_k) or len(set(np.asarray(req.seq_ids).tolist())) == b
+
     def _take_in(self, seqs: list[DraftSeq]) -> None:
         """A plain step's outcomes (no work-ahead, no backup): the target waits for no
-        answer, so none is drafted or sent; the sequences' state has moved on."""
+        answer, so none is drafted or sent; the sequences' state has moved on (and, with
+        keep_up, their KV with it). It may hold several steps: a sequence's rows in order."""
+        seqs = list({s.seq_id: s for s in seqs}.values())
         if self.ssd is not None:
             self.ssd.take_in(seqs)
             self._worked_ahead = self._last_sd = False
+        if self.keep_up:
+            self.speculator.keep_up(seqs)
         self._commit(seqs)
         self._push_stats_due()
 

@@ -315,11 +315,11 @@ class AddSequence(_Hot, tag="add"):
 
 
 class SpecRequest(_Hot, tag="req"):
-    """Target -> draft: the outcomes of one verify step for a batch.
+    """Target -> draft: the outcomes of one verify step for a batch (one that asks for no
+    answer, a plain step's, may carry several steps: each sequence's rows in order).
 
-    For sequence i: num_accepted[i] of its last speculation were accepted, then
-    token_ids[i] (recovery or bonus) was sampled. For a fresh sequence the
-    outcome is (0, first token sampled after prefill)."""
+    For row i: num_accepted[i] of its sequence's last speculation were accepted, then
+    token_ids[i] (recovery or bonus) was sampled; a fresh sequence's first is (0, t)."""
 
     step: int
     seq_ids: np.ndarray  # [B] int64

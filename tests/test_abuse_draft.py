@@ -139,10 +139,19 @@ def test_a_plain_steps_outcomes_are_taken_in_without_an_answer(draft):
     assert r.replies_until_stats() == []
     r.request([(20, 0, 9, 7)], work_ahead=False, backup="none")
     assert r.replies_until_stats() == []
-    assert worker.seqs[20].token_ids == [5, 9, 14, 3, 7, 8, 9]
-    r.request([(20, 0, 10, 8)], work_ahead=False)  # an SD round: answered with a chain
+    # Two plain steps held by the target go out in one request, the sequence's rows in order.
+    r.request([(20, 0, 10, 8), (20, 0, 11, 9)], work_ahead=False, backup="none")
+    assert r.replies_until_stats() == []
+    assert worker.seqs[20].token_ids == [5, 9, 14, 3, 7, 8, 9, 10, 11]
+    # A request to answer must name each sequence once: rejected whole, nothing applied.
+    r.request([(20, 0, 12, 10), (20, 0, 13, 11)], work_ahead=False)
+    (err,) = r.replies_until_stats()
+    assert isinstance(err, m.ErrorReply) and err.code == "bad_request" and "each sequence once" in err.message
+    assert worker.seqs[20].token_ids == [5, 9, 14, 3, 7, 8, 9, 10, 11]
+    r.state[20]["round"] -= 2  # the rejected request's rounds were never taken
+    r.request([(20, 0, 12, 10)], work_ahead=False)  # an SD round: answered with a chain
     (resp,) = r.replies_until_stats()
-    assert resp.seq_ids.tolist() == [20] and resp.rounds.tolist() == [4] and int(resp.num_draft_tokens[0]) == K
+    assert resp.seq_ids.tolist() == [20] and resp.rounds.tolist() == [6] and int(resp.num_draft_tokens[0]) == K
     peer.send(m.Release(seq_ids=np.array([20], np.int64)))
     assert r.replies_until_stats() == [] and thread.is_alive()
 

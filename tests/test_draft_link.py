@@ -121,18 +121,19 @@ def test_a_plain_step_asks_for_no_answer_and_the_next_step_waits_for_none(pair):
     seq, req = _started(link, draft)
     _answer(draft, req.step, 7, 1, [5])
     specs = link.collect([seq])
-    # A plain step: its outcome (0, 8) still goes to the draft, which is told not to answer.
+    # A plain step: its outcome (0, 8) is held for the next request (asking for no answer).
     link.send_outcomes([seq], specs, [0], [[8, 0]], False, lambda n: PLAIN)
-    (req,) = _take(draft)
-    assert (req.work_ahead, req.backup, req.rounds.tolist(), req.token_ids.tolist()) == (False, "none", [2], [8])
+    assert draft.recv(timeout_s=0.3) is None
     seq.token_ids.append(8)
     # The next step speculates: the sequence verifies nothing, with no wait (the link's
-    # draft timeout is 5 s) and no re-add, and its outcome goes out against round 3.
+    # draft timeout is 5 s) and no re-add, and its outcome goes out against round 3,
+    # right after the held one.
     t0 = time.monotonic()
     specs = link.collect([seq])
     assert time.monotonic() - t0 < 1.0 and specs[7].num_draft_tokens == 0 and 7 in link.synced
     link.send_outcomes([seq], specs, [0], [[9, 0]], True, lambda n: SD)
-    (req,) = _take(draft)
+    held, req = _take(draft)
+    assert (held.work_ahead, held.backup, held.rounds.tolist(), held.token_ids.tolist()) == (False, "none", [2], [8])
     assert (req.work_ahead, req.backup, req.rounds.tolist(), req.seq_lens.tolist()) == (False, "", [3], [6])
     seq.token_ids.append(9)
     # That step asked for an answer: the one after waits for it.
@@ -141,6 +142,48 @@ def test_a_plain_step_asks_for_no_answer_and_the_next_step_waits_for_none(pair):
         assert draft.recv(timeout_s=0.3) is None and not collecting.done()
         _answer(draft, req.step, 7, 3, [4, 4])
         assert collecting.result(timeout=10)[7].draft_token_ids.tolist() == [4, 4]
+
+
+def _two_started(link, draft) -> tuple[Sequence, Sequence]:
+    """Sequences 1 and 2 added, prefilled and given their first outcome (round 1)."""
+    a, b = _seq(1, [1, 2, 3]), _seq(2, [4, 5, 6])
+    link.admit([a, b])
+    for s in (a, b):
+        s.token_ids.append(9)
+    link.send_first_tokens([a, b])
+    _take(draft)
+    return a, b
+
+
+def test_plain_outcomes_are_held_for_k_steps_in_order_and_dropped_on_release(pair):
+    """K plain steps make one request (each sequence's rows in step order); a sequence
+    that finishes meanwhile is released and its held outcomes never sent."""
+    link, draft = pair
+    a, b = _two_started(link, draft)
+    _answer(draft, 1, 1, 1, [5])
+    _answer(draft, 1, 2, 1, [5])
+    specs = link.collect([a, b])
+    link.send_outcomes([a, b], specs, [0, 0], [[10, 0], [20, 0]], True, lambda n: PLAIN)
+    for s, t in ((a, 10), (b, 20)):
+        s.token_ids.append(t)
+    for step in range(1, K):
+        assert draft.recv(timeout_s=0.2) is None
+        link.send_outcomes([a, b], {}, [0, 0], [[10 + step, 0], [20 + step, 0]], False, lambda n: PLAIN)
+        for s, t in ((a, 10 + step), (b, 20 + step)):
+            s.token_ids.append(t)
+    (req,) = _take(draft)
+    assert (req.work_ahead, req.backup) == (False, "none")
+    assert req.seq_ids.tolist() == [1, 2] * K and req.rounds.tolist() == [r for r in range(2, K + 2) for _ in "ab"]
+    assert req.token_ids.tolist() == [t for i in range(K) for t in (10 + i, 20 + i)]
+    assert req.seq_lens.tolist() == [n for i in range(K) for n in (5 + i, 5 + i)]
+    link.send_outcomes([a, b], {}, [0, 0], [[30, 0], [40, 0]], False, lambda n: PLAIN)
+    link.finish(2)
+    (rel,) = _take(draft)
+    assert isinstance(rel, m.Release) and rel.seq_ids.tolist() == [2]
+    specs = link.collect([a])
+    link.send_outcomes([a], specs, [0], [[31, 0]], True, lambda n: SD)
+    held, req = _take(draft)
+    assert held.seq_ids.tolist() == [1] and held.token_ids.tolist() == [30] and req.token_ids.tolist() == [31]
 
 
 def test_a_sequence_that_ends_at_its_first_token_is_never_added(pair):
@@ -165,12 +208,7 @@ def test_an_answer_for_the_other_half_waits_for_its_collect(pair):
     sequence that is not awaited now, taken by a drain or while waiting, stays for its own
     collect instead of leaving that sequence without a speculation."""
     link, draft = pair
-    a, b = _seq(1, [1, 2, 3]), _seq(2, [4, 5, 6])
-    link.admit([a, b])
-    for s in (a, b):
-        s.token_ids.append(9)
-    link.send_first_tokens([a, b])
-    _take(draft)
+    a, b = _two_started(link, draft)
     _answer(draft, 1, 2, 1, [7, 7])  # b's answer, drained before a's collect
     assert wait_until(lambda: (link._drain(), len(link._stash))[1] == 1, 5.0)
     with ThreadPoolExecutor(1) as pool:
