@@ -63,6 +63,8 @@ def backup_len(backup: str, k: int) -> int | None:
     if backup.startswith("jit:") and backup[4:].isdigit() and 1 <= int(backup[4:]) <= k:
         return int(backup[4:])
     return None
+
+
 def draft_has_own_gpu(cfg) -> bool:
     """Whether the draft runs on a CUDA device none of the target's ranks uses."""
     return cfg.draft_model.device.startswith("cuda") and not cfg.draft_shares_target_gpu

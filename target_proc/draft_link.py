@@ -173,9 +173,10 @@ class DraftLink(DraftSocket):
         post-processes it. A plain step (speculated False) still gives the draft the outcome
         of every synced sequence, as (0, t); a plan with no work-ahead and backup "none" (a
         plain step's) asks for no answer, so its outcomes wait for the next request (_hold),
-        and those sequences are `unanswered` until their next outcome. choose_work_ahead(number of outcomes) gives the request's work_ahead flag, or a
-        plan (target_proc.round_policy.RoundPlan) with its tree shape and backup too;
-        returns it (True when nothing was sent)."""
+        and those sequences are `unanswered` until their next outcome. choose_work_ahead(
+        number of outcomes) gives the request's work_ahead flag, or a plan
+        (target_proc.round_policy.RoundPlan) with its tree shape and backup too; returns it
+        (True when nothing was sent)."""
         if not self.alive:
             return True
         outcomes = []

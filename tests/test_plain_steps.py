@@ -135,3 +135,18 @@ def test_plain_steps_held_by_the_target_are_taken_in_together(tiny_llama_dir, mo
         _add(cold, cold_chan, sid, prompts[sid] + [7] + held[sid])
         ref = _request(cold, cold_chan, 1, sid, 1, 30, work_ahead=False)
         np.testing.assert_array_equal(after.draft_token_ids, ref.draft_token_ids)
+
+
+@pytest.mark.parametrize("target, tp, draft, own", [
+    ("cuda:0", 1, "cuda:1", True),
+    ("cuda:0", 1, "cuda:0", False),  # shares the target's GPU: its forward would compete with the verify
+    ("cuda:0", 2, "cuda:1", False),  # the target's second rank is on cuda:1
+    ("cpu", 1, "cpu", False),
+])
+def test_the_draft_keeps_up_by_default_only_on_a_gpu_of_its_own(tiny_llama_dir, target, tp, draft, own):
+    from draft_proc.worker import draft_has_own_gpu
+    from spec_runtime.config import ModelConfig, RuntimeConfig, SpeculativeConfig
+
+    cfg = RuntimeConfig(target=ModelConfig(path=tiny_llama_dir, device=target, tensor_parallel_size=tp),
+                        draft=ModelConfig(path=tiny_llama_dir, device=draft), spec=SpeculativeConfig(mode="ssd", k=K))
+    assert draft_has_own_gpu(cfg) is own
