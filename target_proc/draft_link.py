@@ -90,10 +90,11 @@ class DraftLink(DraftSocket):
         takes the outcomes in and answers nothing."""
         if not outcomes:
             return
-        if answered(work_ahead, backup):
+        wanted = answered(work_ahead, backup)
+        if wanted:
             self._flush_held()  # the draft applies them first, in order
         self.step += 1
-        self._step_sent = time.monotonic() if answered(work_ahead, backup) else 0.0
+        self._step_sent = time.monotonic() if wanted else 0.0
         self._send(spec_request(self.step, outcomes, self.k, work_ahead, branches, backup))
 
     def release(self, seq_ids: list[int]) -> None:
