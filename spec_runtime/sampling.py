@@ -72,6 +72,11 @@ def _mix32(x):
     return (x >> 16) ^ x
 
 
+def stream_key(stream: int) -> int:
+    """A stream's key, mixed into every row key of hash32 (a Python int: no device op)."""
+    return _mix32(((stream + 1) * _WEYL) & _M32)
+
+
 def hash32(seeds: torch.Tensor, positions: torch.Tensor, stream: int, index: torch.Tensor) -> torch.Tensor:
     """32-bit hash of (seed, position, stream, index) as int64 in [0, 2**32).
 
@@ -82,8 +87,7 @@ def hash32(seeds: torch.Tensor, positions: torch.Tensor, stream: int, index: tor
     """
     seeds, positions, index = seeds.long(), positions.long(), index.long()
     # Few ops on purpose: on CUDA these small kernels are launch-bound.
-    stream_key = _mix32(((stream + 1) * _WEYL) & _M32)  # a Python int: no device op
-    key = _mix32((seeds & _M32) ^ stream_key)  # [*R] low word (two's complement)
+    key = _mix32((seeds & _M32) ^ stream_key(stream))  # [*R] low word (two's complement)
     # High word and position share one step: (hi + pos * W) mod 2**32.
     key = _mix32(key ^ ((((seeds >> 32) & _M32) + (positions & _M32) * _WEYL) & _M32))
     index_mixed = _mix32(((index & _M32) * _WEYL + 0x68E31DA4) & _M32)  # [*R, M] or [M]
@@ -307,7 +311,17 @@ def draft_sample(
     if rescale is not None:
         q_probs = rescale(q_probs)
     # Race keyed by token id, so the draw does not depend on the order topk returns.
-    e = _exponential(st.seed, positions, STREAM_DRAFT, q_token_ids)  # [B, k]
-    choice = torch.argmax(q_probs / e, dim=-1, keepdim=True)  # [B, 1]
-    token_ids = q_token_ids.gather(-1, choice).squeeze(-1)  # [B]
-    return token_ids, q_token_ids, q_probs
+    if q_token_ids.is_cuda:  # one kernel instead of several dozen launches per draft token
+        from spec_runtime.kernels.race import draft_race
+
+        return draft_race(st.seed, positions, stream_key(STREAM_DRAFT), q_token_ids, q_probs), q_token_ids, q_probs
+    return draft_race_torch(st.seed, positions, STREAM_DRAFT, q_token_ids, q_probs), q_token_ids, q_probs
+
+
+def draft_race_torch(seeds: torch.Tensor, positions: torch.Tensor, stream: int, q_token_ids: torch.Tensor,
+                     q_probs: torch.Tensor) -> torch.Tensor:
+    """The exponential race over each row's q: [R] int64, the token of argmax q / E
+    (spec_runtime.kernels.race.draft_race is the same in one CUDA kernel)."""
+    e = _exponential(seeds, positions, stream, q_token_ids)  # [R, M]
+    choice = torch.argmax(q_probs / e, dim=-1, keepdim=True)  # [R, 1]
+    return q_token_ids.gather(-1, choice).squeeze(-1)  # [R]

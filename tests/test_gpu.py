@@ -421,3 +421,19 @@ def test_two_tensor_parallel_ranks_on_one_gpu_match_one(model_dir: str, tmp_path
     worst = max(rel_err(g, w) for g, w in zip(got, want))
     print(f"TP=2 against TP=1 on one GPU: worst relative error {worst:.1e}")
     assert worst < TOL
+
+
+def test_draft_race_kernel_matches_the_torch_race_on_the_gpu() -> None:
+    """spec_runtime.kernels.race.draft_race against the torch race, on CUDA tensors (the
+    interpreter's float64 log is NumPy's; here both sides use the device's)."""
+    from spec_runtime.kernels.race import draft_race
+    from spec_runtime.sampling import STREAM_DRAFT, draft_race_torch, stream_key
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    r, m = 4096, 64
+    seeds = torch.randint(-(2**62), 2**62, (r,), device="cuda", generator=g)
+    positions = torch.randint(0, 2**31, (r,), device="cuda", generator=g)
+    ids = torch.randint(0, 150_000, (r, m), device="cuda", generator=g)
+    probs = torch.softmax(torch.randn(r, m, device="cuda", generator=g), -1)
+    torch.testing.assert_close(draft_race(seeds, positions, stream_key(STREAM_DRAFT), ids, probs),
+                               draft_race_torch(seeds, positions, STREAM_DRAFT, ids, probs), rtol=0, atol=0)
