@@ -276,6 +276,26 @@ def saguaro_rescale(
     return scaled / scaled.sum(-1, keepdim=True)
 
 
+def _truncated_q(logits: torch.Tensor, st: SamplingTensors, top_k_q: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft's top_k_q tokens and their renormalized probabilities: [B, k] int64 ids in
+    descending q, [B, k] float32 (greedy rows ranked by their logits; draft_sample makes
+    their q one-hot)."""
+    if st.any_top_p or st.any_min_p:
+        rank_by = target_probs(logits, st)  # [B, V]: the nucleus needs the whole distribution
+        if st.any_greedy:
+            rank_by = torch.where(st.is_greedy.unsqueeze(-1), torch.softmax(logits.float(), -1), rank_by)
+        top_probs, q_token_ids = torch.topk(rank_by, top_k_q, dim=-1)  # [B, k]
+        return q_token_ids, top_probs / top_probs.sum(-1, keepdim=True)
+    # Temperature and softmax keep the logits' order, and the renormalized top k of
+    # softmax(l / T) is the softmax of the top k of l / T: one pass over the vocabulary.
+    top_logits, q_token_ids = torch.topk(logits, top_k_q, dim=-1)  # [B, k]
+    scaled = top_logits.float() / torch.where(st.is_greedy, 1.0, st.temperature).unsqueeze(-1)
+    if st.any_top_k:
+        keep = torch.where(st.top_k > 0, st.top_k, top_k_q)  # [B]
+        scaled = scaled.masked_fill(torch.arange(top_k_q, device=logits.device) >= keep.unsqueeze(-1), float("-inf"))
+    return q_token_ids, torch.softmax(scaled, dim=-1)
+
+
 def draft_sample(
     logits: torch.Tensor,
     st: SamplingTensors,
@@ -294,14 +314,7 @@ def draft_sample(
     """
     if not 1 <= top_k_q <= logits.shape[-1]:
         raise ValueError(f"top_k_q must be in [1, vocab={logits.shape[-1]}], got {top_k_q}")
-    if st.all_greedy:
-        rank_by = logits  # q is one-hot; the ids behind it still rank the draft's top tokens
-    else:
-        rank_by = target_probs(logits, st)  # [B, V]
-        if st.any_greedy:
-            rank_by = torch.where(st.is_greedy.unsqueeze(-1), torch.softmax(logits.float(), -1), rank_by)
-    top_probs, q_token_ids = torch.topk(rank_by, top_k_q, dim=-1)  # [B, k]
-    q_probs = top_probs.float() / top_probs.float().sum(-1, keepdim=True)  # [B, k]
+    q_token_ids, q_probs = _truncated_q(logits, st, top_k_q)
     if st.any_greedy:
         greedy = st.is_greedy.unsqueeze(-1)  # [B, 1]
         first = torch.arange(top_k_q, device=logits.device) == 0  # [k]
