@@ -27,12 +27,13 @@ option realized against it there (round_model.predict). What differs between opt
 their time; one step's tokens scatter too widely at small batch.
 
 How it chooses: the largest tree with jit first, until it is measured; then one probe of
-SD rounds (measures c). From then on each step runs the best prediction. An option whose
-inputs are not measured yet is probed before it is run: the next smaller tree when the
-best one overruns the verify; plain decoding once its estimate with P taken as S comes
-within PLAIN_PRIOR_SLACK of the best. That estimate is a floor: a plain step verifies one
-token per sequence, a speculating one K + 1 (in docs/benchmarks.md's runs a one-token
-step took 0.57-0.96 of an SD round's verify).
+SD rounds (measures c); till then a step that measures nothing (a filling batch) is plain.
+Then each step runs the best prediction. An option whose inputs are not measured yet is
+probed before it is run: the next smaller tree when the best one overruns the verify;
+plain decoding once its estimate with P taken as S comes within PLAIN_PRIOR_SLACK of the
+best. That estimate is a floor: a plain step verifies one token per sequence, a
+speculating one K + 1 (in docs/benchmarks.md's runs a one-token step took 0.57-0.96 of
+an SD round's verify).
 Every `probe_every` steps another option is probed for `probe_len` steps so its
 measurements stay current: the one the model predicts fastest when that beats the
 choice's realized rate (a realized rate from a few steps of a transition must not rule an
@@ -185,11 +186,11 @@ class RoundPolicy:
 
     # ---------------------------------------------------------------- choosing
 
-    def choose(self, batch: int, context: int = 0) -> RoundPlan:
+    def choose(self, batch: int, context: int = 0, steady: bool = True) -> RoundPlan:
         """The plan of the step about to run over `batch` sequences of `context` tokens
-        on average."""
+        on average; steady: the step can measure (as `record`'s steady)."""
         t0 = time.perf_counter()
-        plan = self._choose(batch, context)
+        plan = self._choose(batch, context, steady)
         self.host_s += time.perf_counter() - t0
         if plan.kind == "ssd":
             self.num_ssd_rounds += 1
@@ -201,7 +202,7 @@ class RoundPolicy:
             self.num_plain_steps += 1
         return plan
 
-    def _choose(self, batch: int, context: int) -> RoundPlan:
+    def _choose(self, batch: int, context: int, steady: bool) -> RoundPlan:
         key = self.key(batch, context)
         self._current[key[0]] = key
         b = self._bucket(key)
@@ -215,10 +216,8 @@ class RoundPolicy:
         b.hold = 0
         c = b.costs
         first = opts[0]
-        if first.kind == "ssd" and c.samples[("w", first.branches)] < max(self.warmup, _MIN_SAMPLES):
-            return first  # measure the largest tree first
-        if self.allow_sd and c.chain_s is None:
-            return self._start_probe(b, SD)
+        if (plan := self._first_measurements(b, first, steady)) is not None:
+            return plan
         rates = {p: r for p in opts if (r := predict(p, batch, c, self.k)) is not None}
         if not rates:
             return first
@@ -257,6 +256,16 @@ class RoundPolicy:
             return self._start_probe(b, target)
         b.hold = RANK_EVERY - 1 if b.stood >= RANK_EVERY else 0
         return best
+
+    def _first_measurements(self, b: _Bucket, first: RoundPlan, steady: bool) -> RoundPlan | None:
+        """What the bucket lacks (the largest tree, then c) is measured first, or None. A step of a
+        filling batch measures nothing, and as a round would wait for the draft's prefill: plain."""
+        c = b.costs
+        unmeasured = first.kind == "ssd" and c.samples[("w", first.branches)] < max(self.warmup, _MIN_SAMPLES)
+        no_chain = self.allow_sd and c.chain_s is None
+        if (unmeasured or no_chain) and not steady and self.allow_plain:
+            return PLAIN
+        return first if unmeasured else (self._start_probe(b, SD) if no_chain else None)
 
     def _extend_probe(self, b: _Bucket, batch: int, best: RoundPlan, rates: dict) -> bool:
         """Whether the periodic probe that has just ended runs on: once, when it lost to the

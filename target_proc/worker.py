@@ -240,7 +240,7 @@ class TargetWorker:
         # Plain steps (chosen by the policy) leave the draft in sync: it still gets each
         # outcome, as (0, t), and answers nothing (DraftLink.send_outcomes).
         self._context = sum(s.num_tokens for s in seqs) // len(seqs)  # the round policy's cost bucket
-        plan = self._plan(batch := len(seqs))
+        plan = self._plan(batch := len(seqs), all(s.stats.num_rounds >= STEADY_AFTER_ROUNDS for s in seqs))
         seqs = self._halves.next(seqs) if plan.kind == "halves" else seqs
         speculate = plan.speculate
         specs = self.draft.collect(seqs) if speculate else {}
@@ -267,11 +267,12 @@ class TargetWorker:
         self._emit(seqs)
         return True
 
-    def _plan(self, batch: int) -> RoundPlan:
+    def _plan(self, batch: int, steady: bool) -> RoundPlan:
+        """steady: the step can measure costs (each sequence past its first rounds once it has run)."""
         if not self.draft.present:
             return PLAIN
         if self.rounds is not None:
-            return self.rounds.choose(batch, self._context)
+            return self.rounds.choose(batch, self._context, steady)
         return SD if self.policy.use_speculation(batch) else PLAIN
 
     def _accept(self, seqs, specs, num_draft, num_accepted, out_tokens, logprobs, speculate: bool) -> None:

@@ -687,3 +687,19 @@ def test_a_batch_that_shrinks_keeps_what_the_full_batch_realized():
     done = len(plans)
     run(3, 60)
     assert plans[done:].count(PLAIN) >= 50
+
+
+def test_a_filling_batch_runs_plain_steps_until_its_bucket_is_measured():
+    """Steps of a batch that is still filling (a sequence in its first rounds) measure nothing
+    and would wait for the draft's prefill: plain while the bucket lacks its first
+    measurements, then the largest tree once the batch is steady; with plain steps ruled
+    out (--spec-policy always) the largest tree at once."""
+    p = _policy(k=8)
+    assert [p.choose(4, steady=False) for _ in range(3)] == [PLAIN] * 3
+    assert p.choose(4) == RoundPlan("ssd", LEVELS[0], "jit")
+    assert _policy(k=8, allow_plain=False).choose(4, steady=False) == RoundPlan("ssd", LEVELS[0], "jit")
+    simulate(p, 4, 40, verify_s=0.010, chain_s=0.004, work_s={16: 0.008, 8: 0.006, 4: 0.005},
+             hit_rate={16: 0.9, 8: 0.8, 4: 0.7})
+    measured = p.costs(4)
+    assert measured.chain_s is not None and measured.samples[("w", LEVELS[0])] >= 4
+    assert p.choose(4, steady=False).kind == "ssd"  # measured: the best prediction, as when steady
