@@ -21,7 +21,7 @@ stamp() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
 stamp "install wheels"
 python3 -m pip install -q --no-index --no-deps --target .site .whl/*.whl 2>&1 | grep -v WARNING | tail -3
 export PYTHONPATH=$PWD/.site:$PWD
-export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi_ws}
+export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi_ws/$(pwd | cksum | cut -d" " -f1)}
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
 python3 -c "import torch, flashinfer, triton; print('torch', torch.__version__, 'flashinfer', flashinfer.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" \
   || { echo "flashinfer import failed"; exit 1; }

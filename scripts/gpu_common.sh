@@ -2,7 +2,8 @@
 #
 # set_up_run DEFAULT_OUT: $OUT (DEFAULT_OUT unless set) made; the wheels found in .whl/
 #   installed into .site/ (for a machine without network access); PYTHONPATH and the
-#   environment every run shares exported.
+#   environment every run shares exported. flashinfer's JIT cache is one per tree: its
+#   builds name the headers under that tree's .site/, which another copy may not have.
 # wait_healthy PORT PID: wait (up to $START_TIMEOUT s, default 150) until the server on
 #   127.0.0.1:PORT answers /health; fails early if process PID exits.
 
@@ -14,7 +15,7 @@ set_up_run() {
     python3 -m pip install -q --no-index --no-deps --target .site .whl/*.whl 2>&1 | grep -v WARNING | tail -3
   fi
   export PYTHONPATH=$PWD/.site:$PWD
-  export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi_ws}
+  export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi_ws/$(pwd | cksum | cut -d" " -f1)}
 }
 
 wait_healthy() {

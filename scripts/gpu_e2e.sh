@@ -17,7 +17,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 python3 -m pip install -q --no-index --no-deps --target .site .whl/*.whl 2>&1 | grep -v WARNING | tail -3
 export PYTHONPATH=$PWD/.site:$PWD
-export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi_ws}
+export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi_ws/$(pwd | cksum | cut -d" " -f1)}
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 
 PAIR=${PAIR:-32b}
