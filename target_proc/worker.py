@@ -240,7 +240,7 @@ class TargetWorker:
         # Plain steps (chosen by the policy) leave the draft in sync: it still gets each
         # outcome, as (0, t), and answers nothing (DraftLink.send_outcomes).
         self._context = sum(s.num_tokens for s in seqs) // len(seqs)  # the round policy's cost bucket
-        plan = self._plan(batch := len(seqs), all(s.stats.num_rounds >= STEADY_AFTER_ROUNDS for s in seqs))
+        plan, batch = self._plan(seqs), len(seqs)
         seqs = self._halves.next(seqs) if plan.kind == "halves" else seqs
         speculate = plan.speculate
         specs = self.draft.collect(seqs) if speculate else {}
@@ -267,13 +267,13 @@ class TargetWorker:
         self._emit(seqs)
         return True
 
-    def _plan(self, batch: int, steady: bool) -> RoundPlan:
-        """steady: the step can measure costs (each sequence past its first rounds once it has run)."""
+    def _plan(self, seqs: list[Sequence]) -> RoundPlan:
         if not self.draft.present:
             return PLAIN
-        if self.rounds is not None:
-            return self.rounds.choose(batch, self._context, steady)
-        return SD if self.policy.use_speculation(batch) else PLAIN
+        if self.rounds is not None:  # steady: the step's record will measure (_record_step)
+            steady = all(s.stats.num_rounds >= STEADY_AFTER_ROUNDS for s in seqs)
+            return self.rounds.choose(len(seqs), self._context, steady)
+        return SD if self.policy.use_speculation(len(seqs)) else PLAIN
 
     def _accept(self, seqs, specs, num_draft, num_accepted, out_tokens, logprobs, speculate: bool) -> None:
         """Count each round, then append its accepted and recovery/bonus tokens one by one (a stop cuts there)."""
