@@ -287,8 +287,8 @@ class TargetWorker:
             tokens_only = logprobs is None and seq.grammar is None  # the usual request
             for t in range(j + 1):
                 # A complete grammar ends the sequence at its last token, as in AR decoding.
-                if (append(seq, toks[t]) if tokens_only else append(seq, toks[t], *logprobs_at(logprobs, i, t))
-                        or self._grammar_commit(seq, toks[t:t + 1])):
+                if (append(seq, toks[t]) if tokens_only else (append(seq, toks[t], *logprobs_at(logprobs, i, t))
+                                                              or self._grammar_commit(seq, toks[t:t + 1]))):
                     break
             if seq.finished:
                 self.finish(seq)
