@@ -31,6 +31,17 @@ large batch. Halves pay where the verify grows with the batch (long contexts, la
 batch): two half-batch verifies then cost little more than one whole, and each hides the
 other half's chain.
 
+The model ranks options nobody has run yet. Once an option has run, its realized rate
+stands in for the prediction: the expected tokens of its last 8 steps (B a for SD and for
+SSD with jit, B for plain steps, the model's mix of hits and misses for the other
+backups) over those steps' wait and busy time (a halves step's as in H), stalled steps
+left out (Costs.realized_rate). Only steps of about the current batch size
+count (within an eighth of it): a bucket spans batch sizes up to twice apart, and steps
+run while a batch filled up would rate an option at the full batch far too low. Below the
+batch size of its last steps (sequences finished since), the model is scaled by what the
+option realized against it there (predict). What differs between options is
+their time; one step's tokens scatter too widely at small batch.
+
 Pure bookkeeping, no torch."""
 
 from __future__ import annotations

@@ -13,21 +13,15 @@ tokens share one bucket) the options are:
 Every option yields the target's distribution exactly; they differ only in speed, so the
 policy predicts each one's tokens/s and runs the fastest.
 
-What each option is predicted to yield, from what is measured, is in target_proc/round_model.py.
-
-The model ranks options nobody has run yet. Once an option has run, its realized rate
-stands in for the prediction: the expected tokens of its last 8 steps (B a for SD and for
-SSD with jit, B for plain steps, the model's mix of hits and misses for the other
-backups) over those steps' wait and busy time (a halves step's as in H), stalled steps
-left out (round_model.Costs.realized_rate). Only steps of about the current batch size
-count (within an eighth of it): a bucket spans batch sizes up to twice apart, and steps
-run while a batch filled up would rate an option at the full batch far too low. Below the
-batch size of its last steps (sequences finished since), the model is scaled by what the
-option realized against it there (round_model.predict). What differs between options is
-their time; one step's tokens scatter too widely at small batch.
+What each option is predicted to yield, from what is measured, is in target_proc/round_model.py;
+once an option has run, its realized rate stands in for the prediction (the same module).
 
 How it chooses: the largest tree with jit first, until it is measured; then one probe of
-SD rounds (measures c); till then a step that measures nothing (a filling batch) is plain.
+SD rounds (measures c); till then a step that measures nothing (a filling batch) is plain,
+and until the batch size has stood SETTLE_STEPS steps the bucket runs what the bucket it
+came from chose, when that was plain decoding or SD rounds (halves: SD rounds where halves
+are not an option): a batch that drains as its requests finish passes each bucket in a
+few steps, too few for the first measurements to pay.
 Then each step runs the best prediction. An option whose inputs are not measured yet is
 probed before it is run: the next smaller tree when the best one overruns the verify;
 plain decoding once its estimate with P taken as S comes within PLAIN_PRIOR_SLACK of the
@@ -65,7 +59,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from target_proc.round_model import (  # noqa: F401 - re-exported
@@ -84,6 +78,7 @@ CLOSE = 0.1  # a probe that comes this close to the choice runs on until its rea
 MIN_CONTEXT_BUCKET = 1024  # contexts below this share one bucket of costs
 STEADY_AFTER_ROUNDS = 3  # a sequence's rounds (its prefill included) before its steps measure costs
 RANK_EVERY = 4  # a choice that stood this many rankings in a row is ranked once in this many steps
+SETTLE_STEPS = 16  # steps at one batch size before a bucket runs its first measurements (if another chose)
 
 
 @dataclass
@@ -131,10 +126,8 @@ class RoundPolicy:
         self._options: dict[int, list[RoundPlan]] = {}  # per batch size (tree_levels is fixed)
         self._current: dict[int, tuple[int, int]] = {}  # batch bucket -> the key of its last step
         self._history: deque = deque([(0, None)] * 3, maxlen=3)  # (bucket, plan) of the last three steps
-        self.num_ssd_rounds = 0
-        self.num_sd_rounds = 0
-        self.num_halves_steps = 0
-        self.num_plain_steps = 0
+        self._visit: tuple = ((0, 0), 0, 0, None)  # the last step's bucket and batch, steps at it, what came before
+        self.steps = Counter()  # steps per plan kind
         self.num_switches = 0
         self.host_s = 0.0  # time spent in choose and record_step (the worker's calls)
 
@@ -192,20 +185,18 @@ class RoundPolicy:
         t0 = time.perf_counter()
         plan = self._choose(batch, context, steady)
         self.host_s += time.perf_counter() - t0
-        if plan.kind == "ssd":
-            self.num_ssd_rounds += 1
-        elif plan.kind == "sd":
-            self.num_sd_rounds += 1
-        elif plan.kind == "halves":
-            self.num_halves_steps += 1
-        else:
-            self.num_plain_steps += 1
+        self.steps[plan.kind] += 1
         return plan
 
     def _choose(self, batch: int, context: int, steady: bool) -> RoundPlan:
         key = self.key(batch, context)
         self._current[key[0]] = key
         b = self._bucket(key)
+        last, last_batch, steps, came = self._visit
+        prev = self._buckets.get(last)
+        # A bucket left before it chose passes on what the one before it chose.
+        came = came if key == last or prev is None or prev.choice is None else prev.choice
+        self._visit = (key, batch, steps + 1 if batch == last_batch else 0, came)
         if b.probe:
             return b.probe.popleft()
         opts = self.options(batch)
@@ -216,7 +207,7 @@ class RoundPolicy:
         b.hold = 0
         c = b.costs
         first = opts[0]
-        if (plan := self._first_measurements(b, first, steady)) is not None:
+        if (plan := self._first_measurements(b, first, steady, opts)) is not None:
             return plan
         rates = {p: r for p in opts if (r := predict(p, batch, c, self.k)) is not None}
         if not rates:
@@ -257,15 +248,22 @@ class RoundPolicy:
         b.hold = RANK_EVERY - 1 if b.stood >= RANK_EVERY else 0
         return best
 
-    def _first_measurements(self, b: _Bucket, first: RoundPlan, steady: bool) -> RoundPlan | None:
+    def _first_measurements(self, b: _Bucket, first: RoundPlan, steady: bool, opts: list) -> RoundPlan | None:
         """What the bucket lacks (the largest tree, then c) is measured first, or None. A step of a
-        filling batch measures nothing, and as a round would wait for the draft's prefill: plain."""
+        filling batch measures nothing, and as a round would wait for the draft's prefill: plain.
+        Until the batch size stood SETTLE_STEPS steps, the previous bucket's plain or SD choice stands."""
         c = b.costs
         unmeasured = first.kind == "ssd" and c.samples[("w", first.branches)] < max(self.warmup, _MIN_SAMPLES)
         no_chain = self.allow_sd and c.chain_s is None
-        if (unmeasured or no_chain) and not steady and self.allow_plain:
+        if not (unmeasured or no_chain):
+            return None
+        if not steady and self.allow_plain:
             return PLAIN
-        return first if unmeasured else (self._start_probe(b, SD) if no_chain else None)
+        *_, steps, came = self._visit
+        came = SD if came == HALVES and HALVES not in opts else came
+        if steps < SETTLE_STEPS and came is not None and came.kind in ("plain", "sd") and came in opts:
+            return came
+        return first if unmeasured else self._start_probe(b, SD)
 
     def _extend_probe(self, b: _Bucket, batch: int, best: RoundPlan, rates: dict) -> bool:
         """Whether the periodic probe that has just ended runs on: once, when it lost to the
@@ -376,9 +374,9 @@ class RoundPolicy:
 
     def engine_fields(self) -> dict:
         """The policy's part of EngineStats."""
-        return dict(num_plain_steps=self.num_plain_steps, num_ssd_rounds=self.num_ssd_rounds,
-                    num_sd_rounds=self.num_sd_rounds, num_halves_steps=self.num_halves_steps,
-                    num_round_switches=self.num_switches,
+        n = self.steps
+        return dict(num_plain_steps=n["plain"], num_ssd_rounds=n["ssd"], num_sd_rounds=n["sd"],
+                    num_halves_steps=n["halves"], num_round_switches=self.num_switches,
                     round_choices=self.summary(), round_policy_s=self.host_s)
 
     def costs(self, batch: int, context: int = 0) -> Costs:

@@ -19,6 +19,7 @@ from target_proc.round_policy import (
     Costs,
     RoundPlan,
     RoundPolicy,
+    SETTLE_STEPS,
     chain_tokens,
     model_rate,
     predict,
@@ -86,7 +87,7 @@ def test_ssd_when_the_work_ahead_fits_inside_the_verify(caplog):
     assert RoundPlan("ssd", 8, "jit") not in plans  # it fits: no smaller tree is tried
     lines = [r.getMessage() for r in caplog.records if "batch size ~1" in r.getMessage()]
     assert len(lines) == 1 and "ssd 16 branches, backup jit" in lines[0]  # logged once
-    assert p.num_ssd_rounds + p.num_sd_rounds + p.num_plain_steps == 200
+    assert sum(p.steps.values()) == p.steps["ssd"] + p.steps["sd"] + p.steps["plain"] == 200
 
 
 def test_sd_when_the_work_ahead_is_slow():
@@ -464,7 +465,7 @@ def test_no_ssd_rounds_for_a_draft_on_the_targets_gpu(target_dev, draft_dev, wor
     if not ssd:
         p = RoundPolicy.for_config(cfg)
         simulate(p, 4, 50, **FITS)
-        assert p.num_ssd_rounds == 0 and p.summary()[4] == "sd"
+        assert p.steps["ssd"] == 0 and p.summary()[4] == "sd"
 
 
 def test_the_first_chain_after_ssd_rounds_does_not_count_against_sd():
@@ -627,7 +628,7 @@ def test_halves_when_each_halfs_chain_hides_behind_the_other_halfs_verify():
     assert p.summary() == {32: "halves"} and plans[-100:].count(HALVES) >= 80
     # Its realized rate: 16 sequences x 3 tokens per 17 ms step.
     assert predict(HALVES, 32, p.costs(32)) == pytest.approx(16 * 3 / 0.017, rel=0.01)
-    assert p.num_halves_steps == plans.count(HALVES) and p.engine_fields()["num_halves_steps"] == p.num_halves_steps
+    assert p.steps["halves"] == plans.count(HALVES) == p.engine_fields()["num_halves_steps"]
 
 
 def test_no_halves_when_a_half_costs_as_much_as_the_whole():
@@ -703,3 +704,24 @@ def test_a_filling_batch_runs_plain_steps_until_its_bucket_is_measured():
     measured = p.costs(4)
     assert measured.chain_s is not None and measured.samples[("w", LEVELS[0])] >= 4
     assert p.choose(4, steady=False).kind == "ssd"  # measured: the best prediction, as when steady
+
+
+def test_a_draining_batch_keeps_the_choice_of_the_bucket_it_left():
+    """Batch 32 at low acceptance: plain steps win. As its requests finish the batch passes
+    buckets 16, 8, 4, 2 and 1 in a few steps each, none of them measured: a round there
+    would wait for the draft to build its largest tree, for steps too few to pay. The drain
+    runs plain steps. A batch size that stands SETTLE_STEPS steps has its bucket measured."""
+    p = _policy(k=4)
+    simulate(p, 32, 300, verify_s=0.010, chain_s=0.015, work_s={16: 0.030, 8: 0.025, 4: 0.020},
+             hit_rate={16: 0.5, 8: 0.4, 4: 0.3}, tokens=1.5, plain_s=0.009)
+    assert p.summary() == {32: "plain"}
+    drain = [p.choose(b) for b in range(31, 0, -1) for _ in range(3)]
+    assert drain == [PLAIN] * len(drain)
+    stay = [p.choose(3) for _ in range(SETTLE_STEPS + 1)]  # bucket 2 again, after bucket 1
+    assert stay == [PLAIN] * SETTLE_STEPS + [RoundPlan("ssd", LEVELS[0], "jit")]
+    # SD rounds pass on too (halves as SD rounds below batch 8); SSD rounds do not.
+    q = _policy(k=4, allow_plain=False)
+    simulate(q, 16, 300, verify_s=0.010, chain_s=0.006, work_s={16: 0.030, 8: 0.025, 4: 0.020},
+             hit_rate={16: 0.5, 8: 0.4, 4: 0.3}, tokens=2.0, halves=(0.006, 0.004))
+    assert q.summary() == {16: "halves"}
+    assert [q.choose(b) for b in (15, 12, 9, 7, 5, 3)] == [HALVES] * 3 + [SD] * 3
