@@ -132,12 +132,21 @@ def test_bench_ctrl_c_reports_and_saves_what_finished(served, tmp_path):
     _, url, _, _ = served
     out = tmp_path / "partial.json"
     # Enough work that the run cannot end before the interrupt arrives.
+    auth = {"Authorization": f"Bearer {KEY}"}
+
+    def generated() -> int:
+        return httpx.get(url + "/v1/engine_stats", headers=auth).json()["totals"]["num_generated_tokens"]
+
+    before = generated()
     proc = subprocess.Popen(_cli("bench", "--base-url", url, "--api-key", KEY, "--num-prompts", "2000",
                                  "--max-concurrency", "1", "--output-len", "60", "--ignore-eos",
                                  "--save-result", str(out)),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    auth = {"Authorization": f"Bearer {KEY}"}
-    assert wait_until(lambda: httpx.get(url + "/v1/engine_stats", headers=auth).json()["num_running"] > 0, 120)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # A shell's background job ignores SIGINT, and a child inherits that.
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    # A finished request: a count that only grows (one request at a time is seldom caught running).
+    assert wait_until(lambda: proc.poll() is not None or generated() > before, 120), "no request finished in 120 s"
+    assert proc.poll() is None, proc.communicate()[1]
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, stderr
