@@ -180,12 +180,14 @@ class DraftLink(DraftSocket):
         (True when nothing was sent)."""
         if not self.alive:
             return True
-        outcomes = []
-        for seq, j, toks in zip(seqs, num_accepted, token_ids):
+        outcomes, rounds, synced, desynced = [], self.rounds, self.synced, self.desynced
+        for seq, j, toks in zip(seqs, num_accepted, token_ids):  # a plain step's host time: inlined
             sid = seq.seq_id
-            in_sync = sid in specs or (not speculated and sid in self.synced)
-            if in_sync and sid not in self.desynced and not seq.will_finish(j + 1):
-                outcomes.append(self._outcome(sid, j, toks[j], seq.num_tokens + j + 1))
+            if (sid in specs or (not speculated and sid in synced)) and sid not in desynced:
+                n = len(seq.token_ids) + j + 1
+                if n - seq.num_prompt_tokens < seq.sampling.max_tokens:  # not seq.will_finish(j + 1)
+                    rounds[sid] = r = rounds.get(sid, 0) + 1
+                    outcomes.append(Outcome(sid, r, j, toks[j], n))
         choice = choose_work_ahead(len(outcomes))
         if isinstance(choice, bool):
             work_ahead, branches, backup = choice, 0, ""

@@ -186,6 +186,21 @@ def test_plain_outcomes_are_held_for_k_steps_in_order_and_dropped_on_release(pai
     assert held.seq_ids.tolist() == [1] and held.token_ids.tolist() == [30] and req.token_ids.tolist() == [31]
 
 
+def test_a_step_that_ends_a_sequence_sends_it_no_outcome(pair):
+    """The draft need not follow a sequence whose step reaches max_tokens: the request
+    carries only the others' outcomes."""
+    link, draft = pair
+    a, b = _two_started(link, draft)
+    a.sampling.max_tokens = 3  # one token generated; this step's 1 accepted + 1 make 3
+    _answer(draft, 1, 1, 1, [5])
+    _answer(draft, 1, 2, 1, [5])
+    specs = link.collect([a, b])
+    link.send_outcomes([a, b], specs, [1, 1], [[5, 10], [5, 20]], True, lambda n: SD)
+    (req,) = _take(draft)
+    assert req.seq_ids.tolist() == [2] and req.token_ids.tolist() == [20] and req.seq_lens.tolist() == [6]
+    assert link.rounds == {1: 1, 2: 2}
+
+
 def test_a_sequence_that_ends_at_its_first_token_is_never_added(pair):
     link, draft = pair
     seq = _seq(3, [1, 2], max_tokens=1)
