@@ -19,9 +19,9 @@ once an option has run, its realized rate stands in for the prediction (the same
 How it chooses: the largest tree with jit first, until it is measured; then one probe of
 SD rounds (measures c); till then a step that measures nothing (a filling batch) is plain,
 and until the batch size has stood SETTLE_STEPS steps the bucket runs what the bucket it
-came from chose, when that was plain decoding or SD rounds (halves: SD rounds where halves
-are not an option): a batch that drains as its requests finish passes each bucket in a
-few steps, too few for the first measurements to pay.
+came from chose, unless that was an SSD round (halves as SD rounds where halves are not an
+option): a batch that drains as its requests finish passes each bucket in a few steps,
+too few for the first measurements to pay.
 Then each step runs the best prediction. An option whose inputs are not measured yet is
 probed before it is run: the next smaller tree when the best one overruns the verify;
 plain decoding once its estimate with P taken as S comes within PLAIN_PRIOR_SLACK of the
@@ -251,7 +251,7 @@ class RoundPolicy:
     def _first_measurements(self, b: _Bucket, first: RoundPlan, steady: bool, opts: list) -> RoundPlan | None:
         """What the bucket lacks (the largest tree, then c) is measured first, or None. A step of a
         filling batch measures nothing, and as a round would wait for the draft's prefill: plain.
-        Until the batch size stood SETTLE_STEPS steps, the previous bucket's plain or SD choice stands."""
+        Until the batch size stood SETTLE_STEPS steps, the previous bucket's choice stands (not SSD)."""
         c = b.costs
         unmeasured = first.kind == "ssd" and c.samples[("w", first.branches)] < max(self.warmup, _MIN_SAMPLES)
         no_chain = self.allow_sd and c.chain_s is None
@@ -261,7 +261,7 @@ class RoundPolicy:
             return PLAIN
         *_, steps, came = self._visit
         came = SD if came == HALVES and HALVES not in opts else came
-        if steps < SETTLE_STEPS and came is not None and came.kind in ("plain", "sd") and came in opts:
+        if steps < SETTLE_STEPS and came is not None and not came.work_ahead and came in opts:
             return came
         return first if unmeasured else self._start_probe(b, SD)
 

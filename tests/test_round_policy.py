@@ -719,9 +719,9 @@ def test_a_draining_batch_keeps_the_choice_of_the_bucket_it_left():
     assert drain == [PLAIN] * len(drain)
     stay = [p.choose(3) for _ in range(SETTLE_STEPS + 1)]  # bucket 2 again, after bucket 1
     assert stay == [PLAIN] * SETTLE_STEPS + [RoundPlan("ssd", LEVELS[0], "jit")]
-    # SD rounds pass on too (halves as SD rounds below batch 8); SSD rounds do not.
+    # SD rounds and halves pass on too (halves as SD rounds below batch 8); SSD rounds do not.
     q = _policy(k=4, allow_plain=False)
     simulate(q, 16, 300, verify_s=0.010, chain_s=0.006, work_s={16: 0.030, 8: 0.025, 4: 0.020},
              hit_rate={16: 0.5, 8: 0.4, 4: 0.3}, tokens=2.0, halves=(0.006, 0.004))
     assert q.summary() == {16: "halves"}
-    assert [q.choose(b) for b in (15, 12, 9, 7, 5, 3)] == [HALVES] * 3 + [SD] * 3
+    assert [q.choose(b) for b in (15, 12, 9, 8, 7, 5, 3)] == [HALVES] * 4 + [SD] * 3  # 8: a bucket of its own
