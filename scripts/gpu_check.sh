@@ -12,16 +12,12 @@
 # TEST_TIMEOUT, BENCH_TIMEOUT (seconds).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/gpu_check_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
 t0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
 
 stamp "install wheels"
-python3 -m pip install -q --no-index --no-deps --target .site .whl/*.whl 2>&1 | grep -v WARNING | tail -3
-export PYTHONPATH=$PWD/.site:$PWD
-export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi_ws/$(pwd | cksum | cut -d" " -f1)}
+source scripts/gpu_common.sh
+set_up_run /tmp/gpu_check_out
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
 python3 -c "import torch, flashinfer, triton; print('torch', torch.__version__, 'flashinfer', flashinfer.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" \
   || { echo "flashinfer import failed"; exit 1; }

@@ -12,12 +12,8 @@
 # first; the JSON and log go under $OUT (default /tmp/gpu_e2e_out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/gpu_e2e_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 TQDM_DISABLE=1
-python3 -m pip install -q --no-index --no-deps --target .site .whl/*.whl 2>&1 | grep -v WARNING | tail -3
-export PYTHONPATH=$PWD/.site:$PWD
-export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi_ws/$(pwd | cksum | cut -d" " -f1)}
+source scripts/gpu_common.sh
+set_up_run /tmp/gpu_e2e_out
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 
 PAIR=${PAIR:-32b}

@@ -34,8 +34,8 @@ case "${PART:-a}" in
     ;;
   steps)
     # Step latencies on GPU 0 while GPU 1 runs the GPU tests, then the draft's profile.
-    python3 -m pip install -q --no-index --no-deps --target .site .whl/*.whl 2>&1 | grep -v WARNING | tail -3
-    export PYTHONPATH=$PWD/.site:$PWD FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi_ws/$(pwd | cksum | cut -d" " -f1)}
+    source scripts/gpu_common.sh
+    set_up_run "$OUT"
     ( CUDA_VISIBLE_DEVICES=1 timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py \
         > "$OUT/test_gpu.log" 2>&1
       CUDA_VISIBLE_DEVICES=1 timeout 150 python3 scripts/profile_draft.py --model random:draft-0.6b --k 8 \
