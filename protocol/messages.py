@@ -242,8 +242,8 @@ class EngineStats(_Cold, tag="stats"):
     draft_num_cache_entries: int = -1
     # Timing totals since start (seconds) over num_steps decode/verify steps: target forward + acceptance,
     # time blocked on speculations, the draft's work-ahead as reported (SSD), the loop iterations that ran
-    # a step, whole (loop_s), and their admissions (admit_s: prefill forwards, first tokens). host_parts:
-    # parts of a step's host work: poll (client and draft sockets), outcomes (sent to the draft), accept, record.
+    # a step, whole (loop_s), and their admissions (admit_s: prefill forwards, first tokens). host_parts: poll
+    # (sockets), outcomes (to the draft), accept, record; verify_launch: the verify's host part before its sync.
     num_steps: int = 0
     verify_s: float = 0.0
     draft_wait_s: float = 0.0

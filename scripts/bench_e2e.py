@@ -174,7 +174,8 @@ def _row(mode, temp, bs, wall, decode_wall, results, before, after, args) -> dic
         # within the wait (choosing) and the host work (recording).
         "policy_ms_per_step": 1e3 * (after.round_policy_s - before.round_policy_s) / steps,
         # Parts of the host work per step: poll (client and draft sockets), outcomes (sent to the
-        # draft), accept (stop rules, stats), record (the policies' bookkeeping).
+        # draft), accept (stop rules, stats), record (the policies' bookkeeping); and verify_launch,
+        # the verify's host part before it waits for the GPU (within verify_ms, not host_ms).
         "host_parts_ms_per_step": {name: 1e3 * (v - before.host_parts.get(name, 0.0)) / steps
                                    for name, v in after.host_parts.items()},
         "host_ms_per_step": 1e3 * ((after.loop_s - before.loop_s) - (after.admit_s - before.admit_s)

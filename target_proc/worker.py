@@ -40,8 +40,8 @@ from target_proc.prompt_logprobs import add_prompt_logprobs, split_prefill_logit
 from target_proc.sequence import IncrementalDetokenizer, Sequence, StopChecker
 from target_proc.round_policy import PLAIN, SD, STEADY_AFTER_ROUNDS, RoundPlan, RoundPolicy
 from target_proc.spec_policy import SpecPolicy
-from target_proc.verify import (logits_process, logprobs_at, output_logprobs, sampling_tensors, transform_rows,
-                                verify_inputs)
+from target_proc.verify import (SamplingCache, logits_process, logprobs_at, output_logprobs, sampling_tensors,
+                                transform_rows, verify_inputs)
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class TargetWorker:
         self.outputs: dict[bytes, list[RequestOutput]] = {}
         self.timing = dict.fromkeys(("verify_s", "draft_wait_s", "draft_work_s", "loop_s", "admit_s"), 0.0)
         self.timing["num_steps"] = 0
-        self.timing["host_parts"] = dict.fromkeys(("poll", "outcomes", "accept", "record"), 0.0)
+        self.timing["host_parts"] = dict.fromkeys(("poll", "outcomes", "accept", "record", "verify_launch"), 0.0)
         self.policy = SpecPolicy(cfg.sched.spec_policy, cfg.sched.spec_policy_probe_every)
         self._context = 0
         # SSD: each step's plan (SSD round, SD round, halves step or plain step) from measured costs.
@@ -83,7 +83,7 @@ class TargetWorker:
         # The work_ahead flags of the last three requests: a step's answer comes from the cache built
         # after the request two back, or a chain when that one had no work-ahead (record_round).
         self._last_flags = (True, True, True)
-        self._halves = Halves()
+        self._halves, self._sampling = Halves(), SamplingCache(runner.device)
 
     # ------------------------------------------------------------------ loop
 
@@ -245,7 +245,7 @@ class TargetWorker:
         speculate = plan.speculate
         specs = self.draft.collect(seqs) if speculate else {}
         t1 = time.perf_counter()
-        num_draft, num_accepted, out_tokens, logprobs = self._verify(seqs, specs)
+        num_draft, num_accepted, out_tokens, logprobs = self._verify(seqs, specs, t1)
         tm = self.timing
         tm["num_steps"] += 1
         tm["draft_wait_s"] += t1 - t0
@@ -306,10 +306,9 @@ class TargetWorker:
             self.policy.record(len(seqs), plan.speculate, sum(n + 1 for n in num_accepted), time.perf_counter() - t0)
         self._last_flags = self._last_flags[1:] + (plan.work_ahead,)
 
-    def _verify(self, seqs: list[Sequence], specs: dict[int, DraftTokens]):
-        """One verify forward over [x_n, d_1..d_m] per sequence, then rejection sampling.
-        Returns host lists: num_draft [B], num_accepted [B], output tokens [B][k_max + 1]
-        and the logprobs of `_logprobs` (or None)."""
+    def _verify(self, seqs: list[Sequence], specs: dict[int, DraftTokens], t0: float):
+        """One verify forward over [x_n, d_1..d_m] per sequence (begun at t0), then rejection sampling. Returns
+        host lists num_draft [B], num_accepted [B], output tokens [B][k_max + 1], and logprobs (or None)."""
         k_max = max((len(specs[s.seq_id].draft_token_ids) for s in seqs if s.seq_id in specs), default=0)
         # Each sequence feeds its real length; the runner pads to its graph's shape.
         items, num_draft, q_lens = [], [], []
@@ -328,7 +327,7 @@ class TargetWorker:
         # Upload the verify inputs before the forward is queued: then nothing between the
         # forward and the acceptance kernels waits on the GPU.
         self.sched.count_step_tokens(sum(q_lens))
-        inputs = verify_inputs(seqs, specs, num_draft, q_lens, k_max, sampling_tensors(seqs, self.runner.device), self.runner.device)
+        inputs = verify_inputs(seqs, specs, num_draft, q_lens, k_max, self._sampling.get(seqs), self.runner.device)
         flat_logits = transform_rows(self.logits_transform, self.runner.run(items), seqs, q_lens)
         target_logits = flat_logits[inputs.gather]  # [sum(q_lens), V] -> [B, k_max + 1, V]
         proc = logits_process(seqs, self.runner)
@@ -341,6 +340,7 @@ class TargetWorker:
             target_logits_p = self.grammars.mask([s.grammar for s in seqs], target_logits_p, drafts)
         res = rejection_sample(target_logits_p, inputs.draft_token_ids, inputs.num_draft_tokens, inputs.q_token_ids,
                                inputs.q_probs, inputs.st, inputs.positions)
+        self.timing["host_parts"]["verify_launch"] += time.perf_counter() - t0
         num_accepted = res.num_accepted.cpu()  # sync: the accepted prefix decides what the host does next
         out_tokens = res.output_token_ids.cpu()
         logprobs = output_logprobs(seqs, target_logits, res.output_token_ids)

@@ -423,3 +423,23 @@ def test_cuda_matches_cpu():
     # Floating-point softmax differs in the last bits, so a near-tie may flip a rare row.
     assert (outs[0][0] == outs[1][0]).all(1).float().mean() > 0.99
     assert (outs[0][1] == outs[1][1]).all(1).float().mean() > 0.99
+
+
+def test_the_sampling_cache_reuses_a_batch_and_never_lends_another_batch_its_params():
+    from protocol.messages import SamplingParams
+    from target_proc.sequence import Sequence
+    from target_proc.verify import SamplingCache
+
+    def seq(sid: int, temperature: float, top_k: int = 0) -> Sequence:
+        return Sequence(seq_id=sid, request_id=str(sid), client=b"c", prompt_token_ids=[1],
+                        sampling=SamplingParams(temperature=temperature, top_k=top_k), seed=100 + sid)
+
+    a, b, c = seq(0, 0.0), seq(1, 0.7, top_k=5), seq(2, 1.3)
+    cache = SamplingCache("cpu", size=2)
+    st = cache.get([a, b])
+    assert cache.get([a, b]) is st  # the same batch again: nothing rebuilt
+    assert st.temperature.tolist() == pytest.approx([0.0, 0.7]) and st.top_k.tolist() == [0, 5]
+    other = cache.get([b, c])  # another batch (or order) gets its own rows
+    assert other.temperature.tolist() == pytest.approx([0.7, 1.3]) and other.seed.tolist() == [101, 102]
+    assert cache.get([b, a]).temperature.tolist() == pytest.approx([0.7, 0.0])
+    assert cache.get([a, b]) is not st  # size 2: the oldest batch went
