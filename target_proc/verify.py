@@ -93,8 +93,8 @@ class SamplingCache:
     reuses its tensors: no per-row host loop and no uploads (each one of
     `SamplingTensors.from_params` waits for the copy)."""
 
-    def __init__(self, device, size: int = 4):
-        self.device, self.size = device, size
+    def __init__(self, runner, size: int = 4):
+        self.runner, self.size = runner, size  # the tensors go to runner.device
         self._by_batch: dict[tuple[int, ...], SamplingTensors] = {}
 
     def get(self, seqs) -> SamplingTensors:
@@ -103,7 +103,7 @@ class SamplingCache:
         if st is None:
             if len(self._by_batch) >= self.size:  # the oldest batch goes
                 del self._by_batch[next(iter(self._by_batch))]
-            st = self._by_batch[key] = sampling_tensors(seqs, self.device)
+            st = self._by_batch[key] = sampling_tensors(seqs, self.runner.device)
         return st
 
 

@@ -83,7 +83,7 @@ class TargetWorker:
         # The work_ahead flags of the last three requests: a step's answer comes from the cache built
         # after the request two back, or a chain when that one had no work-ahead (record_round).
         self._last_flags = (True, True, True)
-        self._halves, self._sampling = Halves(), SamplingCache(runner.device)
+        self._halves, self._sampling = Halves(), SamplingCache(runner)
 
     # ------------------------------------------------------------------ loop
 

@@ -231,8 +231,9 @@ def test_greedy_output_is_ars_across_forced_switches(tiny_pair, ar_reference):
     assert stats.num_halves_steps > 0
     assert stats.round_choices and all(isinstance(k, int) for k in stats.round_choices)
     assert 0 < stats.round_policy_s < stats.loop_s  # the policy's own host time, within the steps'
-    assert set(stats.host_parts) == {"poll", "outcomes", "accept", "record"}
+    assert set(stats.host_parts) == {"poll", "outcomes", "accept", "record", "verify_launch"}
     assert all(v > 0 for v in stats.host_parts.values()) and sum(stats.host_parts.values()) < stats.loop_s
+    assert stats.host_parts["verify_launch"] < stats.verify_s  # the verify's part before its sync
     t = stats.totals
     assert t.num_cache_hits > 0 and t.num_sd_rounds > 0 and t.num_plain_rounds > 0 and t.num_ar_fallback_rounds == 0
     for r in res:  # the first token comes from the prefill, then each round is one of these

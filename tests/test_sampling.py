@@ -428,6 +428,8 @@ def test_cuda_matches_cpu():
 def test_the_sampling_cache_reuses_a_batch_and_never_lends_another_batch_its_params():
     from protocol.messages import SamplingParams
     from target_proc.sequence import Sequence
+    from types import SimpleNamespace
+
     from target_proc.verify import SamplingCache
 
     def seq(sid: int, temperature: float, top_k: int = 0) -> Sequence:
@@ -435,7 +437,7 @@ def test_the_sampling_cache_reuses_a_batch_and_never_lends_another_batch_its_par
                         sampling=SamplingParams(temperature=temperature, top_k=top_k), seed=100 + sid)
 
     a, b, c = seq(0, 0.0), seq(1, 0.7, top_k=5), seq(2, 1.3)
-    cache = SamplingCache("cpu", size=2)
+    cache = SamplingCache(SimpleNamespace(device="cpu"), size=2)
     st = cache.get([a, b])
     assert cache.get([a, b]) is st  # the same batch again: nothing rebuilt
     assert st.temperature.tolist() == pytest.approx([0.0, 0.7]) and st.top_k.tolist() == [0, 5]
