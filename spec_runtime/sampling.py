@@ -165,17 +165,20 @@ class SamplingTensors:
         if len(min_ps) != len(temps) or not all(0.0 <= m <= 1.0 for m in min_ps):
             raise ValueError(f"min_p must hold one value in [0, 1] per row, got {min_ps}")
         any_min_p = any(m > 0.0 and not g for m, g in zip(min_ps, greedy))
+        # Two uploads, not one per field: each copy from pageable memory waits for the device.
+        floats = _upload(torch.tensor([temps, top_ps, min_ps], dtype=torch.float32), device)  # [3, B]
+        ints = _upload(torch.tensor([top_ks, seeds, greedy], dtype=torch.int64), device)  # [3, B]
         return cls(
-            temperature=torch.tensor(temps, dtype=torch.float32, device=device),
-            top_k=torch.tensor(top_ks, dtype=torch.int64, device=device),
-            top_p=torch.tensor(top_ps, dtype=torch.float32, device=device),
-            seed=torch.tensor(seeds, dtype=torch.int64, device=device),
-            is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            temperature=floats[0],
+            top_k=ints[0],
+            top_p=floats[1],
+            seed=ints[1],
+            is_greedy=ints[2].bool(),
             all_greedy=all(greedy),
             any_greedy=any(greedy),
             any_top_k=any(k > 0 and not g for k, g in zip(top_ks, greedy)),
             any_top_p=any(p < 1.0 and not g for p, g in zip(top_ps, greedy)),
-            min_p=torch.tensor(min_ps, dtype=torch.float32, device=device) if any_min_p else None,
+            min_p=floats[2] if any_min_p else None,
             any_min_p=any_min_p,
         )
 
@@ -191,6 +194,13 @@ class SamplingTensors:
             rep(self.is_greedy), self.all_greedy, self.any_greedy, self.any_top_k, self.any_top_p,
             rep(self.min_p) if self.min_p is not None else None, self.any_min_p,
         )
+
+
+def _upload(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """t on `device`; to a GPU through pinned memory, so the copy does not wait for it."""
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _mask_top_k_top_p(scaled: torch.Tensor, st: SamplingTensors) -> torch.Tensor:

@@ -90,8 +90,7 @@ def sampling_tensors(seqs, device) -> SamplingTensors:
 class SamplingCache:
     """The device sampling tensors of the last few batches, by their sequences' ids. A
     sequence's sampling parameters never change, so a batch that runs again (most steps)
-    reuses its tensors: no per-row host loop and no uploads (each one of
-    `SamplingTensors.from_params` waits for the copy)."""
+    reuses its tensors: no per-row host loop and no upload."""
 
     def __init__(self, runner, size: int = 4):
         self.runner, self.size = runner, size  # the tensors go to runner.device
