@@ -102,10 +102,11 @@ def run_mode(args, mode: str) -> list[dict]:
             print(f"[{mode}] P={prompt_len} T={temp} B={bs}: {r['tokens_per_s']:.1f} tok/s (decode {r['decode_tokens_per_s']:.1f}, "
                   f"steps {r['step_tokens_per_s']:.1f}), "
                   f"{r['mean_tokens_per_round']:.2f} "
-                  f"tok/round, hit {r['cache_hit_rate']}, v={r['verify_ms_per_step']:.2f} ms, "
+                  f"tok/round, hit {r['cache_hit_rate']}, v={r['verify_ms_per_step']:.2f} ms "
+                  f"(launch {r['host_parts_ms_per_step'].get('verify_launch', 0.0):.2f}), "
                   f"wait={r['draft_wait_ms_per_step']:.2f} ms, work={r['draft_work_ms_per_step']:.2f} ms, "
                   f"host={r['host_ms_per_step']:.2f} ms ("
-                  + ", ".join(f"{k} {v:.3f}" for k, v in r["host_parts_ms_per_step"].items())
+                  + ", ".join(f"{k} {v:.3f}" for k, v in r["host_parts_ms_per_step"].items() if k != "verify_launch")
                   + f"), policy={r['policy_ms_per_step']:.3f} ms, "
                   f"admit={r['admit_ms_per_step']:.2f} ms, steps {r['steps']}, "
                   f"ssd/sd rounds {r['ssd_rounds']}/{r['sd_rounds']}, halves steps {r['halves_steps']}, "

@@ -426,10 +426,10 @@ def test_cuda_matches_cpu():
 
 
 def test_the_sampling_cache_reuses_a_batch_and_never_lends_another_batch_its_params():
-    from protocol.messages import SamplingParams
-    from target_proc.sequence import Sequence
     from types import SimpleNamespace
 
+    from protocol.messages import SamplingParams
+    from target_proc.sequence import Sequence
     from target_proc.verify import SamplingCache
 
     def seq(sid: int, temperature: float, top_k: int = 0) -> Sequence:
