@@ -19,7 +19,7 @@ from draft_proc.speculator import Speculator
 from draft_proc.state import DraftSeq
 from protocol.sparse_q import NO_DRAFT, DraftTokens
 from spec_runtime.engine.forward_batch import ForwardItem, build_forward_batch
-from spec_runtime.sampling import SamplingTensors, draft_sample, saguaro_rescale
+from spec_runtime.sampling import SamplingTensors, draft_sample, saguaro_rescale, to_device
 
 
 class ModelDrafter(Speculator):
@@ -59,7 +59,7 @@ class ModelDrafter(Speculator):
         if st.all_greedy:
             # No q is sent for greedy rows (it is one-hot on the token): argmax is all.
             return logits.argmax(dim=-1), None, None
-        pos = _to_device(torch.from_numpy(positions), logits.device)
+        pos = to_device(torch.from_numpy(positions), logits.device)
         rescale = None
         if self.cfg.mode == "ssd" and self.cfg.saguaro_rescale is not None:
             fan = self.cfg.fan_out_for(False)
@@ -188,10 +188,3 @@ class ModelDrafter(Speculator):
             s.set_speculation(out[b].draft_token_ids.tolist(),
                               num_cached=s.num_tokens + max(0, m - 1) if m else min(s.num_cached, s.num_tokens))
         return out
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host tensor to `device` without a stream sync: a pageable copy would wait for the GPU."""
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)

@@ -166,8 +166,8 @@ class SamplingTensors:
             raise ValueError(f"min_p must hold one value in [0, 1] per row, got {min_ps}")
         any_min_p = any(m > 0.0 and not g for m, g in zip(min_ps, greedy))
         # Two uploads, not one per field: each copy from pageable memory waits for the device.
-        floats = _upload(torch.tensor([temps, top_ps, min_ps], dtype=torch.float32), device)  # [3, B]
-        ints = _upload(torch.tensor([top_ks, seeds, greedy], dtype=torch.int64), device)  # [3, B]
+        floats = to_device(torch.tensor([temps, top_ps, min_ps], dtype=torch.float32), device)  # [3, B]
+        ints = to_device(torch.tensor([top_ks, seeds, greedy], dtype=torch.int64), device)  # [3, B]
         return cls(
             temperature=floats[0],
             top_k=ints[0],
@@ -196,8 +196,9 @@ class SamplingTensors:
         )
 
 
-def _upload(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """t on `device`; to a GPU through pinned memory, so the copy does not wait for it."""
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Host tensor t on `device`; to a GPU through pinned memory without a stream sync (a
+    pageable copy would wait for the GPU)."""
     if torch.device(device).type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
