@@ -13,7 +13,9 @@
 #   always or halves), TARGET_MEM (the target's --target-gpu-memory-utilization, 0.85; 0.92 fits
 #   target-32b on an 80 GB GPU),
 #   MAX_BATCH_TOKENS (points whose batch holds more prompt and output tokens are left out),
-#   LOG_LEVEL (DEBUG also writes the round policy's step records to $OUT/steps_$TAG.log).
+#   LOG_LEVEL (DEBUG also writes the round policy's step records to $OUT/steps_$TAG.log),
+#   PROFILE=1 ($OUT/profiles.txt: where a window of steps spends its time in each process),
+#   TORCH_SAMPLING=1 (the target samples with torch ops, not kernels/race.py's kernels: A/B runs).
 # Wheels found in .whl/ are installed into .site/ first; logs and JSON go under $OUT
 # (default /tmp/gpu_ssd_out).
 set -uo pipefail
@@ -56,6 +58,10 @@ case "${PART:-check}" in
       32b) TARGET=random:target-32b; DRAFT=random:draft-0.6b; K=${K:-8} ;;
       8b)  TARGET=random:target-8b;  DRAFT=random:draft-1b;   K=${K:-2} ;;
     esac
+    # PROFILE=1: the target and draft processes profile a window of steps
+    # (scripts/profile_steps/sitecustomize.py; PROFILE_SKIP, PROFILE_STEPS, PROFILE_MIN_BATCH).
+    [ -n "${PROFILE:-}" ] && export PYTHONPATH=$PWD/scripts/profile_steps:$PYTHONPATH PROFILE_DIR=$OUT
+    [ -n "${TORCH_SAMPLING:-}" ] && export PYTHONPATH=$PWD/scripts/torch_sampling:$PYTHONPATH
     stamp "bench_e2e $PAIR K=$K"
     timeout "${RUN_TIMEOUT:-540}" python3 scripts/bench_e2e.py --target "$TARGET" --draft "$DRAFT" \
       --target-device cuda:0 --draft-device "$DRAFT_DEV" --target-gpu-memory-utilization "${TARGET_MEM:-0.85}" --modes "${MODES:-ssd,sd,ar}" --k "$K" \

@@ -95,7 +95,18 @@ def hash32(seeds: torch.Tensor, positions: torch.Tensor, stream: int, index: tor
 
 
 def uniform(seeds: torch.Tensor, positions: torch.Tensor, stream: int, index: torch.Tensor) -> torch.Tensor:
-    """Uniforms in the open interval (0, 1): [*R] x [*R, M] -> [*R, M] float64."""
+    """Uniforms in the open interval (0, 1): [*R] x [*R, M] -> [*R, M] float64 (on CUDA one
+    kernel, spec_runtime.kernels.race.uniforms, with the same bits)."""
+    if seeds.is_cuda:
+        from spec_runtime.kernels.race import uniforms
+
+        seeds, positions = torch.broadcast_tensors(seeds, positions)
+        return uniforms(seeds, positions, stream_key(stream), index)
+    return uniform_torch(seeds, positions, stream, index)
+
+
+def uniform_torch(seeds: torch.Tensor, positions: torch.Tensor, stream: int, index: torch.Tensor) -> torch.Tensor:
+    """`uniform` in torch ops, on any device."""
     h = hash32(seeds, positions, stream, index)
     # float64 holds (2**32 - 0.5) / 2**32 exactly, so u < 1 and -log(u) > 0.
     return (h.to(torch.float64) + 0.5) * (1.0 / 4294967296.0)
@@ -117,6 +128,16 @@ def sample(weights: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
     """
     if weights.dim() != 2:
         raise ValueError(f"sample expects [B, V], got {tuple(weights.shape)}")
+    if weights.is_cuda and not is_logits:  # one kernel instead of dozens over [B, V] int64 tensors
+        from spec_runtime.kernels.race import dense_race
+
+        return dense_race(weights, seeds, positions, stream_key(stream))
+    return sample_torch(weights, seeds, positions, stream, is_logits)
+
+
+def sample_torch(weights: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, stream: int = STREAM_TARGET,
+                 is_logits: bool = False) -> torch.Tensor:
+    """`sample` in torch ops, on any device."""
     vocab_ids = torch.arange(weights.shape[-1], device=weights.device)  # [V]
     e = _exponential(seeds, positions, stream, vocab_ids)  # [B, V]
     if is_logits:

@@ -237,8 +237,7 @@ class TargetWorker:
         if not seqs:
             return False
         t0 = time.perf_counter()
-        # Plain steps (chosen by the policy) leave the draft in sync: it still gets each
-        # outcome, as (0, t), and answers nothing (DraftLink.send_outcomes).
+        # Plain steps keep the draft in sync: it gets each outcome as (0, t), answering nothing.
         self._context = sum(s.num_tokens for s in seqs) // len(seqs)  # the round policy's cost bucket
         plan, batch = self._plan(seqs), len(seqs)
         seqs = self._halves.next(seqs) if plan.kind == "halves" else seqs
@@ -297,11 +296,12 @@ class TargetWorker:
 
     def _record_step(self, seqs, plan: RoundPlan, specs, num_draft, num_accepted, t0: float, t1: float,
                      draft_work_s: float, batch: int) -> None:
-        """Feed the step's timings to the policy that chose its plan (batch: every running sequence)."""
+        """Feed the step's timings to the policy that chose its plan (batch: every running sequence);
+        a step that finished a sequence measures nothing (releasing it is a one-off host cost)."""
         if self.rounds is not None:
+            steady = all(s.stats.num_rounds > STEADY_AFTER_ROUNDS and not s.finished for s in seqs)
             self.rounds.record_step(plan, specs, num_draft, num_accepted, t1 - t0, time.perf_counter() - t1,
-                                    draft_work_s, steady=all(s.stats.num_rounds > STEADY_AFTER_ROUNDS for s in seqs),
-                                    context=self._context, batch=batch)
+                                    draft_work_s, steady=steady, context=self._context, batch=batch)
         elif self.draft.present:
             self.policy.record(len(seqs), plan.speculate, sum(n + 1 for n in num_accepted), time.perf_counter() - t0)
         self._last_flags = self._last_flags[1:] + (plan.work_ahead,)

@@ -437,3 +437,29 @@ def test_draft_race_kernel_matches_the_torch_race_on_the_gpu() -> None:
     probs = torch.softmax(torch.randn(r, m, device="cuda", generator=g), -1)
     torch.testing.assert_close(draft_race(seeds, positions, stream_key(STREAM_DRAFT), ids, probs),
                                draft_race_torch(seeds, positions, STREAM_DRAFT, ids, probs), rtol=0, atol=0)
+
+
+def test_dense_race_and_uniforms_kernels_match_the_torch_ops_on_the_gpu() -> None:
+    """The target's race over the whole vocabulary (sampling.sample) and the accept test's
+    uniforms (sampling.uniform) in one kernel each, against the same functions in torch ops
+    on CUDA tensors: the same bits, ties to the lowest token id."""
+    from spec_runtime.sampling import STREAM_ACCEPT, STREAM_TARGET, sample, sample_torch, uniform, uniform_torch
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, vocab = 48, 151_936
+    seeds = torch.randint(-(2**62), 2**62, (b,), device="cuda", generator=g)
+    positions = torch.randint(0, 2**31, (b,), device="cuda", generator=g)
+    probs = torch.softmax(3 * torch.randn(b, vocab, device="cuda", generator=g), -1)
+    probs[:4, 1000:] = 0.0  # rows with few candidates and exact zeros
+    probs[4:8] = 1.0  # equal weights: the race alone decides
+    got = sample(probs, seeds, positions, STREAM_TARGET)
+    torch.testing.assert_close(got, sample_torch(probs, seeds, positions, STREAM_TARGET), rtol=0, atol=0)
+    assert bool((got[:4] < 1000).all())
+    k = 9
+    seeds_k, positions_k = seeds.unsqueeze(-1).expand(b, k), positions.unsqueeze(-1) + torch.arange(k, device="cuda")
+    zero = torch.zeros(1, dtype=torch.int64, device="cuda")
+    torch.testing.assert_close(uniform(seeds_k, positions_k, STREAM_ACCEPT, zero),
+                               uniform_torch(seeds_k, positions_k, STREAM_ACCEPT, zero), rtol=0, atol=0)
+    index = torch.randint(0, vocab, (b, 33), device="cuda", generator=g)
+    torch.testing.assert_close(uniform(seeds, positions, STREAM_TARGET, index),
+                               uniform_torch(seeds, positions, STREAM_TARGET, index), rtol=0, atol=0)

@@ -181,3 +181,30 @@ def test_paged_attention_tree_mask_matches_sdpa(hq, hkv, d, q_len, prefix_lens, 
         causal = paged_attention(q, kv.k_cache[0], kv.v_cache[0], batch.kv_indptr, batch.kv_indices,
                                  q_len=q_len, num_splits=splits, scale=d**-0.5)
         assert _rel_err(causal, ref) > 5e-2
+
+
+def test_dense_race_and_uniforms_match_the_torch_sampling_ops():
+    """The target's race over the vocabulary and the accept test's uniforms (kernels/race.py)
+    against sampling's torch ops: the same uniforms bit for bit, the same winners (the
+    interpreter's float64 log is NumPy's, the GPU test compares on the device's)."""
+    from spec_runtime.kernels.race import dense_race, uniforms
+    from spec_runtime.sampling import STREAM_ACCEPT, STREAM_TARGET, sample_torch, stream_key, uniform_torch
+
+    g = torch.Generator().manual_seed(0)
+    b, vocab = 6, 5000
+    seeds = torch.randint(-(2**62), 2**62, (b,), generator=g)
+    positions = torch.randint(0, 2**31, (b,), generator=g)
+    probs = torch.softmax(3 * torch.randn(b, vocab, generator=g), -1)
+    probs[0, 100:] = 0.0
+    probs[1] = 1.0
+    got = dense_race(probs, seeds, positions, stream_key(STREAM_TARGET), chunk=1024)  # five chunks, the last partial
+    assert torch.equal(got, sample_torch(probs, seeds, positions, STREAM_TARGET))
+    assert int(got[0]) < 100
+    k = 5
+    seeds_k, positions_k = seeds.unsqueeze(-1).expand(b, k), positions.unsqueeze(-1) + torch.arange(k)
+    zero = torch.zeros(1, dtype=torch.int64)
+    assert torch.equal(uniforms(seeds_k, positions_k, stream_key(STREAM_ACCEPT), zero),
+                       uniform_torch(seeds_k, positions_k, STREAM_ACCEPT, zero))
+    index = torch.randint(0, vocab, (b, 7), generator=g)
+    assert torch.equal(uniforms(seeds, positions, stream_key(STREAM_TARGET), index),
+                       uniform_torch(seeds, positions, STREAM_TARGET, index))

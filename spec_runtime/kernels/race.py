@@ -1,4 +1,4 @@
-"""One Triton kernel for the draft's exponential race over its top tokens.
+"""Triton kernels for the counter-based randomness of spec_runtime.sampling on CUDA.
 
 `spec_runtime.sampling.draft_sample` picks the draft token from its truncated q by an
 exponential race keyed by (seed, position, STREAM_DRAFT, token id): argmax q / E with
@@ -8,6 +8,12 @@ replays of a chain, and a sampled chain is then host-bound (docs/benchmarks.md, 
 steps that keep the draft current"). `draft_race` does the same integer and float
 operations in one program per row: the same bits for E (int64 hash, float64 log, then
 float32), the same first-maximum rule as torch.argmax.
+
+The target's sampling does the same over the whole vocabulary (`dense_race`: the
+recovery, bonus and plain-decode tokens at temperature > 0) and draws the accept test's
+uniforms (`uniforms`); in torch each is again several dozen kernels, the race's over
+[B, V] int64 tensors, launched between the verify's forward and its result copy while
+the GPU waits. Both give the bits of the torch functions they replace.
 """
 
 from __future__ import annotations
@@ -54,3 +60,77 @@ def draft_race(seeds: torch.Tensor, positions: torch.Tensor, stream_key: int, q_
                                  q_token_ids.contiguous(), q_probs.float().contiguous(), out, m, stream_key,
                                  BLOCK=triton.next_power_of_2(m))
     return out
+
+
+@triton.jit
+def _row_key(seed, pos, stream_key):
+    key = _mix32((seed & 0xFFFFFFFF) ^ stream_key)
+    return _mix32(key ^ ((((seed >> 32) & 0xFFFFFFFF) + (pos & 0xFFFFFFFF) * 0x61C88647) & 0xFFFFFFFF))
+
+
+@triton.jit
+def _unit(key, index):
+    """(hash + 0.5) / 2**32 in float64: sampling.uniform's value for one (row key, index)."""
+    h = _mix32(_mix32(((index & 0xFFFFFFFF) * 0x61C88647 + 0x68E31DA4) & 0xFFFFFFFF) ^ key)
+    return (h.to(tl.float64) + 0.5) * (1.0 / 4294967296.0)
+
+
+@triton.jit
+def _dense_race_kernel(w_ptr, seed_ptr, pos_ptr, score_ptr, idx_ptr, vocab, num_chunks, stream_key,
+                       CHUNK: tl.constexpr):
+    r = tl.program_id(0)
+    c = tl.program_id(1)
+    key = _row_key(tl.load(seed_ptr + r), tl.load(pos_ptr + r), stream_key)
+    ids = c * CHUNK + tl.arange(0, CHUNK)
+    mask = ids < vocab
+    w = tl.load(w_ptr + r.to(tl.int64) * vocab + ids, mask=mask, other=0.0)
+    e = (-tl.log(_unit(key, ids.to(tl.int64)))).to(tl.float32)
+    score = tl.where(mask, w / e, -1.0)
+    best = tl.argmax(score, axis=0, tie_break_left=True)
+    tl.store(score_ptr + r * num_chunks + c, tl.max(score, axis=0))
+    tl.store(idx_ptr + r * num_chunks + c, c * CHUNK + best.to(tl.int64))
+
+
+def dense_race(weights: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, stream_key: int,
+               chunk: int = 4096) -> torch.Tensor:
+    """argmax_v weights[r, v] / E(seed r, position r, stream, v) per row, the first maximum:
+    weights [R, V] (>= 0), seeds, positions [R] int64 -> [R] int64, as sampling.sample
+    (weights, not logits). Each program races one chunk of a row; the chunks' winners are
+    compared after, the first of equal ones kept, so ties go to the lowest token id."""
+    r, vocab = weights.shape
+    if r == 0:
+        return torch.empty(0, dtype=torch.int64, device=weights.device)
+    num_chunks = triton.cdiv(vocab, chunk)
+    scores = torch.empty(r, num_chunks, dtype=torch.float32, device=weights.device)
+    idx = torch.empty(r, num_chunks, dtype=torch.int64, device=weights.device)
+    _dense_race_kernel[(r, num_chunks)](weights.float().contiguous(), seeds.long().contiguous(),
+                                        positions.long().contiguous(), scores, idx, vocab, num_chunks, stream_key,
+                                        CHUNK=chunk)
+    return idx.gather(1, scores.argmax(-1, keepdim=True)).squeeze(1)
+
+
+@triton.jit
+def _uniform_kernel(seed_ptr, pos_ptr, index_ptr, out_ptr, total, m, index_stride, stream_key, BLOCK: tl.constexpr):
+    e = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = e < total
+    r = e // m
+    i = e % m
+    key = _row_key(tl.load(seed_ptr + r, mask=mask, other=0), tl.load(pos_ptr + r, mask=mask, other=0), stream_key)
+    index = tl.load(index_ptr + r * index_stride + i, mask=mask, other=0)
+    tl.store(out_ptr + e, _unit(key, index), mask=mask)
+
+
+def uniforms(seeds: torch.Tensor, positions: torch.Tensor, stream_key: int, index: torch.Tensor) -> torch.Tensor:
+    """sampling.uniform in one kernel: seeds, positions [*R] int64 (one shape); index [*R, M]
+    or [M] int64 -> [*R, M] float64 in (0, 1)."""
+    shape = seeds.shape
+    m = index.shape[-1]
+    seeds, positions = seeds.long().reshape(-1).contiguous(), positions.long().reshape(-1).contiguous()
+    shared = index.dim() == 1
+    index = index.long().contiguous() if shared else index.long().reshape(-1, m).contiguous()
+    out = torch.empty(seeds.shape[0] * m, dtype=torch.float64, device=seeds.device)
+    if out.numel():
+        block = 256
+        _uniform_kernel[(triton.cdiv(out.numel(), block),)](seeds, positions, index, out, out.numel(), m,
+                                                             0 if shared else m, stream_key, BLOCK=block)
+    return out.view(*shape, m)
