@@ -45,12 +45,9 @@ if _ROLE is not None and os.environ.get("PROFILE_STEPS", "40") != "0":
     _state = {"seen": 0, "prof": None, "done": False}
     _lock = threading.Lock()
 
-    def _wrap(cls, name: str, label: str) -> None:
+    def _ranged(fn, label: str):
+        """fn inside a record_function range named `label` while the window is open."""
         import torch
-
-        fn = getattr(cls, name, None)
-        if fn is None:
-            return
 
         @functools.wraps(fn)
         def wrapped(*a, **kw):
@@ -59,7 +56,12 @@ if _ROLE is not None and os.environ.get("PROFILE_STEPS", "40") != "0":
             with torch.profiler.record_function(label):
                 return fn(*a, **kw)
 
-        setattr(cls, name, wrapped)
+        return wrapped
+
+    def _wrap(cls, name: str, label: str) -> None:
+        fn = getattr(cls, name, None)
+        if fn is not None:
+            setattr(cls, name, _ranged(fn, label))
 
     def _union(intervals: list[tuple[float, float]]) -> float:
         total, end = 0.0, float("-inf")
@@ -174,21 +176,7 @@ if _ROLE is not None and os.environ.get("PROFILE_STEPS", "40") != "0":
                 _wrap(draft_link.DraftLink, name, f"draft_link.{name}")
             _wrap(verify.SamplingCache, "get", "verify.sampling_cache")
             for name in ("verify_inputs", "transform_rows", "rejection_sample", "logits_process", "output_logprobs"):
-                fn = getattr(worker, name)
-                label = f"verify.{name}"
-
-                def make(fn=fn, label=label):
-                    import torch
-
-                    @functools.wraps(fn)
-                    def wrapped(*a, **kw):
-                        if _state["prof"] is None:
-                            return fn(*a, **kw)
-                        with torch.profiler.record_function(label):
-                            return fn(*a, **kw)
-                    return wrapped
-
-                setattr(worker, name, make())
+                setattr(worker, name, _ranged(getattr(worker, name), f"verify.{name}"))
             W.step = _window(W.step, "target.step", lambda self: len(self.running) >= _MIN_BATCH)
         else:
             from draft_proc import drafter, ssd, worker
