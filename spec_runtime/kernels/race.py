@@ -31,18 +31,27 @@ def _mix32(x):
 
 
 @triton.jit
+def _row_key(seed, pos, stream_key):
+    key = _mix32((seed & 0xFFFFFFFF) ^ stream_key)
+    return _mix32(key ^ ((((seed >> 32) & 0xFFFFFFFF) + (pos & 0xFFFFFFFF) * 0x61C88647) & 0xFFFFFFFF))
+
+
+@triton.jit
+def _unit(key, index):
+    """(hash + 0.5) / 2**32 in float64: sampling.uniform's value for one (row key, index)."""
+    h = _mix32(_mix32(((index & 0xFFFFFFFF) * 0x61C88647 + 0x68E31DA4) & 0xFFFFFFFF) ^ key)
+    return (h.to(tl.float64) + 0.5) * (1.0 / 4294967296.0)
+
+
+@triton.jit
 def _draft_race_kernel(seed_ptr, pos_ptr, ids_ptr, probs_ptr, out_ptr, m, stream_key, BLOCK: tl.constexpr):
     r = tl.program_id(0)
-    seed = tl.load(seed_ptr + r)
-    pos = tl.load(pos_ptr + r)
-    key = _mix32((seed & 0xFFFFFFFF) ^ stream_key)
-    key = _mix32(key ^ ((((seed >> 32) & 0xFFFFFFFF) + (pos & 0xFFFFFFFF) * 0x61C88647) & 0xFFFFFFFF))
+    key = _row_key(tl.load(seed_ptr + r), tl.load(pos_ptr + r), stream_key)
     offs = tl.arange(0, BLOCK)
     mask = offs < m
     ids = tl.load(ids_ptr + r * m + offs, mask=mask, other=0)
     q = tl.load(probs_ptr + r * m + offs, mask=mask, other=0.0)
-    h = _mix32(_mix32(((ids & 0xFFFFFFFF) * 0x61C88647 + 0x68E31DA4) & 0xFFFFFFFF) ^ key)
-    e = (-tl.log((h.to(tl.float64) + 0.5) * (1.0 / 4294967296.0))).to(tl.float32)
+    e = (-tl.log(_unit(key, ids))).to(tl.float32)
     score = tl.where(mask, q / e, -1.0)
     best = tl.argmax(score, axis=0, tie_break_left=True)
     tl.store(out_ptr + r, tl.sum(tl.where(offs == best, ids, 0), axis=0))
@@ -60,19 +69,6 @@ def draft_race(seeds: torch.Tensor, positions: torch.Tensor, stream_key: int, q_
                                  q_token_ids.contiguous(), q_probs.float().contiguous(), out, m, stream_key,
                                  BLOCK=triton.next_power_of_2(m))
     return out
-
-
-@triton.jit
-def _row_key(seed, pos, stream_key):
-    key = _mix32((seed & 0xFFFFFFFF) ^ stream_key)
-    return _mix32(key ^ ((((seed >> 32) & 0xFFFFFFFF) + (pos & 0xFFFFFFFF) * 0x61C88647) & 0xFFFFFFFF))
-
-
-@triton.jit
-def _unit(key, index):
-    """(hash + 0.5) / 2**32 in float64: sampling.uniform's value for one (row key, index)."""
-    h = _mix32(_mix32(((index & 0xFFFFFFFF) * 0x61C88647 + 0x68E31DA4) & 0xFFFFFFFF) ^ key)
-    return (h.to(tl.float64) + 0.5) * (1.0 / 4294967296.0)
 
 
 @triton.jit
