@@ -68,7 +68,7 @@ class DraftLink(DraftSocket):
         self._stash: list[SpecResponse] = []  # responses taken outside a collect
         self.hits_by_depth = [0] * (k + 1)
         # Plain steps' outcomes not sent yet (_hold), and how many steps they came from.
-        self._held: list[Outcome] = []
+        self._held: list[tuple] = []  # Outcome fields
         self._held_steps = 0
         # At most K held steps: the draft then feeds each sequence's held tokens in one
         # forward of at most K + 1 tokens, a shape its graphs hold (Speculator.keep_up).
@@ -105,7 +105,7 @@ class DraftLink(DraftSocket):
             return
         if self._held:  # the draft forgets the sequences: their held outcomes are moot
             gone = set(seq_ids)
-            self._held = [o for o in self._held if o.seq_id not in gone]
+            self._held = [o for o in self._held if o[0] not in gone]  # o[0]: the seq_id
         if not self.alive or not self._send(Release(seq_ids=np.asarray(seq_ids, dtype=np.int64))):
             self._pending_releases.update(seq_ids)
 
@@ -187,7 +187,7 @@ class DraftLink(DraftSocket):
                 n = len(seq.token_ids) + j + 1
                 if n - seq.num_prompt_tokens < seq.sampling.max_tokens:  # not seq.will_finish(j + 1)
                     rounds[sid] = r = rounds.get(sid, 0) + 1
-                    outcomes.append(Outcome(sid, r, j, toks[j], n))
+                    outcomes.append((sid, r, j, toks[j], n))  # an Outcome's fields
         choice = choose_work_ahead(len(outcomes))
         if isinstance(choice, bool):
             work_ahead, branches, backup = choice, 0, ""
@@ -195,10 +195,10 @@ class DraftLink(DraftSocket):
             work_ahead, branches, backup = choice.work_ahead, choice.branches, choice.backup
         if answered(work_ahead, backup):
             self.request(outcomes, work_ahead=work_ahead, branches=branches, backup=backup)
-            self.unanswered.difference_update(o.seq_id for o in outcomes)
+            self.unanswered.difference_update(o[0] for o in outcomes)
         else:
             self._hold(outcomes)
-            self.unanswered.update(o.seq_id for o in outcomes)
+            self.unanswered.update(o[0] for o in outcomes)
         return choice
 
     def _hold(self, outcomes: list[Outcome]) -> None:

@@ -8,8 +8,8 @@ vet a SpecResponse before any of it is used.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterator
+from itertools import chain
+from typing import Iterator, NamedTuple
 
 import numpy as np
 
@@ -17,8 +17,11 @@ from protocol.messages import SpecRequest, SpecResponse
 from protocol.sparse_q import DraftTokens
 
 
-@dataclass
-class Outcome:
+class Outcome(NamedTuple):
+    """What one round tells the draft of one sequence. The per-step path builds plain
+    tuples in this field order (a tuple is made several times faster than a named one);
+    spec_request takes either."""
+
     seq_id: int
     round: int
     num_accepted: int
@@ -28,15 +31,17 @@ class Outcome:
 
 def spec_request(step: int, outcomes: list[Outcome], k: int, work_ahead: bool, branches: int = 0,
                  backup: str = "") -> SpecRequest:
-    """One step's outcomes as the message the draft answers."""
-    n = len(outcomes)
+    """One step's outcomes (Outcomes, or tuples in its field order) as the message the
+    draft answers: one pass over the rows, not one per field."""
+    n, width = len(outcomes), len(Outcome._fields)
+    cols = np.fromiter(chain.from_iterable(outcomes), np.int64, n * width).reshape(n, width).T.copy()  # [5, N]
     return SpecRequest(
         step=step,
-        seq_ids=np.fromiter((o.seq_id for o in outcomes), np.int64, n),
-        rounds=np.fromiter((o.round for o in outcomes), np.int64, n),
-        num_accepted=np.fromiter((o.num_accepted for o in outcomes), np.int32, n),
-        token_ids=np.fromiter((o.token_id for o in outcomes), np.int64, n),
-        seq_lens=np.fromiter((o.seq_len for o in outcomes), np.int64, n),
+        seq_ids=cols[0],
+        rounds=cols[1],
+        num_accepted=cols[2].astype(np.int32),
+        token_ids=cols[3],
+        seq_lens=cols[4],
         k=k,
         work_ahead=work_ahead,
         branches=branches,

@@ -186,6 +186,20 @@ def test_plain_outcomes_are_held_for_k_steps_in_order_and_dropped_on_release(pai
     assert held.seq_ids.tolist() == [1] and held.token_ids.tolist() == [30] and req.token_ids.tolist() == [31]
 
 
+def test_a_request_reads_outcomes_and_plain_tuples_as_rows():
+    """spec_request takes Outcomes (resyncs, first tokens) and the tuples of a plain step
+    in the same field order, and gives each field its wire dtype."""
+    from target_proc.speculation import Outcome, spec_request
+
+    req = spec_request(7, [Outcome(3, 2, 1, 99, 40), (4, 5, 0, 11, 12)], K, work_ahead=False, backup="none")
+    assert (req.step, req.k, req.work_ahead, req.backup) == (7, K, False, "none")
+    assert req.seq_ids.tolist() == [3, 4] and req.rounds.tolist() == [2, 5]
+    assert req.num_accepted.tolist() == [1, 0] and req.num_accepted.dtype == np.int32
+    assert req.token_ids.tolist() == [99, 11] and req.seq_lens.tolist() == [40, 12]
+    assert all(a.dtype == np.int64 and a.flags.c_contiguous for a in (req.seq_ids, req.rounds, req.token_ids))
+    assert spec_request(8, [], K, work_ahead=True).seq_ids.shape == (0,)
+
+
 def test_a_step_that_ends_a_sequence_sends_it_no_outcome(pair):
     """The draft need not follow a sequence whose step reaches max_tokens: the request
     carries only the others' outcomes."""

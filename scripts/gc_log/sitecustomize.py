@@ -1,6 +1,7 @@
 """Log every garbage collection over 2 ms, per process, to /tmp/gcdiag/PID.log: the
 process's first argv words, then one line per collection (Unix time, generation, ms,
-objects collected). Python imports `sitecustomize` at start-up from its path, so copying
+objects collected), and every 5 s a line of totals since start-up (collections and ms
+per generation; child processes are killed, so nothing is written at exit). Python imports `sitecustomize` at start-up from its path, so copying
 this file into .site/ (the folder scripts/gpu_common.sh puts first on PYTHONPATH) makes
 every process of a run log its own pauses, the target's and the draft's included:
 
@@ -16,6 +17,9 @@ import time
 _DIR = "/tmp/gcdiag"
 os.makedirs(_DIR, exist_ok=True)
 _start = [0.0]
+_count = [0, 0, 0]
+_ms = [0.0, 0.0, 0.0]
+_last_total = [time.time()]
 _log = open(f"{_DIR}/{os.getpid()}.log", "a", buffering=1)
 _log.write("argv " + " ".join(sys.argv[:3]) + "\n")
 
@@ -25,8 +29,15 @@ def _on_gc(phase, info):
         _start[0] = time.perf_counter()
         return
     dt = time.perf_counter() - _start[0]
+    gen = info["generation"]
+    _count[gen] += 1
+    _ms[gen] += 1e3 * dt
+    now = time.time()
     if dt > 0.002:
-        _log.write(f"{time.time():.3f} gen{info['generation']} {1e3 * dt:.1f} ms collected {info['collected']}\n")
+        _log.write(f"{now:.3f} gen{gen} {1e3 * dt:.1f} ms collected {info['collected']}\n")
+    if now - _last_total[0] >= 5.0:
+        _last_total[0] = now
+        _log.write(f"{now:.3f} totals " + " ".join(f"gen{g} {_count[g]} / {_ms[g]:.1f} ms" for g in range(3)) + "\n")
 
 
 gc.callbacks.append(_on_gc)
