@@ -1,9 +1,11 @@
 """Log every garbage collection over 2 ms, per process, to /tmp/gcdiag/PID.log: the
 process's first argv words, then one line per collection (Unix time, generation, ms,
-objects collected), and every 5 s a line of totals since start-up (collections and ms
-per generation; child processes are killed, so nothing is written at exit). Python imports `sitecustomize` at start-up from its path, so copying
-this file into .site/ (the folder scripts/gpu_common.sh puts first on PYTHONPATH) makes
-every process of a run log its own pauses, the target's and the draft's included:
+objects collected), and at a collection 5 s or more after the last such line, the
+totals since start-up (collections and ms per generation; child processes are killed,
+so nothing is written at exit: a process that stops collecting writes no more lines).
+Python imports `sitecustomize` at start-up from its path, so copying this file into
+.site/ (the folder scripts/gpu_common.sh puts first on PYTHONPATH) makes every process
+of a run log its own pauses, the target's and the draft's included:
 
     mkdir -p .site && cp scripts/gc_log/sitecustomize.py .site/
     ALPHA=0.6 MAX_TOKENS=512 PART=e2e PAIR=8b K=4 PROMPTS=512 TEMPS=0.7 BATCHES=4,16,32 MODES=ssd,ar bash scripts/gpu_ssd.sh
