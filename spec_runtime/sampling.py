@@ -218,11 +218,14 @@ class SamplingTensors:
 
 
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """Host tensor t on `device`; to a GPU through pinned memory without a stream sync (a
-    pageable copy would wait for the GPU)."""
-    if torch.device(device).type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    """t on `device` (t itself if already there); from host memory to a GPU through pinned
+    memory without a stream sync (a pageable copy would wait for the GPU)."""
+    device = torch.device(device)
+    if t.device == device:
+        return t
+    if t.device.type == "cpu" and device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def _mask_top_k_top_p(scaled: torch.Tensor, st: SamplingTensors) -> torch.Tensor:

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from spec_runtime.sampling import hash32, uniform
+from spec_runtime.sampling import hash32, to_device, uniform
 
 STREAM_ORACLE_TOKEN = 101
 STREAM_ORACLE_RANK = 102
@@ -52,16 +52,6 @@ STREAM_ORACLE_FILL = 103
 MASKED_LOGIT = -1e4
 # The draft always shows at least this many top slots, so forks have candidates.
 MIN_DRAFT_SLOTS = 4
-
-
-def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """To `device`; from host memory through a pinned buffer, since a pageable copy
-    would wait for the GPU to finish everything queued before it."""
-    if t.device == device:
-        return t
-    if t.device.type == "cpu" and device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 def _index0(like: torch.Tensor) -> torch.Tensor:
@@ -88,7 +78,7 @@ def target_oracle_logits(
     if not 0.0 < peak_mass <= 1.0:
         raise ValueError(f"peak_mass must be in (0, 1], got {peak_mass}")
     vocab = logits.shape[-1]
-    o = _to(oracle_token(seeds, positions, vocab), logits.device)  # [*N]
+    o = to_device(oracle_token(seeds, positions, vocab), logits.device)  # [*N]
     if peak_mass >= 1.0 or vocab == 1:
         rest = MASKED_LOGIT
     else:
@@ -164,7 +154,7 @@ def draft_oracle_logits(
 ) -> torch.Tensor:
     """Draft logits [*N, V] -> logits of the same shape and dtype (module docstring)."""
     tokens, slot_logits = draft_oracle_slots(seeds, positions, logits.shape[-1], alpha, ranks, top_logit, gap)
-    return scatter_slots(logits, _to(tokens, logits.device), _to(slot_logits, logits.device))
+    return scatter_slots(logits, to_device(tokens, logits.device), to_device(slot_logits, logits.device))
 
 
 @dataclass(frozen=True)
@@ -221,9 +211,7 @@ class DraftOracle:
         seeds = seeds[None, :].expand(num_steps, -1)
         pos = pos[None, :] + torch.arange(num_steps)[:, None]
         tokens, slot_logits = draft_oracle_slots(seeds, pos, vocab, self.alpha, self.ranks)  # [S_steps, R, slots]
-        if device.type == "cuda":
-            tokens = tokens.pin_memory().to(device, non_blocking=True)
-            slot_logits = slot_logits.pin_memory().to(device, non_blocking=True)
+        tokens, slot_logits = to_device(tokens, device), to_device(slot_logits, device)
         return [lambda logits, t=tokens[i]: scatter_slots(logits, t, slot_logits) for i in range(num_steps)]
 
 
