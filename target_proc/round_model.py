@@ -2,10 +2,11 @@
 measured per bucket (Costs), and the predicted tokens/s of each plan (model_rate). The
 options are in target_proc/round_policy.py's module doc.
 
-What it measures (running means per bucket, from the worker's step timings and the
-draft's answers):
-  S      the step's verify and host work, with and without a work-ahead beside it;
-  P      a plain step;
+What it measures (per bucket, from the worker's step timings and the draft's answers;
+running means unless said):
+  S      the step's verify and host work, with and without a work-ahead beside it, the
+         median of its last 8;
+  P      a plain step, the median of its last 8;
   H      a halves step, scaled to the whole batch;
   c      the wait for a chain drafted on request (SD rounds: the draft's chain step,
          transfer included), the least of its last 8;
@@ -112,7 +113,9 @@ class Costs:
     """The measurements of one batch-size bucket (see the module doc)."""
 
     verify_s: dict[bool, float | None] = field(default_factory=lambda: {True: None, False: None})
+    verify_window: dict[bool, deque] = field(default_factory=lambda: {w: deque(maxlen=WINDOW) for w in (True, False)})
     plain_s: float | None = None
+    plain_window: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     halves_s: float | None = None  # a halves step, as its share of the whole batch's time
     chain_s: float | None = None
     chain_window: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
@@ -123,6 +126,21 @@ class Costs:
     extra_s: float = 0.0
     samples: Counter = field(default_factory=Counter)
     realized: dict = field(default_factory=dict)  # RoundPlan -> deque of (sequences, tokens, seconds) of its steps
+
+    def add_plain(self, seconds: float) -> None:
+        """One plain step. P is the median of the last WINDOW: plain steps take about the
+        same time each, and one stall (a kernel built on first use, a batch's first step
+        at a new size) would hold a running mean up for many steps, and P is measured
+        again only while plain steps run."""
+        self.plain_window.append(seconds)
+        self.plain_s = _median(list(self.plain_window))
+
+    def add_verify(self, work_ahead: bool, seconds: float) -> None:
+        """One speculating step's verify and host work (S), beside a work-ahead or not:
+        the median of the last WINDOW, as P."""
+        window = self.verify_window[work_ahead]
+        window.append(seconds)
+        self.verify_s[work_ahead] = _median(list(window))
 
     def add_chain(self, wait_s: float) -> None:
         """One wait for a chain drafted on request. c is the least of the last WINDOW: a

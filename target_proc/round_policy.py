@@ -330,14 +330,14 @@ class RoundPolicy:
             return
         if not plan.speculate:
             if not p1.speculate:
-                c.plain_s = _mean(c.plain_s, wait_s + busy_s)
+                c.add_plain(wait_s + busy_s)
                 c.add_realized(plan, batch, batch, wait_s + busy_s)
             return
         if not num_specs:
             return
         if num_drafted:  # answers without drafts (after a plain step) verify one token
             # The work-ahead after the last request ran beside this step's verify.
-            c.verify_s[p1.work_ahead] = _mean(c.verify_s[p1.work_ahead], busy_s)
+            c.add_verify(p1.work_ahead, busy_s)
         if k2 != key or p2 is None:
             return
         if p3 == p2 == p1 == plan and k3 == key:

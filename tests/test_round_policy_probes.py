@@ -1,6 +1,7 @@
 """The SSD round policy's measurements under noise: a probe that comes close to the choice
-runs until its realized rate rests on a full window, and a few stalled steps in a row do
-not rule out a plan whose steps otherwise take the same time each; and its host time: a
+runs until its realized rate rests on a full window, a few stalled steps in a row do
+not rule out a plan whose steps otherwise take the same time each, and one stalled plain
+step does not hold up P; and its host time: a
 standing choice is ranked once in a few steps. Costs are injected (tests/test_round_policy.py's
 simulated draft and target)."""
 
@@ -49,6 +50,23 @@ def test_a_few_stalled_steps_do_not_set_a_steady_plans_rate(plan):
     for s in [0.008, 0.008, 0.016, 0.008, 0.016]:
         c.add_realized(ssd, 4, 12.0, s)
     assert c.realized_rate(ssd, 4, 4) == pytest.approx(5 * 12.0 / 0.056)
+
+
+def test_one_stalled_plain_step_does_not_keep_the_policy_off_plain_decoding():
+    """At batch 4 plain steps take 7.4 ms (540 tok/s) and SD rounds 18.1 ms at 2 tokens per
+    sequence (442 tok/s). The batch drains to 3, where one plain step stalls for 762 ms;
+    at batch 4 again no plain step of that size is in the realized window, so plain
+    decoding is rated from P, which the stall must not move: plain still rates above SD."""
+    p = _policy(allow_ssd=False, allow_halves=False, k=4)
+    costs = dict(verify_s=0.0083, chain_s=0.0098, work_s={}, hit_rate={}, tokens=2.0, plain_s=0.0074)
+    assert simulate(p, 4, 80, **costs)[-20:].count(PLAIN) >= 18
+    for busy in [0.0074] * 9 + [0.762]:
+        p.choose(3)
+        p.record(3, PLAIN, wait_s=0.0, busy_s=busy)
+    c = p.costs(4)
+    assert c.plain_s == pytest.approx(0.0074)
+    assert predict(PLAIN, 4, c, 4) == pytest.approx(4 / 0.0074)
+    assert predict(SD, 4, c, 4) == pytest.approx(8 / 0.0181)
 
 
 def test_the_policys_host_time_is_counted_and_exported():
