@@ -59,7 +59,7 @@ case "${PART:-check}" in
       8b)  TARGET=random:target-8b;  DRAFT=random:draft-1b;   K=${K:-2} ;;
     esac
     # PROFILE=1: the target and draft processes profile a window of steps
-    # (scripts/profile_steps/sitecustomize.py; PROFILE_SKIP, PROFILE_STEPS, PROFILE_MIN_BATCH).
+    # (scripts/profile_steps/sitecustomize.py; PROFILE_SKIP, PROFILE_STEPS, PROFILE_MIN_BATCH, PROFILE_ROLES).
     [ -n "${PROFILE:-}" ] && export PYTHONPATH=$PWD/scripts/profile_steps:$PYTHONPATH PROFILE_DIR=$OUT
     [ -n "${TORCH_SAMPLING:-}" ] && export PYTHONPATH=$PWD/scripts/torch_sampling:$PYTHONPATH
     stamp "bench_e2e $PAIR K=$K"

@@ -4,7 +4,9 @@ window of steps, with the GPU's idle time per step put down to the host work und
 Python imports `sitecustomize` at start-up from its path. With this folder first on
 PYTHONPATH, each target process profiles steps PROFILE_SKIP+1 .. PROFILE_SKIP+PROFILE_STEPS
 among those that run at least PROFILE_MIN_BATCH sequences (defaults 60, 40, 1), and each
-draft process the same count of SpecRequests it answers. The target's main methods, the
+draft process the same count of SpecRequests it answers. PROFILE_ROLES (default
+"target,draft") names the processes that profile: a profiled draft answers several times
+slower, which moves the round policy's choices. The target's main methods, the
 draft's, and the runner's are wrapped in `record_function` ranges. At the end of the window
 each process appends its report to $PROFILE_DIR/profiles.txt (default /tmp), headed by its
 role, pid and command line:
@@ -29,6 +31,9 @@ import os
 import sys
 
 _ROLE = next((r for r in ("target", "draft") if r in sys.argv[:3]), None)
+
+if _ROLE not in os.environ.get("PROFILE_ROLES", "target,draft").split(","):
+    _ROLE = None
 
 if _ROLE is not None and os.environ.get("PROFILE_STEPS", "40") != "0":
     import bisect
