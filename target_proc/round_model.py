@@ -3,10 +3,10 @@ measured per bucket (Costs), and the predicted tokens/s of each plan (model_rate
 options are in target_proc/round_policy.py's module doc.
 
 What it measures (per bucket, from the worker's step timings and the draft's answers;
-running means unless said):
-  S      the step's verify and host work, with and without a work-ahead beside it, the
-         median of its last 8;
-  P      a plain step, the median of its last 8;
+S, P, H and W[n] the median of their last 8 samples, steps that take about the same
+time each, so that one stall does not move them; h and e running means):
+  S      the step's verify and host work, with and without a work-ahead beside it;
+  P      a plain step;
   H      a halves step, scaled to the whole batch;
   c      the wait for a chain drafted on request (SD rounds: the draft's chain step,
          transfer included), the least of its last 8;
@@ -113,9 +113,7 @@ class Costs:
     """The measurements of one batch-size bucket (see the module doc)."""
 
     verify_s: dict[bool, float | None] = field(default_factory=lambda: {True: None, False: None})
-    verify_window: dict[bool, deque] = field(default_factory=lambda: {w: deque(maxlen=WINDOW) for w in (True, False)})
     plain_s: float | None = None
-    plain_window: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     halves_s: float | None = None  # a halves step, as its share of the whole batch's time
     chain_s: float | None = None
     chain_window: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
@@ -126,21 +124,35 @@ class Costs:
     extra_s: float = 0.0
     samples: Counter = field(default_factory=Counter)
     realized: dict = field(default_factory=dict)  # RoundPlan -> deque of (sequences, tokens, seconds) of its steps
+    steady: dict = field(default_factory=dict)  # S, P, H and W[n]: the last WINDOW samples of each (_steady)
+
+    def _steady(self, key, seconds: float) -> float:
+        """The median of the last WINDOW samples of `key`, `seconds` the newest. S, P, H and
+        W[n] are times of steps that take about the same each: one stall (a kernel built
+        on first use, the first step at a new batch size) would hold a running mean up for
+        many steps, and each is measured again only while its plan runs."""
+        window = self.steady.get(key)
+        if window is None:
+            window = self.steady[key] = deque(maxlen=WINDOW)
+        window.append(seconds)
+        return _median(list(window))
 
     def add_plain(self, seconds: float) -> None:
-        """One plain step. P is the median of the last WINDOW: plain steps take about the
-        same time each, and one stall (a kernel built on first use, a batch's first step
-        at a new size) would hold a running mean up for many steps, and P is measured
-        again only while plain steps run."""
-        self.plain_window.append(seconds)
-        self.plain_s = _median(list(self.plain_window))
+        """One plain step (P)."""
+        self.plain_s = self._steady("P", seconds)
 
     def add_verify(self, work_ahead: bool, seconds: float) -> None:
-        """One speculating step's verify and host work (S), beside a work-ahead or not:
-        the median of the last WINDOW, as P."""
-        window = self.verify_window[work_ahead]
-        window.append(seconds)
-        self.verify_s[work_ahead] = _median(list(window))
+        """One speculating step's verify and host work (S), beside a work-ahead or not."""
+        self.verify_s[work_ahead] = self._steady(("S", work_ahead), seconds)
+
+    def add_halves(self, seconds: float) -> None:
+        """One halves step, as its share of the whole batch's time (H)."""
+        self.halves_s = self._steady("H", seconds)
+
+    def add_work(self, branches: int, seconds: float) -> None:
+        """One work-ahead at tree shape `branches`, as the draft reported it (W[n])."""
+        self.work_s[branches] = self._steady(("W", branches), seconds)
+        self.samples[("w", branches)] += 1
 
     def add_chain(self, wait_s: float) -> None:
         """One wait for a chain drafted on request. c is the least of the last WINDOW: a

@@ -323,7 +323,7 @@ class RoundPolicy:
         if plan.kind == "halves":  # H and its realized rate only: a half's wait and verify are not S or c
             if num_specs and k3 == k2 == k1 == key and p3 == p2 == p1 == plan:
                 share = batch / (stepped or batch)  # undrafted sequences yield a token each
-                c.halves_s = _mean(c.halves_s, seconds := share * (wait_s + busy_s))
+                c.add_halves(seconds := share * (wait_s + busy_s))
                 c.add_realized(plan, batch, share * (drafted_tokens - num_drafted) + batch, seconds)
             return
         if k1 != key or p1 is None:
@@ -348,8 +348,7 @@ class RoundPolicy:
         if p2.work_ahead and p2.branches == plan.branches and p1 == p2 and plan == p2:
             n = p2.branches
             if draft_work_s > 0:
-                c.work_s[n] = _mean(c.work_s.get(n), draft_work_s)
-                c.samples[("w", n)] += 1
+                c.add_work(n, draft_work_s)
             c.hit_rate[n] = _mean(c.hit_rate.get(n), num_hits / num_specs)
             modelled = c.ssd_wait(batch, n, p2.backup, self.k)
             if modelled is not None:

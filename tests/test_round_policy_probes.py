@@ -69,6 +69,26 @@ def test_one_stalled_plain_step_does_not_keep_the_policy_off_plain_decoding():
     assert predict(SD, 4, c, 4) == pytest.approx(8 / 0.0181)
 
 
+@pytest.mark.parametrize("measure", ["P", "S", "H", "W"])
+def test_a_steady_measurement_ignores_one_stall_and_follows_a_lasting_change(measure):
+    """S, P, H and W[n] are the median of their last WINDOW samples: one stall among them
+    does not move the value, a lasting change moves it within half a window."""
+    c = Costs()
+    add, read = {
+        "P": (c.add_plain, lambda: c.plain_s),
+        "S": (lambda x: c.add_verify(True, x), lambda: c.verify_s[True]),
+        "H": (c.add_halves, lambda: c.halves_s),
+        "W": (lambda x: c.add_work(16, x), lambda: c.work_s[16]),
+    }[measure]
+    for x in [0.008] * 4 + [0.762] + [0.008] * 2:
+        add(x)
+    assert read() == pytest.approx(0.008)
+    for _ in range(WINDOW // 2 + 1):
+        add(0.012)
+    assert read() == pytest.approx(0.012)
+    assert c.samples[("w", 16)] == (WINDOW // 2 + 8 if measure == "W" else 0)
+
+
 def test_the_policys_host_time_is_counted_and_exported():
     """choose and record_step (the worker's calls) add their own time to host_s, which
     EngineStats carries as round_policy_s (bench_e2e.py's policy_ms_per_step)."""
