@@ -28,24 +28,26 @@ plain decoding once its estimate with P taken as S comes within PLAIN_PRIOR_SLAC
 best. That estimate is a floor: a plain step verifies one token per sequence, a
 speculating one K + 1 (in docs/benchmarks.md's runs a one-token step took 0.57-0.96 of
 an SD round's verify).
-Every `probe_every` steps another option is probed for `probe_len` steps so its
-measurements stay current: the one the model predicts fastest when that beats the
-choice's realized rate (a realized rate from a few steps of a transition must not rule an
-option out), else the runner-up (every fourth probe goes to the other options in turn). A
+Every `probe_every` steps another option is probed for `probe_len` steps so its measurements
+stay current: first the choice last switched away from (a few slow steps of the host may
+have caused the switch, and its stale rate would keep it), then the one the model predicts
+fastest when that beats the choice's realized rate (a realized rate from a few steps of a
+transition must not rule an option out), else the runner-up (every fourth probe goes to
+the other options in turn). A
 probe discards the option's earlier realized rate; one that loses by less than 10% runs
 on until it has a full window (8 steps), as a few steps of SSD at small batch scatter too
 widely to decide between options this close (one miss makes the whole batch wait). A
 probe costs its steps and two switches, so one after which the choice stands doubles the
 wait for the next (up to 8 x probe_every steps), and a change of choice restores it. A
 choice that stood RANK_EVERY rankings in a row is ranked once in RANK_EVERY steps:
-ranking every option is most of the policy's host time. Running means clamp each sample
-to within 4x of the mean, so one stall does not skew them. A step measures an option
-only when the two requests before it made the same choice (its wait answers the request
-one back, from the cache built after the request two back), and only when no sequence of
-the batch is in its first STEADY_AFTER_ROUNDS rounds. A realized rate also needs the
-request three back to have made it: the first chain after SSD rounds first feeds the
-draft the tokens of the last hit's branch (their KV lies in the tree's scratch rows), a
-cost of the switch, not of SD rounds.
+ranking every option is most of the policy's host time. S, P, H and W are medians of
+their last 8 samples, and running means clamp each sample to within 4x of the mean, so
+one stall does not skew them. A step measures an option only when the two requests
+before it made the same choice (its wait answers the request one back, from the cache
+built after the request two back), and only when no sequence of the batch is in its
+first STEADY_AFTER_ROUNDS rounds. A realized rate also needs the request three back to
+have made it: the first chain after SSD rounds first feeds the draft the tokens of the
+last hit's branch (their KV lies in the tree's scratch rows), a cost of the switch.
 `jit` is the backup below batch 8; from 8, jit, jit:N and none are all options.
 
 A draft on one of the target's GPUs gets no SSD rounds (unless SD rounds are ruled out):
@@ -93,6 +95,7 @@ class _Bucket:
     backoff: int = 1  # the next periodic probe comes after probe_every * backoff steps
     stood: int = 0  # rankings in a row that kept the choice (none since a probe)
     hold: int = 0  # steps the choice runs before the options are ranked again
+    left: RoundPlan | None = None  # the choice before the last switch, until a periodic probe runs it
 
 
 class RoundPolicy:
@@ -229,13 +232,13 @@ class RoundPolicy:
         b.steps_since_probe += 1
         others = [p for p in ranked if p != best]
         if others and b.steps_since_probe >= self.probe_every * b.backoff:
-            # The runner-up, and every other option in turn once in a while, so that one
-            # slow first measurement cannot rule an option out for good. An option whose
-            # model predicts it faster than the choice runs is probed first: its realized
-            # rate may come from a few steps of a transition.
+            # The choice last left, an option the model predicts faster, the runner-up, and
+            # every other option in turn once in a while (the module doc says why).
             hopeful = max(others, key=lambda p: model_rate(p, batch, c, self.k) or 0.0)
             hope = model_rate(hopeful, batch, c, self.k) or 0.0
-            if hope > (1 + _MARGIN) * rates[best]:
+            if b.left in others:
+                target, b.left = b.left, None
+            elif hope > (1 + _MARGIN) * rates[best]:
                 target = hopeful
             elif (b.num_probes + 1) % 4 or len(others) == 1:
                 target = others[0]
@@ -289,7 +292,7 @@ class RoundPolicy:
         if b.choice is not None:
             self.num_switches += 1
         b.backoff = 1  # the costs moved: probe at the full rate again
-        b.choice = plan
+        b.left, b.choice = b.choice, plan
         others = ", ".join(f"{p.label()} {r:.0f}" for p, r in sorted(rates.items(), key=lambda x: -x[1]) if p != plan)
         logger.info("batch size ~%d, context up to %d tokens: %s (predicted %.0f tok/s; %s)", key[0], key[1],
                     plan.label(), rates[plan], others or "no other")
