@@ -14,6 +14,17 @@ recovery, bonus and plain-decode tokens at temperature > 0) and draws the accept
 uniforms (`uniforms`); in torch each is again several dozen kernels, the race's over
 [B, V] int64 tensors, launched between the verify's forward and its result copy while
 the GPU waits. Both give the bits of the torch functions they replace.
+
+Triton compiles a kernel once per specialization of its arguments: a pointer aligned to
+16 bytes or not, an integer divisible by 16 or equal to 1. The per-row parameters are
+views (a batch's seeds lie B int64s into one upload: aligned at even B only), and the
+element counts follow the batch, so each kernel would be compiled again at the first
+batch of another parity or size class, in the middle of serving (on an H100 host the first
+plain step at 3 sequences, after steps at 4, took 0.76 s, which a compile would explain;
+not profiled). Those arguments are not
+specialized (`do_not_specialize`, `do_not_specialize_on_alignment`): one compiled
+kernel serves every batch. The race's weights and the outputs, whose loads and stores are
+the kernels' bulk, stay specialized; they are fresh allocations, always aligned.
 """
 
 from __future__ import annotations
@@ -43,7 +54,8 @@ def _unit(key, index):
     return (h.to(tl.float64) + 0.5) * (1.0 / 4294967296.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["m", "stream_key"],
+            do_not_specialize_on_alignment=["seed_ptr", "pos_ptr", "ids_ptr", "probs_ptr"])
 def _draft_race_kernel(seed_ptr, pos_ptr, ids_ptr, probs_ptr, out_ptr, m, stream_key, BLOCK: tl.constexpr):
     r = tl.program_id(0)
     key = _row_key(tl.load(seed_ptr + r), tl.load(pos_ptr + r), stream_key)
@@ -62,16 +74,22 @@ def draft_race(seeds: torch.Tensor, positions: torch.Tensor, stream_key: int, q_
     """The token each row's race picks: seeds, positions [R] int64, q_token_ids [R, M]
     int64, q_probs [R, M] float32 -> [R] int64, as sampling.draft_race_torch with the
     stream whose key (sampling.stream_key) is stream_key."""
+    grid, args, meta = draft_race_args(seeds, positions, stream_key, q_token_ids, q_probs)
+    if grid[0]:
+        _draft_race_kernel[grid](*args, **meta)
+    return args[4]
+
+
+def draft_race_args(seeds, positions, stream_key: int, q_token_ids, q_probs) -> tuple[tuple, tuple, dict]:
+    """draft_race's launch: grid, arguments (the output [R] fifth) and constexprs."""
     r, m = q_token_ids.shape
     out = torch.empty(r, dtype=torch.int64, device=q_token_ids.device)
-    if r:
-        _draft_race_kernel[(r,)](seeds.long().contiguous(), positions.long().contiguous(),
-                                 q_token_ids.contiguous(), q_probs.float().contiguous(), out, m, stream_key,
-                                 BLOCK=triton.next_power_of_2(m))
-    return out
+    args = (seeds.long().contiguous(), positions.long().contiguous(), q_token_ids.contiguous(),
+            q_probs.float().contiguous(), out, m, stream_key)
+    return (r,), args, dict(BLOCK=triton.next_power_of_2(m))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stream_key"], do_not_specialize_on_alignment=["seed_ptr", "pos_ptr"])
 def _dense_race_kernel(w_ptr, seed_ptr, pos_ptr, score_ptr, idx_ptr, vocab, num_chunks, stream_key,
                        CHUNK: tl.constexpr):
     r = tl.program_id(0)
@@ -93,19 +111,28 @@ def dense_race(weights: torch.Tensor, seeds: torch.Tensor, positions: torch.Tens
     weights [R, V] (>= 0), seeds, positions [R] int64 -> [R] int64, as sampling.sample
     (weights, not logits). Each program races one chunk of a row; the chunks' winners are
     compared after, the first of equal ones kept, so ties go to the lowest token id."""
-    r, vocab = weights.shape
-    if r == 0:
+    if weights.shape[0] == 0:
         return torch.empty(0, dtype=torch.int64, device=weights.device)
-    num_chunks = triton.cdiv(vocab, chunk)
-    scores = torch.empty(r, num_chunks, dtype=torch.float32, device=weights.device)
-    idx = torch.empty(r, num_chunks, dtype=torch.int64, device=weights.device)
-    _dense_race_kernel[(r, num_chunks)](weights.float().contiguous(), seeds.long().contiguous(),
-                                        positions.long().contiguous(), scores, idx, vocab, num_chunks, stream_key,
-                                        CHUNK=chunk)
+    grid, args, meta = dense_race_args(weights, seeds, positions, stream_key, chunk)
+    _dense_race_kernel[grid](*args, **meta)
+    scores, idx = args[3], args[4]
     return idx.gather(1, scores.argmax(-1, keepdim=True)).squeeze(1)
 
 
-@triton.jit
+def dense_race_args(weights, seeds, positions, stream_key: int, chunk: int = 4096) -> tuple[tuple, tuple, dict]:
+    """dense_race's launch: grid, arguments (each chunk's best score and token fourth and
+    fifth, [R, chunks]) and constexprs."""
+    r, vocab = weights.shape
+    num_chunks = triton.cdiv(vocab, chunk)
+    scores = torch.empty(r, num_chunks, dtype=torch.float32, device=weights.device)
+    idx = torch.empty(r, num_chunks, dtype=torch.int64, device=weights.device)
+    args = (weights.float().contiguous(), seeds.long().contiguous(), positions.long().contiguous(), scores, idx,
+            vocab, num_chunks, stream_key)
+    return (r, num_chunks), args, dict(CHUNK=chunk)
+
+
+@triton.jit(do_not_specialize=["total", "m", "index_stride", "stream_key"],
+            do_not_specialize_on_alignment=["seed_ptr", "pos_ptr", "index_ptr"])
 def _uniform_kernel(seed_ptr, pos_ptr, index_ptr, out_ptr, total, m, index_stride, stream_key, BLOCK: tl.constexpr):
     e = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = e < total
@@ -119,14 +146,19 @@ def _uniform_kernel(seed_ptr, pos_ptr, index_ptr, out_ptr, total, m, index_strid
 def uniforms(seeds: torch.Tensor, positions: torch.Tensor, stream_key: int, index: torch.Tensor) -> torch.Tensor:
     """sampling.uniform in one kernel: seeds, positions [*R] int64 (one shape); index [*R, M]
     or [M] int64 -> [*R, M] float64 in (0, 1)."""
-    shape = seeds.shape
+    grid, args, meta = uniforms_args(seeds, positions, stream_key, index)
+    if grid[0]:
+        _uniform_kernel[grid](*args, **meta)
+    return args[3].view(*seeds.shape, index.shape[-1])
+
+
+def uniforms_args(seeds, positions, stream_key: int, index) -> tuple[tuple, tuple, dict]:
+    """uniforms' launch: grid, arguments (the flat output fourth) and constexprs."""
     m = index.shape[-1]
     seeds, positions = seeds.long().reshape(-1).contiguous(), positions.long().reshape(-1).contiguous()
     shared = index.dim() == 1
     index = index.long().contiguous() if shared else index.long().reshape(-1, m).contiguous()
     out = torch.empty(seeds.shape[0] * m, dtype=torch.float64, device=seeds.device)
-    if out.numel():
-        block = 256
-        _uniform_kernel[(triton.cdiv(out.numel(), block),)](seeds, positions, index, out, out.numel(), m,
-                                                             0 if shared else m, stream_key, BLOCK=block)
-    return out.view(*shape, m)
+    block = 256
+    args = (seeds, positions, index, out, out.numel(), m, 0 if shared else m, stream_key)
+    return (triton.cdiv(out.numel(), block),), args, dict(BLOCK=block)
