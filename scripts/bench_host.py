@@ -4,7 +4,11 @@ that bench_e2e.py's `host_parts_ms_per_step` names.
   - accept: TargetWorker._accept over B sequences (real Sequence, StopChecker and
     KVScheduler with prefix caching), each accepting a random 0..K drafts plus one token;
   - outcomes: DraftLink.send_outcomes of a plain step and of an SD round over B
-    sequences, sent over ipc to a process that drains the socket.
+    sequences, sent over ipc to a process that drains the socket;
+  - policy: RoundPolicy.choose and record_step per step over B sequences, as the SSD
+    engine calls them, once the policy has settled on plain steps (fed a simulated draft
+    whose SSD and SD rounds yield 2 tokens per sequence in 18 ms against 7.4 ms for a
+    plain step): the engine's `policy_ms_per_step` measures the same calls between GPU steps.
 
     python scripts/bench_host.py --batch 64 --k 4 --out bench/results/host_step_b64_cpu.json
 
@@ -30,6 +34,7 @@ from spec_runtime.engine.kv_blocks import KVBlocks
 from target_proc.draft_link import DraftLink
 from target_proc.kv_schedule import KVScheduler
 from target_proc.round_model import PLAIN, SD
+from target_proc.round_policy import RoundPolicy
 from target_proc.sequence import Sequence, StopChecker
 from target_proc.worker import TargetWorker
 
@@ -62,6 +67,27 @@ def time_accept(batch: int, k: int, steps: int, seed: int) -> float:
     t0 = time.perf_counter()
     for j in accepted:
         TargetWorker._accept(worker, seqs, {}, [k] * batch, j, tokens, None, True)
+    return 1e6 * (time.perf_counter() - t0) / steps
+
+
+def time_policy(batch: int, k: int, steps: int, warmup: int = 400) -> float:
+    """us per step of choose + record_step once plain steps have won (see the module doc)."""
+    policy = RoundPolicy(lambda b: [15, 7, 3], k=k, short_jit=k // 4)
+    hit = SimpleNamespace(cache_hit=True)
+
+    def step() -> None:
+        plan = policy.choose(batch, PROMPT, True)
+        specs = {i: hit for i in range(batch)} if plan.speculate else {}
+        drafted = [k if plan.speculate else 0] * batch
+        policy.record_step(plan, specs, drafted, [1 if plan.speculate else 0] * batch,
+                           0.0096 if plan.speculate else 0.0, 0.0084 if plan.speculate else 0.0074,
+                           0.008 if plan.work_ahead else 0.0, context=PROMPT, batch=batch)
+
+    for _ in range(warmup):
+        step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
     return 1e6 * (time.perf_counter() - t0) / steps
 
 
@@ -107,6 +133,7 @@ def main() -> None:
     runs = []
     for r in range(args.repeats):
         runs.append({"accept_us": time_accept(args.batch, args.k, args.steps, seed=r),
+                     "policy_us": time_policy(args.batch, args.k, args.steps),
                      **{f"outcomes_{n}_us": v for n, v in time_outcomes(args.batch, args.k, args.steps).items()}})
         print(f"repeat {r}: " + ", ".join(f"{n} {v:.1f}" for n, v in runs[-1].items()), flush=True)
     if args.out:
