@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -135,7 +136,7 @@ class Costs:
         if window is None:
             window = self.steady[key] = deque(maxlen=WINDOW)
         window.append(seconds)
-        return _median(list(window))
+        return _median(window)
 
     def add_plain(self, seconds: float) -> None:
         """One plain step (P)."""
@@ -238,7 +239,7 @@ class Costs:
         return max(0.0, w - s) + miss
 
 
-def _median(xs: list[float]) -> float:
+def _median(xs: Iterable[float]) -> float:
     """statistics.median, without its checks of the values' types (the policy's every step)."""
     xs = sorted(xs)
     m = len(xs) // 2
