@@ -105,6 +105,21 @@ def uniform(seeds: torch.Tensor, positions: torch.Tensor, stream: int, index: to
     return uniform_torch(seeds, positions, stream, index)
 
 
+def warm_up_kernels(device: torch.device, vocab_size: int, top_k_q: int) -> float:
+    """CUDA: compile the sampling kernels (spec_runtime.kernels.race) before serving, with
+    the streams' keys serving passes; returns the seconds it took (0 elsewhere)."""
+    if device.type != "cuda":
+        return 0.0
+    import time
+
+    from spec_runtime.kernels.race import warm_up
+
+    t0 = time.perf_counter()
+    warm_up(device, vocab_size, top_k_q, stream_key(STREAM_TARGET), stream_key(STREAM_ACCEPT),
+            stream_key(STREAM_DRAFT))
+    return time.perf_counter() - t0
+
+
 def uniform_torch(seeds: torch.Tensor, positions: torch.Tensor, stream: int, index: torch.Tensor) -> torch.Tensor:
     """`uniform` in torch ops, on any device."""
     h = hash32(seeds, positions, stream, index)

@@ -463,3 +463,34 @@ def test_dense_race_and_uniforms_kernels_match_the_torch_ops_on_the_gpu() -> Non
     index = torch.randint(0, vocab, (b, 33), device="cuda", generator=g)
     torch.testing.assert_close(uniform(seeds, positions, STREAM_TARGET, index),
                                uniform_torch(seeds, positions, STREAM_TARGET, index), rtol=0, atol=0)
+
+
+def test_sampling_kernels_compile_at_start_up_and_never_while_serving() -> None:
+    """After sampling.warm_up_kernels (the processes' start-up), a verify's rejection
+    sampling with drafts at temperature > 0, a plain step's sample and a draft's sampled
+    token, at several batch sizes, compile no sampling kernel."""
+    from spec_runtime.kernels import race
+    from spec_runtime.rejection import rejection_sample
+    from spec_runtime.sampling import SamplingTensors, draft_sample, warm_up_kernels
+
+    kernels = (race._dense_race_kernel, race._uniform_kernel, race._draft_race_kernel)
+    if any(getattr(k, "device_caches", None) is None for k in kernels):
+        pytest.skip("this Triton version keeps no per-device kernel cache to count")
+    vocab, top_k = 49_152, 64
+    assert warm_up_kernels(torch.device("cuda"), vocab, top_k) > 0
+    compiled = [sum(len(c[0]) for c in k.device_caches.values()) for k in kernels]
+    assert all(n >= 1 for n in compiled)
+    for b in (1, 3, 4, 7):
+        st = SamplingTensors.from_params([(0.7, 0, 1.0, 100 + i) for i in range(b)], device="cuda")
+        positions = torch.arange(b, device="cuda") + 300
+        for k in (1, 4):
+            drafts = torch.randint(0, vocab, (b, k), device="cuda")
+            q_ids = torch.randint(0, vocab, (b, k, top_k), device="cuda")
+            q_probs = torch.softmax(torch.randn(b, k, top_k, device="cuda"), -1)
+            rejection_sample(torch.randn(b, k + 1, vocab, device="cuda"), drafts,
+                             torch.full((b,), k, device="cuda"), q_ids, q_probs, st, positions)
+        rejection_sample(torch.randn(b, 1, vocab, device="cuda"), torch.zeros(b, 0, dtype=torch.int64, device="cuda"),
+                         torch.zeros(b, dtype=torch.int64, device="cuda"), None, None, st, positions)
+        draft_sample(torch.randn(b, vocab, device="cuda"), st, positions, top_k)
+    torch.cuda.synchronize()
+    assert [sum(len(c[0]) for c in k.device_caches.values()) for k in kernels] == compiled

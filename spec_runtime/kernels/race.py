@@ -162,3 +162,32 @@ def uniforms_args(seeds, positions, stream_key: int, index) -> tuple[tuple, tupl
     block = 256
     args = (seeds, positions, index, out, out.numel(), m, 0 if shared else m, stream_key)
     return (triton.cdiv(out.numel(), block),), args, dict(BLOCK=block)
+
+
+def warm_up_launches(device, vocab_size: int, top_k_q: int, target_key: int, accept_key: int,
+                     draft_key: int) -> list[tuple]:
+    """One launch of each kernel as serving makes it (kernel, grid, arguments, constexprs),
+    over two rows: the recovery/bonus race over the vocabulary (target_key), the accept
+    test's uniforms over [B, K] with the shared index 0 (accept_key), and the draft's race
+    over its top_k_q tokens (draft_key). Integer arguments are typed by their value range
+    (int32 or int64), so the keys must be the ones serving passes."""
+    seeds = torch.tensor([11, 12], dtype=torch.int64, device=device)
+    positions = torch.tensor([5, 6], dtype=torch.int64, device=device)
+    weights = torch.rand(2, vocab_size, device=device)
+    index = torch.zeros(1, dtype=torch.int64, device=device)
+    q_ids = torch.arange(2 * top_k_q, device=device).view(2, top_k_q) % vocab_size
+    return [(_dense_race_kernel, *dense_race_args(weights, seeds, positions, target_key)),
+            (_uniform_kernel, *uniforms_args(seeds[:, None].expand(2, 2), positions[:, None] + torch.arange(
+                2, device=device), accept_key, index)),
+            (_draft_race_kernel, *draft_race_args(seeds, positions, draft_key, q_ids, torch.rand(2, top_k_q,
+                                                                                                   device=device)))]
+
+
+def warm_up(device, vocab_size: int, top_k_q: int, target_key: int, accept_key: int, draft_key: int) -> None:
+    """Compile (or load from Triton's cache) every kernel here now: the first call of each
+    would otherwise stop the first step that needs it for the compile, hundreds of
+    milliseconds on a GPU host (the first verify with drafts at temperature > 0, the first
+    sampled draft token)."""
+    for kernel, grid, args, meta in warm_up_launches(device, vocab_size, top_k_q, target_key, accept_key, draft_key):
+        kernel[grid](*args, **meta)
+    torch.cuda.synchronize(device)
