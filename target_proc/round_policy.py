@@ -4,7 +4,7 @@ Per bucket of batch size and context length (each a power of two; contexts below
 tokens share one bucket) the options are:
   - an SSD round at a tree shape n (branches per sequence, a level of
     SpeculativeConfig.tree_levels) with a miss backup: jit (a K-token chain drafted on
-    request), from batch 8 also a short jit (K/4 tokens: `jit:N`) or none;
+    request), from batch 2 also a short jit (K/4 tokens: `jit:N`) or none;
   - a synchronous SD round: the draft answers with a chain drafted on request and does
     not work ahead (as `--mode sd`);
   - from batch 8, SD rounds over halves of the batch in turn (`halves`): a step verifies
@@ -48,7 +48,7 @@ built after the request two back), and only when no sequence of the batch is in 
 first STEADY_AFTER_ROUNDS rounds. A realized rate also needs the request three back to
 have made it: the first chain after SSD rounds first feeds the draft the tokens of the
 last hit's branch (their KV lies in the tree's scratch rows), a cost of the switch.
-`jit` is the backup below batch 8; from 8, jit, jit:N and none are all options.
+`jit` is the only backup at batch 1; from 2 one miss holds up the batch: jit:N and none too.
 
 A draft on one of the target's GPUs gets no SSD rounds (unless SD rounds are ruled out):
 its work-ahead would compete with the verify for the same GPU (docs/benchmarks.md measures
@@ -72,7 +72,7 @@ from target_proc.spec_policy import batch_bucket
 
 logger = logging.getLogger(__name__)
 
-JIT_ONLY_BELOW = 8  # batch sizes that always use the jit backup
+JIT_ONLY_BELOW = 2  # batch sizes below this always use the jit backup
 HALVES_FROM_BATCH = 8  # batch sizes from which SD rounds over halves are an option
 SHORT_JIT_DIV = 4  # the short jit drafts K // 4 tokens (none below K = 4)
 MAX_PROBE_BACKOFF = 8  # probes that change nothing space out up to this many times probe_every
@@ -106,7 +106,7 @@ class RoundPolicy:
                  probe_every: int = 64, probe_len: int = 4, warmup: int = 4, k: int = 0, short_jit: int = 0):
         """tree_levels(batch) -> the tree shapes SSD may run, largest first (one: pinned;
         shapes are then left to the draft, as 0). backup_auto: choose the backup per
-        round (jit, and from batch 8 also `jit:short_jit` when short_jit > 0, or none);
+        round (jit, and from batch 2 also `jit:short_jit` when short_jit > 0, or none);
         False keeps the configured backup. k: the speculation length (for the model of a
         short jit). allow_halves: halves from HALVES_FROM_BATCH (at every batch size when
         neither SSD nor SD rounds are allowed)."""

@@ -126,9 +126,27 @@ def test_backup_none_at_large_batch_jit_at_small():
     simulate(p, 16, 300, **costs)
     # One miss in 16 sequences (81% of rounds) makes everyone wait for a jit chain.
     assert p.summary() == {16: RoundPlan("ssd", 16, "none").label()}
-    simulate(p, 4, 300, **costs)
-    assert p.summary()[4] == RoundPlan("ssd", 16, "jit").label()  # below 8: jit only
-    assert all(o.backup != "none" for o in p.options(4) if o.kind == "ssd")
+    # At batch 1 a miss holds up only its own sequence: jit is the only backup.
+    assert {o.backup for o in p.options(1) if o.kind == "ssd"} == {"jit"}
+    simulate(p, 1, 300, **costs)
+    assert p.summary()[1] == RoundPlan("ssd", 16, "jit").label()
+
+
+def test_from_batch_2_the_backup_is_chosen_by_its_measured_cost():
+    """At batch 4 one miss in four makes the batch wait for the chain: with the 8B/1B
+    pair's costs (a 7.6 ms verify, an 8 ms chain, 0.75 of look-ups hit) answering misses
+    with nothing yields more per second; with a 2 ms chain and half the look-ups missing,
+    the chain's tokens are worth its wait."""
+    slow_chain = dict(verify_s=0.0076, chain_s=0.008, work_s={16: 0.007, 8: 0.006, 4: 0.005},
+                      hit_rate={16: 0.75, 8: 0.7, 4: 0.6}, tokens=3.4)
+    p = _policy(k=4)
+    assert {o.backup for o in p.options(2) if o.kind == "ssd"} == {"jit", "none"}
+    simulate(p, 4, 400, **slow_chain)
+    assert p.summary() == {4: RoundPlan("ssd", 16, "none").label()}
+    fast_chain = dict(slow_chain, chain_s=0.002, hit_rate={16: 0.5, 8: 0.45, 4: 0.4})
+    p = _policy(k=4)
+    simulate(p, 4, 400, **fast_chain)
+    assert p.summary() == {4: RoundPlan("ssd", 16, "jit").label()}
 
 
 def test_a_short_jit_chain_wins_when_misses_are_common_and_the_chain_is_slow():
@@ -139,7 +157,7 @@ def test_a_short_jit_chain_wins_when_misses_are_common_and_the_chain_is_slow():
                  hit_rate={16: 0.5, 8: 0.4, 4: 0.3}, tokens=4.3)
     p = _policy(k=8, short_jit=2)
     assert [o.backup for o in p.options(16) if o.branches == 16] == ["jit", "jit:2", "none"]
-    assert "jit:2" not in {o.backup for o in p.options(4)}  # below batch 8: jit only
+    assert "jit:2" not in {o.backup for o in p.options(1)}  # batch 1: jit only
     simulate(p, 16, 400, **costs)
     assert p.summary() == {16: RoundPlan("ssd", 16, "jit:2").label()}
     # The model: a 2-token chain at the acceptance that gives 4.3 tokens at K = 8.
