@@ -68,7 +68,6 @@ def _draft_runner(cfg, num_slots: int, max_len: int):
     """The draft's ModelRunner: a paged pool, SSD scratch rows and tree graphs in ssd mode."""
     from spec_runtime.engine.runner import ModelRunner
     from spec_runtime.engine.sizing import CPU_ROWS_PER_SEQ, cpu_pool_rows
-    from spec_runtime.sampling import warm_up_kernels
 
     spec = cfg.spec
     scratch, shapes, local_rows = 0, (), 0
@@ -92,5 +91,5 @@ def _draft_runner(cfg, num_slots: int, max_len: int):
     runner = ModelRunner.build(cfg.draft_model, kernels=cfg.kernels, max_model_len=max_len, block_size=bs,
                                num_scratch_rows=scratch, max_batch_size=max_batch, num_blocks=num_blocks,
                                graph_q_lens=(1, 2, spec.k + 1), tree_shapes=shapes, tree_local_rows=local_rows)
-    runner.startup_phases["sampling_kernels_s"] = warm_up_kernels(runner.device, runner.vocab_size, spec.draft_top_k)
+    runner.warm_sampling_kernels(spec.draft_top_k)
     return runner

@@ -19,14 +19,12 @@ def build(cfg, init, *, client_secret_key: bytes | None = None, draft_public_key
     client ROUTER a CURVE server and the spec link a CURVE client of the draft; a CURVE
     server may bind a non-loopback address. tp_rendezvous (host, port): where the
     tensor-parallel ranks that a Ray deployment started join this rank 0."""
-    from spec_runtime.sampling import warm_up_kernels
     from target_proc.model import resolved_config, start_tensor_parallel, target_runner
 
     one_host_thread(cfg.target.device)
     tp = start_tensor_parallel(cfg, tp_rendezvous)  # None on one device
     runner = target_runner(cfg, tp)
-    runner.startup_phases["sampling_kernels_s"] = warm_up_kernels(runner.device, runner.vocab_size,
-                                                                    cfg.spec.draft_top_k)
+    runner.warm_sampling_kernels(cfg.spec.draft_top_k)
     cfg = resolved_config(cfg, runner)  # the worker schedules with the sized defaults
     clients = RouterChannel(ClientMessage)
     if client_secret_key is not None:

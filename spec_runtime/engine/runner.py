@@ -240,6 +240,14 @@ class ModelRunner:
         self.kernel_report = plan_one_token(self.model, self.kernel_cfg)
         return self.kernel_report
 
+    def warm_sampling_kernels(self, top_k_q: int) -> None:
+        """CUDA: compile the sampling kernels now, not in the first step that needs one
+        (spec_runtime.sampling.warm_up_kernels); the time is a start-up phase."""
+        if self.device.type == "cuda":
+            from spec_runtime.sampling import warm_up_kernels
+
+            self.startup_phases["sampling_kernels_s"] = warm_up_kernels(self.device, self.vocab_size, top_k_q)
+
     def capture_graphs(self) -> None:
         """CUDA with cuda_graphs on: capture the decode, verify and tree-step graphs."""
         if self.device.type != "cuda" or not self.cfg.cuda_graphs or self.graphs is not None:
