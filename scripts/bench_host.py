@@ -13,6 +13,10 @@ that bench_e2e.py's `host_parts_ms_per_step` names.
     python scripts/bench_host.py --batch 64 --k 4 --out bench/results/host_step_b64_cpu.json
 
 Each part runs --steps steps per repeat; the JSON keeps every repeat's mean (us per step).
+Between GPU steps the host's caches are cold: the forward's launch, the result copy and
+the wait touch other code and data. --gap-ms sleeps that long before every timed step (as
+the host waits for the GPU) and --evict-mb streams that many MB through the caches first
+(as the rest of a step does); only the step itself is timed.
 """
 
 from __future__ import annotations
@@ -41,6 +45,26 @@ from target_proc.worker import TargetWorker
 PROMPT = 1024
 
 
+class Between:
+    """What runs before each timed step: a sleep of gap_ms, then evict_mb MB streamed
+    through the caches. timed(fn) runs it, then fn, and returns fn's seconds."""
+
+    def __init__(self, gap_ms: float = 0.0, evict_mb: int = 0):
+        import numpy as np
+
+        self.gap_s = gap_ms / 1e3
+        self.buf = np.ones(evict_mb << 20, dtype=np.uint8) if evict_mb else None
+
+    def timed(self, fn) -> float:
+        if self.gap_s:
+            time.sleep(self.gap_s)
+        if self.buf is not None:
+            self.buf.sum()
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+
 def _sequences(batch: int, k: int, steps: int, rng: random.Random) -> tuple[SimpleNamespace, list[Sequence]]:
     """B sequences of PROMPT tokens with KV tables for `steps` verify steps, and a stand-in
     for the worker that _accept reads."""
@@ -59,18 +83,17 @@ def _sequences(batch: int, k: int, steps: int, rng: random.Random) -> tuple[Simp
     return worker, seqs
 
 
-def time_accept(batch: int, k: int, steps: int, seed: int) -> float:
+def time_accept(batch: int, k: int, steps: int, seed: int, between: Between) -> float:
     rng = random.Random(seed)
     worker, seqs = _sequences(batch, k, steps, rng)
     accepted = [[rng.randrange(k + 1) for _ in range(batch)] for _ in range(steps)]
     tokens = [[rng.randrange(1000) for _ in range(k + 1)] for _ in range(batch)]
-    t0 = time.perf_counter()
-    for j in accepted:
-        TargetWorker._accept(worker, seqs, {}, [k] * batch, j, tokens, None, True)
-    return 1e6 * (time.perf_counter() - t0) / steps
+    total = sum(between.timed(lambda j=j: TargetWorker._accept(worker, seqs, {}, [k] * batch, j, tokens, None, True))
+                for j in accepted)
+    return 1e6 * total / steps
 
 
-def time_policy(batch: int, k: int, steps: int, warmup: int = 400) -> float:
+def time_policy(batch: int, k: int, steps: int, between: Between, warmup: int = 400) -> float:
     """us per step of choose + record_step once plain steps have won (see the module doc)."""
     policy = RoundPolicy(lambda b: [15, 7, 3], k=k, short_jit=k // 4)
     hit = SimpleNamespace(cache_hit=True)
@@ -85,10 +108,7 @@ def time_policy(batch: int, k: int, steps: int, warmup: int = 400) -> float:
 
     for _ in range(warmup):
         step()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    return 1e6 * (time.perf_counter() - t0) / steps
+    return 1e6 * sum(between.timed(step) for _ in range(steps)) / steps
 
 
 def _drain(address: str) -> None:
@@ -98,7 +118,7 @@ def _drain(address: str) -> None:
         pass
 
 
-def time_outcomes(batch: int, k: int, steps: int) -> dict[str, float]:
+def time_outcomes(batch: int, k: int, steps: int, between: Between) -> dict[str, float]:
     ipc_dir = private_ipc_dir()
     address = ipc_address(ipc_dir, "spec")
     peer = mp.get_context("spawn").Process(target=_drain, args=(address,), daemon=True)
@@ -111,10 +131,10 @@ def time_outcomes(batch: int, k: int, steps: int) -> dict[str, float]:
         link.synced.update(range(batch))
         tokens, out = [[5] * (k + 1)] * batch, {}
         for name, plan, specs in (("plain", PLAIN, {}), ("sd", SD, dict.fromkeys(range(batch), NO_DRAFT))):
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                link.send_outcomes(seqs, specs, [0] * batch, tokens, plan.speculate, lambda n, p=plan: p)
-            out[name] = 1e6 * (time.perf_counter() - t0) / steps
+            def send(specs=specs, plan=plan):
+                link.send_outcomes(seqs, specs, [0] * batch, tokens, plan.speculate, lambda n: plan)
+
+            out[name] = 1e6 * sum(between.timed(send) for _ in range(steps)) / steps
         return out
     finally:
         link.channel.close()
@@ -128,13 +148,16 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--gap-ms", type=float, default=0.0, help="sleep before each timed step (a GPU wait)")
+    ap.add_argument("--evict-mb", type=int, default=0, help="MB streamed through the caches before each timed step")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
+    between = Between(args.gap_ms, args.evict_mb)
     runs = []
     for r in range(args.repeats):
-        runs.append({"accept_us": time_accept(args.batch, args.k, args.steps, seed=r),
-                     "policy_us": time_policy(args.batch, args.k, args.steps),
-                     **{f"outcomes_{n}_us": v for n, v in time_outcomes(args.batch, args.k, args.steps).items()}})
+        runs.append({"accept_us": time_accept(args.batch, args.k, args.steps, r, between),
+                     "policy_us": time_policy(args.batch, args.k, args.steps, between),
+                     **{f"outcomes_{n}_us": v for n, v in time_outcomes(args.batch, args.k, args.steps, between).items()}})
         print(f"repeat {r}: " + ", ".join(f"{n} {v:.1f}" for n, v in runs[-1].items()), flush=True)
     if args.out:
         with open(args.out, "w") as f:
