@@ -33,17 +33,17 @@ stay current: first the choice last switched away from (a few slow steps of the 
 have caused the switch, and its stale rate would keep it), then the one the model predicts
 fastest when that beats the choice's realized rate (a realized rate from a few steps of a
 transition must not rule an option out), else the runner-up (every fourth probe goes to
-the other options in turn). A
-probe discards the option's earlier realized rate; one that loses by less than 10% runs
-on until it has a full window (8 steps), as a few steps of SSD at small batch scatter too
-widely to decide between options this close (one miss makes the whole batch wait). A
-probe costs its steps and two switches, so one after which the choice stands doubles the
-wait for the next (up to 8 x probe_every steps), and a change of choice restores it. A
-choice that stood RANK_EVERY rankings in a row is ranked once in RANK_EVERY steps:
-ranking every option is most of the policy's host time. S, P, H and W are medians of
-their last 8 samples, and running means clamp each sample to within 4x of the mean, so
-one stall does not skew them. A step measures an option only when the two requests
-before it made the same choice (its wait answers the request one back, from the cache
+the other options in turn). A probe discards the option's earlier realized rate; one that
+loses by less than 10% runs on until it has a full window (8 steps), as a few steps of SSD
+at small batch scatter too widely to decide between options this close. A probe costs its
+steps and two switches, so one after which the choice stands doubles the wait for the
+next (up to 8 x probe_every steps), and a change of choice restores it. A choice that
+stood RANK_EVERY rankings in a row is ranked once in RANK_EVERY steps, then twice as far
+apart at each ranking that keeps it, up to MAX_HOLD steps: ranking every option is most of
+the policy's host time (0.16 ms with the caches cold, as between GPU steps). S, P, H and
+W are medians of their last 8 samples, and running means clamp each sample to within 4x of
+the mean, so one stall does not skew them. A step measures an option only when the two
+requests before it made the same choice (its wait answers the request one back, from the cache
 built after the request two back), and only when no sequence of the batch is in its
 first STEADY_AFTER_ROUNDS rounds. A realized rate also needs the request three back to
 have made it: the first chain after SSD rounds first feeds the draft the tokens of the
@@ -53,8 +53,8 @@ last hit's branch (their KV lies in the tree's scratch rows), a cost of the swit
 A draft on one of the target's GPUs gets no SSD rounds (unless SD rounds are ruled out):
 its work-ahead would compete with the verify for the same GPU (docs/benchmarks.md measures
 it). Overrides pin what they name: --tree-shape fixed, --fan-out or --tree-budget (one tree
-shape), --backup (one backup), --work-ahead always (no SD rounds), --work-ahead halves
-(halves only), --spec-policy always (no plain steps). Pure bookkeeping, no torch.
+shape), --backup, --work-ahead always (no SD rounds) or halves (halves only), --spec-policy
+always (no plain steps). Pure bookkeeping, no torch.
 """
 
 from __future__ import annotations
@@ -80,6 +80,7 @@ CLOSE = 0.1  # a probe that comes this close to the choice runs on until its rea
 MIN_CONTEXT_BUCKET = 1024  # contexts below this share one bucket of costs
 STEADY_AFTER_ROUNDS = 3  # a sequence's rounds (its prefill included) before its steps measure costs
 RANK_EVERY = 4  # a choice that stood this many rankings in a row is ranked once in this many steps
+MAX_HOLD = 32  # ... then twice as far apart per ranking that keeps it, up to this many steps
 SETTLE_STEPS = 16  # steps at one batch size before a bucket runs its first measurements (if another chose)
 
 
@@ -208,8 +209,7 @@ class RoundPolicy:
             b.steps_since_probe += 1
             return b.choice
         b.hold = 0
-        c = b.costs
-        first = opts[0]
+        c, first = b.costs, opts[0]
         if (plan := self._first_measurements(b, first, steady, opts)) is not None:
             return plan
         rates = {p: r for p in opts if (r := predict(p, batch, c, self.k)) is not None}
@@ -248,7 +248,7 @@ class RoundPolicy:
             b.num_probes += 1
             b.probed, b.extended = target, False
             return self._start_probe(b, target)
-        b.hold = RANK_EVERY - 1 if b.stood >= RANK_EVERY else 0
+        b.hold = min(MAX_HOLD, RANK_EVERY << min(b.stood - RANK_EVERY, 8)) - 1 if b.stood >= RANK_EVERY else 0
         return best
 
     def _first_measurements(self, b: _Bucket, first: RoundPlan, steady: bool, opts: list) -> RoundPlan | None:

@@ -12,7 +12,7 @@ from itertools import groupby
 import pytest
 
 from target_proc.round_model import WINDOW, predict
-from target_proc.round_policy import HALVES, PLAIN, RANK_EVERY, SD, Costs, RoundPlan
+from target_proc.round_policy import HALVES, MAX_HOLD, PLAIN, RANK_EVERY, SD, Costs, RoundPlan
 from tests.test_round_policy import _policy, simulate
 
 SLOW_TREES = dict(verify_s=0.0108, chain_s=0.0106, work_s={16: 0.034, 8: 0.030}, hit_rate={16: 0.8, 8: 0.75},
@@ -118,9 +118,10 @@ def test_the_policys_host_time_is_counted_and_exported():
     assert p.engine_fields()["round_policy_s"] > first
 
 
-def test_a_standing_choice_is_ranked_once_in_a_few_steps(monkeypatch):
+def test_a_standing_choice_is_ranked_ever_less_often(monkeypatch):
     """Ranking every option is most of the policy's host time per step. A choice that
-    stood RANK_EVERY rankings in a row runs RANK_EVERY steps per ranking."""
+    stood RANK_EVERY rankings in a row runs RANK_EVERY steps per ranking, then twice as
+    many at each ranking that keeps it, up to MAX_HOLD; a probe still comes on time."""
     import target_proc.round_policy as rp
 
     p = _policy(levels=[16, 8], k=4, allow_halves=False, backup_auto=False)
@@ -129,17 +130,22 @@ def test_a_standing_choice_is_ranked_once_in_a_few_steps(monkeypatch):
     monkeypatch.setattr(rp, "predict", lambda plan, *a, **kw: calls.append(plan) or predict(plan, *a, **kw))
     b = p._bucket(p.key(4, 0))
     b.probe.clear()
-    b.probed, b.steps_since_probe, b.stood, b.hold = None, 0, 0, 0
+    b.probed, b.steps_since_probe, b.stood, b.hold, b.backoff = None, 0, 0, 0, 8  # the next probe far off
     options = len(p.options(4))
     ranked = []
-    for _ in range(RANK_EVERY + 5 * RANK_EVERY):
+    for _ in range(RANK_EVERY + 4 + 8 + 16 + 32 + 32):
         before = len(calls)
         assert p.choose(4) == SD
         ranked.append(len(calls) > before)
         p.record(4, SD, wait_s=0.0106, busy_s=0.0108, num_specs=4, num_drafted=4, drafted_tokens=13)
-    # Ranked at each of the first RANK_EVERY steps, then once in RANK_EVERY.
-    assert ranked == [True] * RANK_EVERY + ([False] * (RANK_EVERY - 1) + [True]) * 5
+    # Ranked at each of the first RANK_EVERY steps, then after 4, 8, 16, 32 and 32 steps.
+    gaps = [4, 8, 16, MAX_HOLD, MAX_HOLD]
+    assert ranked == [True] * RANK_EVERY + [s for g in gaps for s in [False] * (g - 1) + [True]]
     assert len(calls) == options * ranked.count(True)
+    # A probe due during a hold starts at the hold's end.
+    b.steps_since_probe, b.backoff = 0, 1
+    plans = [p.choose(4) for _ in range(p.probe_every + MAX_HOLD)]
+    assert any(plan != SD for plan in plans)
 
 
 def test_a_held_choice_the_batch_no_longer_offers_is_ranked_again():
