@@ -71,6 +71,7 @@ def draft_has_own_gpu(cfg) -> bool:
 
 
 STATS_PUSH_S = 0.5  # the longest the target's copy of the counters lags while answering
+SLOW_S = 0.05  # a message (or prefetch) handled in longer is logged at DEBUG, with its time
 
 
 class DraftWorker:
@@ -120,12 +121,17 @@ class DraftWorker:
             logger.warning("rejected a malformed message: %s", e)
             self.channel.send_error(e.code, str(e))
             return
+        t0 = time.perf_counter()
         if msg is not None:
             self.handle(msg)
         elif self.fresh:
             self.prefetch_fresh()
         else:
             self.push_stats()
+            return
+        if (took := time.perf_counter() - t0) > SLOW_S and logger.isEnabledFor(logging.DEBUG):
+            # A stall of the draft shows in the target as a long wait; this says which message had it.
+            logger.debug("handled %s in %.1f ms", "a prefetch" if msg is None else type(msg).__name__, 1e3 * took)
 
     def prefetch_fresh(self) -> None:
         """One SSD work-ahead over every fresh sequence. A failure is logged and costs only

@@ -148,3 +148,21 @@ def test_greedy_with_draft_prefix_hits_and_a_small_draft_pool_equals_ar(tiny_pai
     assert [first.token_ids] + [r.token_ids for r in rest] == ar
     assert stats.draft_prefix_cache_hits >= 2 * 16, stats
     assert stats.totals.num_draft_tokens > 0
+
+
+def test_a_slow_message_is_logged_at_debug_with_its_time(tiny_llama_dir, caplog, monkeypatch):
+    """A stall of the draft shows in the target only as a long wait: the draft names the
+    message that took long (over SLOW_S), and only at DEBUG."""
+    import logging
+
+    import draft_proc.worker as dw
+
+    worker, chan = _worker(tiny_llama_dir)
+    handle = worker.handle
+    monkeypatch.setattr(worker, "handle", lambda msg: (time.sleep(dw.SLOW_S + 0.02), handle(msg)))
+    with caplog.at_level(logging.INFO, logger="draft_proc.worker"):
+        _add(worker, chan, 1, [5, 6, 7])
+    assert "handled AddSequence" not in caplog.text
+    with caplog.at_level(logging.DEBUG, logger="draft_proc.worker"):
+        _add(worker, chan, 2, [5, 6, 8])
+    assert "handled AddSequence in" in caplog.text
