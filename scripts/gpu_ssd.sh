@@ -13,7 +13,8 @@
 #   always or halves), TARGET_MEM (the target's --target-gpu-memory-utilization, 0.85; 0.92 fits
 #   target-32b on an 80 GB GPU),
 #   MAX_BATCH_TOKENS (points whose batch holds more prompt and output tokens are left out),
-#   LOG_LEVEL (DEBUG also writes the round policy's step records to $OUT/steps_$TAG.log),
+#   LOG_LEVEL (DEBUG also writes the round policy's step records to $OUT/steps_$TAG.log; the draft
+#   names any message it took over 50 ms to handle in $OUT/e2e_$TAG.log),
 #   PROFILE=1 ($OUT/profiles.txt: where a window of steps spends its time in each process),
 #   TORCH_SAMPLING=1 (the target samples with torch ops, not kernels/race.py's kernels: A/B runs).
 # Wheels found in .whl/ are installed into .site/ first; logs and JSON go under $OUT
