@@ -21,9 +21,8 @@ views (a batch's seeds lie B int64s into one upload: aligned at even B only), an
 element counts follow the batch, so each kernel would be compiled again at the first
 batch of another parity or size class, in the middle of serving (on an H100 host the first
 plain step at 3 sequences, after steps at 4, took 0.76 s, which a compile would explain;
-not profiled). Those arguments are not
-specialized (`do_not_specialize`, `do_not_specialize_on_alignment`): one compiled
-kernel serves every batch. The race's weights and the outputs, whose loads and stores are
+not profiled). Those arguments are not specialized (`do_not_specialize`,
+`do_not_specialize_on_alignment`): one compiled kernel serves every batch. The race's weights and the outputs, whose loads and stores are
 the kernels' bulk, stay specialized; they are fresh allocations, always aligned.
 """
 
