@@ -240,11 +240,11 @@ class EngineStats(_Cold, tag="stats"):
     totals: RequestStats
     draft_num_seqs: int = -1
     draft_num_cache_entries: int = -1
-    # Timing totals since start (seconds) over num_steps decode/verify steps: target forward + acceptance,
-    # time blocked on speculations, the draft's work-ahead as reported (SSD), the loop iterations that ran
-    # a step, whole (loop_s), and their admissions (admit_s: prefill forwards, first tokens). host_parts: poll
-    # (sockets), outcomes (to the draft), accept, record; verify_launch: the verify's host part before its sync.
+    # Timing totals (s) over num_steps steps: verify (forward + acceptance; a step queued ahead: from the landing
+    # before it), speculation wait, reported work-ahead (SSD), loop_s and admit_s of the iterations that ran a
+    # step; host_parts: poll, outcomes, accept, record, verify_launch, land; num_steps_ahead: docs/metrics.md.
     num_steps: int = 0
+    num_steps_ahead: int = 0
     verify_s: float = 0.0
     draft_wait_s: float = 0.0
     draft_work_s: float = 0.0

@@ -55,7 +55,8 @@ def run_mode(args, mode: str) -> list[dict]:
         # SD is the synchronous baseline: it speculates every step. SSD runs with the
         # policies a user gets (--spec-policy), which may choose SD rounds or plain steps.
         sched=SchedulerConfig(max_batch_size=max(args.batch_sizes), max_model_len=args.max_model_len,
-                              spec_policy=args.spec_policy if mode == "ssd" else "always"),
+                              spec_policy=args.spec_policy if mode == "ssd" else "always",
+                              overlap_schedule=args.overlap_schedule),
         startup_timeout_s=900.0,
         log_level=args.log_level,
     )
@@ -233,6 +234,8 @@ def main() -> None:
     p.add_argument("--synthetic-acceptance", type=float, default=None)
     p.add_argument("--synthetic-ranks", type=_tuple(float), default=())
     p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--overlap-schedule", default="auto", choices=("auto", "on", "off"),
+                   help="plain steps queued before the previous step's tokens reach the host (auto: on CUDA)")
     p.add_argument("--log-level", default="WARNING")
     p.add_argument("--out", required=True, help="JSON file to write")
     args = p.parse_args()

@@ -16,7 +16,8 @@
 #   LOG_LEVEL (DEBUG also writes the round policy's step records to $OUT/steps_$TAG.log; the draft
 #   names any message it took over 50 ms to handle in $OUT/e2e_$TAG.log),
 #   PROFILE=1 ($OUT/profiles.txt: where a window of steps spends its time in each process),
-#   TORCH_SAMPLING=1 (the target samples with torch ops, not kernels/race.py's kernels: A/B runs).
+#   TORCH_SAMPLING=1 (the target samples with torch ops, not kernels/race.py's kernels: A/B runs),
+#   OVERLAP (--overlap-schedule: auto, on, or off: every plain step reads its tokens before the next is queued).
 # Wheels found in .whl/ are installed into .site/ first; logs and JSON go under $OUT
 # (default /tmp/gpu_ssd_out).
 set -uo pipefail
@@ -69,7 +70,7 @@ case "${PART:-check}" in
       --fan-out "${FAN_OUT:-$(python3 -c "print(','.join(['3'] * ($K + 1)))")}" \
       --prompt-lens "${PROMPTS:-512}" --batch-sizes "${BATCHES:-1,4,16}" --max-batch-tokens "${MAX_BATCH_TOKENS:-0}" --temperatures "${TEMPS:-0}" \
       --max-tokens "${MAX_TOKENS:-256}" --warmup-tokens "${WARMUP:-64}" --tree-shape "${TREE_SHAPE:-auto}" --tree-budget "${TREE_BUDGET:-0}" --work-ahead "${WORK_AHEAD:-auto}" --synthetic-acceptance "${ALPHA:-0.8}" --synthetic-ranks 0.5,0.2,0.1 \
-      --log-level "${LOG_LEVEL:-WARNING}" \
+      --log-level "${LOG_LEVEL:-WARNING}" --overlap-schedule "${OVERLAP:-auto}" \
       --out "$OUT/e2e_${TAG:-$PAIR}.json" 2>&1 | grep -v "^ *$" | tee "/tmp/e2e_${TAG:-$PAIR}_full.log" \
       | grep -v "round_policy: step batch" | tee "$OUT/e2e_${TAG:-$PAIR}.log" | tail -60
     # LOG_LEVEL=DEBUG: the round policy's step records, one file to replay

@@ -216,6 +216,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = _f(8192, "Target: most tokens one step computes, prefill pieces and verify tokens together (vLLM's flag). A prompt longer than what is left is prefilled in chunks over several steps while the running sequences keep decoding, so a long prompt never stalls them for its whole prefill. 8192 is vLLM's default for its OpenAI server on GPUs of 70 GiB or more: large enough that prefill keeps the GPU busy, small enough to bound a step. 0, or a value >= --max-model-len: no chunking (a step prefills whole prompts, at most --max-model-len tokens of them). Must be >= --max-num-seqs x (K + 1) (every running sequence's verify fits in one step).")
     max_draft_seqs: int = _f(0, "Most sequences the draft holds at once (each takes KV blocks as it grows, and SSD scratch rows); 0 means max_batch_size (when that is 0 too, its start-up default: 256 on CUDA or 8 on CPU). The others decode without speculation.")
     spec_policy: Literal["always", "adaptive"] = _f("adaptive", "always: speculate every step; adaptive: per batch size, plain decoding where it is faster (it can win at large batch), logging each switch. SD: measured against speculative steps; SSD: one of the round policy's options (--work-ahead).")
+    overlap_schedule: Literal["auto", "on", "off"] = _f("auto", "Target: queue a plain step's forward before the host reads the tokens of the step before it (their sampled tokens stay on the device), so the host's work between steps runs while the GPU computes (target_proc/ahead.py). Only plain steps (AR mode, and SD/SSD steps that do not speculate) of requests without a grammar, logprobs or logits processors, and not with tensor parallelism. auto: on CUDA (a CPU forward runs as it is queued: nothing to overlap); off: every step reads its tokens before the next is built.")
     spec_policy_probe_every: int = _f(64, "Steps between re-measurements of the choice not in use (the adaptive policy; SSD's round policy probes its runner-up, and waits up to 8x longer after probes that change nothing).")
 
     def __post_init__(self) -> None:
@@ -233,6 +234,8 @@ class SchedulerConfig:
             raise ValueError(f"max_draft_seqs must be >= 0 (0 means max_batch_size), got {self.max_draft_seqs}")
         if self.spec_policy not in ("always", "adaptive"):
             raise ValueError(f"spec_policy must be always or adaptive, got {self.spec_policy!r}")
+        if self.overlap_schedule not in ("auto", "on", "off"):
+            raise ValueError(f"overlap_schedule must be auto, on or off, got {self.overlap_schedule!r}")
         if self.spec_policy_probe_every < 2:
             raise ValueError("spec_policy_probe_every must be >= 2")
 

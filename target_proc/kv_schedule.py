@@ -178,13 +178,15 @@ class KVScheduler:
             self.prefilled[seq.seq_id] = num_cached
         return num_cached
 
-    def reserve(self, running: dict[int, Sequence], waiting: deque[Sequence]) -> list[Sequence]:
+    def reserve(self, running: dict[int, Sequence], waiting: deque[Sequence], ahead=()) -> list[Sequence]:
         """Blocks for every running sequence's next forward, oldest first, preempting the
         newest while the pool is short. Returns the preempted sequences (now at the head
-        of `waiting`)."""
+        of `waiting`). ahead: ids of sequences whose last token is still on the device
+        (target_proc/ahead.py): their next forward starts one position later."""
         preempted: list[Sequence] = []
         for seq in list(running.values()):
-            while seq.seq_id in running and not self.kv.grow(seq.seq_id, self.rows_needed(seq.num_tokens)):
+            need = self.rows_needed(seq.num_tokens + (seq.seq_id in ahead))
+            while seq.seq_id in running and not self.kv.grow(seq.seq_id, need):
                 if self.prefilled:  # the newest holder: a prefill in chunks, not yet running
                     self._drop_prefill(next(s for s in waiting if s.seq_id in self.prefilled))
                     continue

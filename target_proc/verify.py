@@ -18,7 +18,7 @@ import torch
 
 from protocol.sparse_q import NO_DRAFT, pack
 from spec_runtime.logits_process import LogitsProcess, token_logprobs
-from spec_runtime.sampling import SamplingTensors
+from spec_runtime.sampling import SamplingTensors, to_device
 
 
 @dataclass(frozen=True)
@@ -34,10 +34,12 @@ class VerifyInputs:
     positions: torch.Tensor  # [B] position of d_1
 
 
-def verify_inputs(seqs, specs, num_draft, q_lens, k_max, st, device) -> VerifyInputs:
+def verify_inputs(seqs, specs, num_draft, q_lens, k_max, st, device, bases=None) -> VerifyInputs:
     """Upload the inputs of rejection_sample, plus `gather`: for each (sequence, verify
     position) the row of the flat logits, clamped to the sequence's row m past its
-    own drafts (those rows are masked by num_draft_tokens)."""
+    own drafts (those rows are masked by num_draft_tokens). bases: per sequence the
+    position its first logits row predicts (default num_tokens; one more for a sequence
+    that runs ahead, target_proc/ahead.py)."""
     m = np.asarray(num_draft, dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(q_lens)[:-1]])
     gather = starts[:, None] + np.minimum(np.arange(k_max + 1)[None, :], m[:, None])  # [B, k_max + 1]
@@ -45,8 +47,8 @@ def verify_inputs(seqs, specs, num_draft, q_lens, k_max, st, device) -> VerifyIn
     rows = [specs[s.seq_id].head(mi) if mi else NO_DRAFT for s, mi in zip(seqs, num_draft)]
     draft_ids, _, q_ids, q_probs = pack(rows, k_max)
 
-    def dev(a):
-        return None if a is None else torch.from_numpy(a).to(device, non_blocking=True)
+    def dev(a):  # through pinned memory: a pageable copy would wait for the queued steps (target_proc/ahead.py)
+        return None if a is None else to_device(torch.from_numpy(a), device)
 
     return VerifyInputs(
         gather=dev(gather),
@@ -55,7 +57,7 @@ def verify_inputs(seqs, specs, num_draft, q_lens, k_max, st, device) -> VerifyIn
         q_token_ids=dev(q_ids),
         q_probs=dev(q_probs),
         st=st,
-        positions=dev(np.array([s.num_tokens for s in seqs], dtype=np.int64)),
+        positions=dev(np.array(bases if bases is not None else [s.num_tokens for s in seqs], dtype=np.int64)),
     )
 
 
@@ -113,12 +115,13 @@ def logits_process(seqs, runner) -> LogitsProcess | None:
                                runner.device)
 
 
-def transform_rows(transform, logits: torch.Tensor, seqs, q_lens: list[int]) -> torch.Tensor:
+def transform_rows(transform, logits: torch.Tensor, seqs, q_lens: list[int], bases=None) -> torch.Tensor:
     """transform(logits, rows, positions) (the benchmark oracle), if set, over flat logits
-    [sum(q_lens), V]: sequence s has q_lens rows, predicting positions s.num_tokens,
-    s.num_tokens + 1, ..."""
+    [sum(q_lens), V]: sequence s has q_lens rows, predicting positions b, b + 1, ... from
+    its base b (bases, as in verify_inputs; default s.num_tokens)."""
     if transform is None:
         return logits
     rows = [s for s, q in zip(seqs, q_lens) for _ in range(q)]
-    pos = np.concatenate([np.arange(s.num_tokens, s.num_tokens + q, dtype=np.int64) for s, q in zip(seqs, q_lens)])
+    bases = bases if bases is not None else [s.num_tokens for s in seqs]
+    pos = np.concatenate([np.arange(b, b + q, dtype=np.int64) for b, q in zip(bases, q_lens)])
     return transform(logits, rows, pos)

@@ -9,7 +9,9 @@ One step:
   5. apply stop rules token by token inside the accepted chunk, detokenize, stream;
   6. admit waiting requests (prefill, first token) and release finished ones.
 AR mode is the same loop with m = 0 for every sequence; a halves step (SSD) runs 1 to 5
-over one half of the running sequences, in turn (target_proc/halves.py).
+over one half of the running sequences, in turn (target_proc/halves.py). A plain step
+may be queued ahead: its forward and sampling go to the GPU before the step before it
+lands on the host, whose steps 4 to 6 then run while the GPU computes (target_proc/ahead.py).
 """
 
 from __future__ import annotations
@@ -21,23 +23,23 @@ from collections import deque
 
 import torch
 
-from protocol.codec import ProtocolError
-from protocol.messages import (PLACEHOLDER_TOKEN_ID, AbortRequest, EngineStats, ErrorReply, GenerateRequest,
-                               RequestOutput, RequestStats, StatsRequest, TokenOutputs, add_totals)
+from protocol.messages import (PLACEHOLDER_TOKEN_ID, EngineStats, RequestOutput, RequestStats, TokenOutputs,
+                               add_totals)
 from protocol.sparse_q import DraftTokens
 from spec_runtime.config import RuntimeConfig, step_token_budget
 from spec_runtime.engine.forward_batch import ForwardItem
 from spec_runtime.engine.kv_blocks import KVBlocks
 from spec_runtime.rejection import rejection_sample
 from spec_runtime.structured import Grammars
-from spec_runtime.validate import RequestError, validate_request
+from target_proc.ahead import Launched, ahead_of, allows_ahead, ends_by_length, fill_tokens, to_host
 from target_proc.draft_link import DraftLink
 from target_proc.halves import Halves
 from target_proc.kv_schedule import KVScheduler
 from target_proc.no_draft import NoDraft
 from target_proc.outputs import merge_outputs, record_round, take_output
 from target_proc.prompt_logprobs import add_prompt_logprobs, split_prefill_logits
-from target_proc.sequence import IncrementalDetokenizer, Sequence, StopChecker
+from target_proc.requests import ClientRequests
+from target_proc.sequence import Sequence, StopChecker
 from target_proc.round_policy import PLAIN, SD, STEADY_AFTER_ROUNDS, RoundPlan, RoundPolicy
 from target_proc.spec_policy import SpecPolicy
 from target_proc.verify import (SamplingCache, logits_process, logprobs_at, output_logprobs, sampling_tensors,
@@ -46,7 +48,7 @@ from target_proc.verify import (SamplingCache, logits_process, logprobs_at, outp
 logger = logging.getLogger(__name__)
 
 
-class TargetWorker:
+class TargetWorker(ClientRequests):
     def __init__(self, cfg: RuntimeConfig, runner, client_channel, draft_link: DraftLink | None,
                  logits_transform=None):
         """logits_transform(logits [N, V], seqs, positions [N]) -> logits, applied to every
@@ -74,8 +76,9 @@ class TargetWorker:
         self.totals = RequestStats(accepted_per_position=[0] * self.k, drafted_per_position=[0] * self.k)
         self.outputs: dict[bytes, list[RequestOutput]] = {}
         self.timing = dict.fromkeys(("verify_s", "draft_wait_s", "draft_work_s", "loop_s", "admit_s"), 0.0)
-        self.timing["num_steps"] = 0
-        self.timing["host_parts"] = dict.fromkeys(("poll", "outcomes", "accept", "record", "verify_launch"), 0.0)
+        self.timing["num_steps"] = self.timing["num_steps_ahead"] = 0
+        self.timing["host_parts"] = dict.fromkeys(("poll", "outcomes", "accept", "record", "verify_launch", "land"),
+                                                  0.0)
         self.policy = SpecPolicy(cfg.sched.spec_policy, cfg.sched.spec_policy_probe_every)
         self._context = 0
         # SSD: each step's plan (SSD round, SD round, halves step or plain step) from measured costs.
@@ -84,6 +87,11 @@ class TargetWorker:
         # after the request two back, or a chain when that one had no work-ahead (record_round).
         self._last_flags = (True, True, True)
         self._halves, self._sampling = Halves(), SamplingCache(runner)
+        # A plain step queued but not landed (target_proc/ahead.py), and when the last step landed.
+        self._ahead: Launched | None = None
+        self._landed_at = 0.0
+        overlap = cfg.sched.overlap_schedule
+        self._overlap = runner.tp is None and (overlap == "on" or overlap == "auto" and runner.device.type == "cuda")
 
     # ------------------------------------------------------------------ loop
 
@@ -96,86 +104,12 @@ class TargetWorker:
             t1 = time.perf_counter()
             self.admit()
             t2 = time.perf_counter()
-            ran = self.step() if self.running else False
+            ran = self.step() if self.running or self._ahead else False
             self.flush_outputs()
             if ran:  # the parts of a step's iteration that verify_s and draft_wait_s leave out
                 self.timing["loop_s"] += time.perf_counter() - t0
                 self.timing["admit_s"] += t2 - t1
                 self.timing["host_parts"]["poll"] += t1 - t0
-
-    def poll_clients(self, block: bool) -> None:
-        timeout = 0.05 if block else 0.0
-        while True:
-            try:
-                got = self.clients.recv(timeout_s=timeout)
-            except ProtocolError as e:
-                logger.warning("rejected a malformed client message: %s", e)
-                if e.peer is not None:
-                    self.clients.send_error_to(e.peer, e.code, str(e))
-                continue
-            if got is None:
-                return
-            timeout = 0.0
-            ident, msg = got
-            try:
-                self.on_client_message(ident, msg)
-            except Exception as e:  # noqa: BLE001 - one message that cannot be handled fails alone
-                logger.exception("could not handle a %s from a client", type(msg).__name__)
-                self.clients.send_error_to(ident, "internal", f"{type(e).__name__}: {e}",
-                                           request_id=getattr(msg, "request_id", ""))
-
-    def on_client_message(self, ident: bytes, msg) -> None:
-        if isinstance(msg, GenerateRequest):
-            self.on_generate(ident, msg)
-        elif isinstance(msg, AbortRequest):
-            self.on_abort(ident, msg.request_id)
-        elif isinstance(msg, StatsRequest):
-            # The draft's counters are the ones it pushed last: a scrape never waits on it.
-            self.clients.send_to(ident, self.engine_stats())
-
-    def on_generate(self, ident: bytes, req: GenerateRequest) -> None:
-        key = (ident, req.request_id)
-        try:
-            if key in self.by_request:
-                raise RequestError(f"request_id {req.request_id!r} is already in flight")
-            prompt = validate_request(req, self.runner.vocab_size, self.max_model_len)
-            self.sched.check_fits(len(prompt), req.sampling.max_tokens)
-        except RequestError as e:
-            self.clients.send_to(ident, ErrorReply(code="bad_request", message=str(e), request_id=req.request_id))
-            return
-        sp = req.sampling
-        seq = Sequence(
-            seq_id=self.next_seq_id,
-            request_id=req.request_id,
-            client=ident,
-            prompt_token_ids=prompt,
-            sampling=sp,
-            seed=sp.seed if sp.seed is not None else self.rng.getrandbits(62),
-        )
-        if self.runner.tokenizer is not None:  # random-weight benchmark models have none
-            seq.detok = IncrementalDetokenizer(self.runner.tokenizer, prompt, sp.skip_special_tokens)
-        if sp.structured is not None:
-            try:
-                seq.grammar = self.grammars.start(sp.structured)
-            except ValueError as e:
-                self.clients.send_to(ident, ErrorReply(code="bad_request", message=str(e), request_id=req.request_id))
-                return
-        seq.stats.num_prompt_tokens = len(prompt)
-        seq.stats.accepted_per_position = [0] * self.k
-        seq.stats.drafted_per_position = [0] * self.k
-        self.next_seq_id += 1
-        self.by_request[key] = seq
-        self.waiting.append(seq)
-
-    def on_abort(self, ident: bytes, request_id: str) -> None:
-        seq = self.by_request.get((ident, request_id))
-        if seq is None:
-            return
-        if seq in self.waiting:
-            self.waiting.remove(seq)
-        seq.finished = True
-        seq.finish_reason = "abort"
-        self.finish(seq)
 
     # ------------------------------------------------------------------ admission
 
@@ -229,42 +163,79 @@ class TargetWorker:
 
     def step(self) -> bool:
         """One round over every running sequence (the module docstring's steps 1 to 5);
-        False when preemption left none to run."""
+        False when preemption left none to run. A plain step that may run ahead
+        (target_proc/ahead.py) is only queued: the next call lands it."""
         self.step_id += 1
-        for seq in self.sched.reserve(self.running, self.waiting):
+        prev, self._ahead = self._ahead, None
+        ahead = {s.seq_id for s in prev.seqs if not ends_by_length(s, self.max_model_len)} if prev else ()
+        for seq in self.sched.reserve(self.running, self.waiting, ahead):
             self.draft.preempt(seq.seq_id)  # re-synced when it runs again
         seqs = list(self.running.values())
         if not seqs:
-            return False
+            return prev is not None and self._land(prev) is None
         t0 = time.perf_counter()
         # Plain steps keep the draft in sync: it gets each outcome as (0, t), answering nothing.
         self._context = sum(s.num_tokens for s in seqs) // len(seqs)  # the round policy's cost bucket
         plan, batch = self._plan(seqs), len(seqs)
+        early = self._overlap and not plan.speculate and allows_ahead(seqs)
+        if prev is not None and early:  # those prev ends by length run no more
+            seqs = [s for s in seqs if s.seq_id in ahead or s.seq_id not in prev.row_of]
+        elif prev is not None:
+            self._land(prev)
+            seqs, t0 = [s for s in seqs if self.running.get(s.seq_id) is s], time.perf_counter()
+        if not seqs:
+            return prev is not None and self._land(prev) is None
         seqs = self._halves.next(seqs) if plan.kind == "halves" else seqs
-        speculate = plan.speculate
-        specs = self.draft.collect(seqs) if speculate else {}
-        t1 = time.perf_counter()
-        num_draft, num_accepted, out_tokens, logprobs = self._verify(seqs, specs, t1)
+        specs = self.draft.collect(seqs) if plan.speculate else {}
+        run = self._launch(seqs, specs, plan, batch, t0, prev if early else None)
+        if early:
+            if prev is not None:
+                self._land(prev)  # while `run` computes
+            self._ahead = run
+            self.timing["num_steps_ahead"] += prev is not None
+        else:
+            self._land(run)
+        return True
+
+    def _land(self, run: Launched) -> None:
+        """Read a queued step's tokens to the host (the sync), then tell the draft, apply
+        them, feed the round policy and stream. Sequences that ended or left (finished,
+        aborted, preempted) since it was queued are skipped."""
+        t2 = time.perf_counter()
+        if run.done is not None:
+            run.done.synchronize()  # sync: the accepted prefix decides what the host does next
+        num_accepted, out_tokens = run.host[0].tolist(), run.host[1].tolist()
+        seqs, num_draft = run.seqs, run.num_draft
+        logprobs = None if run.target_logits is None else output_logprobs(seqs, run.target_logits, run.out_tokens)
+        if any(self.running.get(s.seq_id) is not s for s in seqs):
+            keep = [i for i, s in enumerate(seqs) if self.running.get(s.seq_id) is s]
+            seqs, num_draft = [seqs[i] for i in keep], [num_draft[i] for i in keep]
+            num_accepted, out_tokens = [num_accepted[i] for i in keep], [out_tokens[i] for i in keep]
+            logprobs = logprobs and tuple(None if x is None else [x[i] for i in keep] for x in logprobs)
         tm = self.timing
+        start = max(run.t1, self._landed_at)  # a step queued ahead counts from the landing before it
         tm["num_steps"] += 1
-        tm["draft_wait_s"] += t1 - t0
-        tm["verify_s"] += (t2 := time.perf_counter()) - t1
+        tm["draft_wait_s"] += run.t1 - run.t0
+        tm["verify_s"] += (t3 := time.perf_counter()) - start
         draft_work_s = self.draft.take_draft_work_s()
         tm["draft_work_s"] += draft_work_s
         # Overlap-scheduled acceptance: tell the draft first, post-process after. SSD:
         # the plan says whether the draft works ahead for the next round (at which tree
         # shape, with which backup) or answers it with a chain (SD); plain steps wait for nothing.
-        self.draft.send_outcomes(seqs, specs, num_accepted, out_tokens, speculate, lambda n: plan)
-        t3 = time.perf_counter()
-        self._accept(seqs, specs, num_draft, num_accepted, out_tokens, logprobs, speculate)
+        plan, specs = run.plan, run.specs
+        self.draft.send_outcomes(seqs, specs, num_accepted, out_tokens, plan.speculate, lambda n: plan)
         t4 = time.perf_counter()
-        self._record_step(seqs, plan, specs, num_draft, num_accepted, t0, t1, draft_work_s, batch)
+        self._accept(seqs, specs, num_draft, num_accepted, out_tokens, logprobs, plan.speculate)
+        t5 = time.perf_counter()
+        self._record_step(seqs, plan, specs, num_draft, num_accepted, run.t1 - run.t0, t5 - start, draft_work_s,
+                          run.batch)
         parts = tm["host_parts"]
-        parts["outcomes"] += t3 - t2
-        parts["accept"] += t4 - t3
-        parts["record"] += time.perf_counter() - t4
+        parts["outcomes"] += t4 - t3
+        parts["accept"] += t5 - t4
+        parts["record"] += time.perf_counter() - t5
+        parts["land"] += t3 - t2
+        self._landed_at = t5  # steps queued back to back: each is timed from one landing to the next
         self._emit(seqs)
-        return True
 
     def _plan(self, seqs: list[Sequence]) -> RoundPlan:
         if not self.draft.present:
@@ -294,27 +265,31 @@ class TargetWorker:
             else:
                 self.sched.commit(seq)
 
-    def _record_step(self, seqs, plan: RoundPlan, specs, num_draft, num_accepted, t0: float, t1: float,
+    def _record_step(self, seqs, plan: RoundPlan, specs, num_draft, num_accepted, wait_s: float, busy_s: float,
                      draft_work_s: float, batch: int) -> None:
         """Feed the step's timings to the policy that chose its plan (batch: every running sequence);
         a step that finished a sequence measures nothing (releasing it is a one-off host cost)."""
         if self.rounds is not None:
             steady = all(s.stats.num_rounds > STEADY_AFTER_ROUNDS and not s.finished for s in seqs)
-            self.rounds.record_step(plan, specs, num_draft, num_accepted, t1 - t0, time.perf_counter() - t1,
+            self.rounds.record_step(plan, specs, num_draft, num_accepted, wait_s, busy_s,
                                     draft_work_s, steady=steady, context=self._context, batch=batch)
         elif self.draft.present:
-            self.policy.record(len(seqs), plan.speculate, sum(n + 1 for n in num_accepted), time.perf_counter() - t0)
+            self.policy.record(len(seqs), plan.speculate, sum(n + 1 for n in num_accepted), wait_s + busy_s)
         self._last_flags = self._last_flags[1:] + (plan.work_ahead,)
 
-    def _verify(self, seqs: list[Sequence], specs: dict[int, DraftTokens], t0: float):
-        """One verify forward over [x_n, d_1..d_m] per sequence (begun at t0), then rejection sampling. Returns
-        host lists num_draft [B], num_accepted [B], output tokens [B][k_max + 1], and logprobs (or None)."""
+    def _launch(self, seqs: list[Sequence], specs: dict[int, DraftTokens], plan: RoundPlan, batch: int, t0: float,
+                prev: Launched | None) -> Launched:
+        """Queue one verify forward over [x_n, d_1..d_m] per sequence (m = 0: a plain step),
+        then rejection sampling; nothing waits on the GPU. prev: the plain step still on the
+        device whose sampled tokens feed the sequences it ran (target_proc/ahead.py)."""
+        t1 = time.perf_counter()
         k_max = max((len(specs[s.seq_id].draft_token_ids) for s in seqs if s.seq_id in specs), default=0)
+        rows = ahead_of(prev, seqs)
         # Each sequence feeds its real length; the runner pads to its graph's shape.
-        items, num_draft, q_lens = [], [], []
-        for seq in seqs:
+        items, num_draft, q_lens, bases = [], [], [], []
+        for seq, r in zip(seqs, rows):
             spec = specs.get(seq.seq_id)
-            n = seq.num_tokens
+            n = seq.num_tokens + (r >= 0)  # ahead: its last token is prev's, on the device
             # Never verify more than K (the KV rows reserved), past the context or past
             # max_tokens (the last token is free).
             m = 0 if spec is None else len(spec.draft_token_ids)
@@ -323,12 +298,15 @@ class TargetWorker:
             items.append(ForwardItem(fed, n - 1, self.kv.rows(seq.seq_id, n - 1 + len(fed)), "all"))
             num_draft.append(m)
             q_lens.append(len(fed))
+            bases.append(n)
 
         # Upload the verify inputs before the forward is queued: then nothing between the
         # forward and the acceptance kernels waits on the GPU.
         self.sched.count_step_tokens(sum(q_lens))
-        inputs = verify_inputs(seqs, specs, num_draft, q_lens, k_max, self._sampling.get(seqs), self.runner.device)
-        flat_logits = transform_rows(self.logits_transform, self.runner.run(items), seqs, q_lens)
+        inputs = verify_inputs(seqs, specs, num_draft, q_lens, k_max, self._sampling.get(seqs), self.runner.device,
+                               bases)
+        fill = fill_tokens(prev, rows) if prev is not None else None
+        flat_logits = transform_rows(self.logits_transform, self.runner.run(items, fill), seqs, q_lens, bases)
         target_logits = flat_logits[inputs.gather]  # [sum(q_lens), V] -> [B, k_max + 1, V]
         proc = logits_process(seqs, self.runner)
         if proc is not None:
@@ -340,11 +318,12 @@ class TargetWorker:
             target_logits_p = self.grammars.mask([s.grammar for s in seqs], target_logits_p, drafts)
         res = rejection_sample(target_logits_p, inputs.draft_token_ids, inputs.num_draft_tokens, inputs.q_token_ids,
                                inputs.q_probs, inputs.st, inputs.positions)
-        self.timing["host_parts"]["verify_launch"] += time.perf_counter() - t0
-        num_accepted = res.num_accepted.cpu()  # sync: the accepted prefix decides what the host does next
-        out_tokens = res.output_token_ids.cpu()
-        logprobs = output_logprobs(seqs, target_logits, res.output_token_ids)
-        return num_draft, num_accepted.tolist(), out_tokens.tolist(), logprobs
+        self.timing["host_parts"]["verify_launch"] += time.perf_counter() - t1
+        wants_logprobs = any(s.sampling.logprobs for s in seqs)
+        return Launched(seqs, plan, specs, num_draft, res.num_accepted, res.output_token_ids,
+                        *to_host(res.num_accepted, res.output_token_ids), target_logits if wants_logprobs else None,
+                        batch, t0, t1,
+                        {s.seq_id: i for i, s in enumerate(seqs)})
 
     # ------------------------------------------------------------------ helpers
 

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 import zmq
 
 from e2e_util import wait_until
@@ -251,7 +252,7 @@ def _worker(link: DraftLink) -> tuple[TargetWorker, list]:
     sent: list = []
     clients = SimpleNamespace(send_to=lambda ident, msg: sent.append((ident, msg)) or True)
     runner = SimpleNamespace(layout=SimpleNamespace(max_model_len=64, num_blocks=8, block_size=16), eos_token_ids=[0],
-                             tokenizer=None, vocab_size=64)
+                             tokenizer=None, vocab_size=64, tp=None, device=torch.device("cpu"))
     cfg = RuntimeConfig(spec=SpeculativeConfig(mode="sd", k=K), sched=SchedulerConfig(max_batch_size=8))
     return TargetWorker(cfg, runner, clients, link), sent
 

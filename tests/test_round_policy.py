@@ -226,10 +226,12 @@ def test_predictions_follow_the_model():
         RoundPolicy(lambda b: [1], probe_every=1)
 
 
-def test_greedy_output_is_ars_across_forced_switches(tiny_pair, ar_reference):
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_greedy_output_is_ars_across_forced_switches(tiny_pair, ar_reference, overlap):
     """The default SSD policies with a probe every 2 steps, 8 sequences: SSD rounds (at
     several tree shapes), SD rounds, halves steps and plain steps alternate all the time;
-    the output stays exactly AR's and every round of every request is accounted for."""
+    the output stays exactly AR's and every round of every request is accounted for.
+    overlap on: plain steps are queued ahead (target_proc/ahead.py) between the others."""
     from e2e_util import make_config, random_prompts
     from protocol.messages import SamplingParams
     from spec_runtime.client import Client
@@ -240,7 +242,7 @@ def test_greedy_output_is_ars_across_forced_switches(tiny_pair, ar_reference):
     ar = ar_reference(target, prompts, sp.max_tokens, max_batch_size=8)
     cfg = make_config(target, draft, mode="ssd", k=3, work_ahead="auto", tree_shape="auto", spec_policy="adaptive")
     cfg = cfg.replace(sched=SchedulerConfig(max_batch_size=8, max_model_len=256, spec_policy="adaptive",
-                                            spec_policy_probe_every=2))
+                                            spec_policy_probe_every=2, overlap_schedule=overlap))
     with Client(cfg) as client:
         res = client.generate_batch(prompts, sp)
         stats = client.engine_stats()
@@ -249,7 +251,8 @@ def test_greedy_output_is_ars_across_forced_switches(tiny_pair, ar_reference):
     assert stats.num_halves_steps > 0
     assert stats.round_choices and all(isinstance(k, int) for k in stats.round_choices)
     assert 0 < stats.round_policy_s < stats.loop_s  # the policy's own host time, within the steps'
-    assert set(stats.host_parts) == {"poll", "outcomes", "accept", "record", "verify_launch"}
+    assert set(stats.host_parts) == {"poll", "outcomes", "accept", "record", "verify_launch", "land"}
+    assert (stats.num_steps_ahead > 0) == (overlap == "on")
     assert all(v > 0 for v in stats.host_parts.values()) and sum(stats.host_parts.values()) < stats.loop_s
     assert stats.host_parts["verify_launch"] < stats.verify_s  # the verify's part before its sync
     t = stats.totals

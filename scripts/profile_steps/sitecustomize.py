@@ -174,7 +174,7 @@ if _ROLE is not None and os.environ.get("PROFILE_STEPS", "40") != "0":
             from target_proc import draft_link, verify, worker
 
             W = worker.TargetWorker
-            for name in ("_plan", "_verify", "_accept", "_record_step", "_emit", "admit", "flush_outputs",
+            for name in ("_plan", "_launch", "_land", "_accept", "_record_step", "_emit", "admit", "flush_outputs",
                          "poll_clients"):
                 _wrap(W, name, f"target.{name}")
             for name in ("collect", "send_outcomes", "check"):

@@ -278,11 +278,13 @@ class ModelRunner:
         hidden = self.model(batch.input_ids, batch.positions, batch)  # [T, H]
         return self.model.compute_logits(hidden[batch.logits_indices])  # [N, V]
 
-    def run(self, items: Sequence[ForwardItem]) -> torch.Tensor:
+    def run(self, items: Sequence[ForwardItem], fill=None) -> torch.Tensor:
         """Logits of `items` (padded to a graph's shape where one fits, see `_batch`);
         positions must fit in max_model_len. With
         tensor parallelism, rank 0 sends the items to the other ranks first (they run
-        the same forward in `follow`)."""
+        the same forward in `follow`). fill(input_ids): writes token ids that are still on
+        the device into the batch's input ids before the forward (target_proc/ahead.py);
+        not with tensor parallelism, whose other ranks take the ids from the host."""
         limit = self.layout.max_model_len
         for it in items:
             if it.start_pos + len(it.token_ids) > limit:
@@ -290,8 +292,13 @@ class ModelRunner:
                     f"request reaches position {it.start_pos + len(it.token_ids)} > max_model_len {limit}"
                 )
         if self.tp is not None:
+            if fill is not None:
+                raise ValueError("tensor-parallel ranks take their input ids from the host: no fill")
             self.tp.send_items(items)
-        return self.forward(self._batch(items))
+        batch = self._batch(items)
+        if fill is not None:
+            fill(batch.input_ids)
+        return self.forward(batch)
 
     def _batch(self, items: Sequence[ForwardItem]) -> ForwardBatch:
         """The batch of `items`, padded to a captured graph's shape where one fits: callers

@@ -106,6 +106,8 @@ ENGINE_COUNTERS = (
      "SSD: moves of the draft's tree to fewer branches per sequence."),
     ("tree_grows", "draft_tree_grows", "spec_decode_tree_grows",
      "SSD: moves of the draft's tree to more branches per sequence."),
+    ("steps_ahead", "num_steps_ahead", "steps_queued_ahead",
+     "Plain steps queued on the GPU before the host read the tokens of the step before them (--overlap-schedule)."),
     ("prefill_chunks", "num_prefill_chunks", "num_prefill_chunks",
      "Chunked prefill: prefill pieces that stopped short of their prompt's end, the rest left for later steps "
      "(--max-num-batched-tokens)."),
