@@ -86,11 +86,13 @@ def _prompts(num: int, seed: int, lo: int = 4, hi: int = 30) -> list[list[int]]:
 
 
 def _both(target, requests, **kw):
-    """The same requests with overlap off, then on: (off, on, steps queued ahead with it on)."""
+    """The same requests with overlap off, then on: (off, on, steps queued ahead with it on,
+    the engine stats of the run with it on)."""
     serve_kw = {k: kw.pop(k) for k in ("aborts", "late") if k in kw}
     off, _ = _serve(*_worker(target, False, **kw), requests, **serve_kw)
-    on, queued = _serve(*_worker(target, True, **kw), requests, **serve_kw)
-    return off, on, queued
+    worker, clients = _worker(target, True, **kw)
+    on, queued = _serve(worker, clients, requests, **serve_kw)
+    return off, on, queued, worker.engine_stats()
 
 
 def test_greedy_and_sampled_requests_with_stops_give_the_same_tokens(tiny_pair):
@@ -105,7 +107,7 @@ def test_greedy_and_sampled_requests_with_stops_give_the_same_tokens(tiny_pair):
         if i in (0, 2, 4):  # greedy: a token its greedy run produces mid-way stops it there
             sp["stop_token_ids"] = [ref[str(i)][0][5 + i]]
         requests.append((p, sp))
-    off, on, queued = _both(tiny_pair.target, requests)
+    off, on, queued, stats = _both(tiny_pair.target, requests)
     assert on == off
     assert queued > 20
     assert [off[str(i)][1] for i in range(6)] == ["stop", "length"] * 3
@@ -117,9 +119,10 @@ def test_aborts_preemption_and_chunked_prefill_give_the_same_tokens(tiny_pair):
     prompts = _prompts(7, seed=1, lo=10, hi=40)
     requests = [(p, dict(max_tokens=30, temperature=0.7 if i % 3 == 0 else 0.0, seed=i, ignore_eos=True))
                 for i, p in enumerate(prompts)]
-    off, on, queued = _both(tiny_pair.target, requests, num_kv_blocks=40, budget=24, aborts=("1", "4"), late=3)
+    off, on, queued, stats = _both(tiny_pair.target, requests, num_kv_blocks=40, budget=24, aborts=("1", "4"),
+                                   late=3)
     assert on == off
-    assert queued > 20
+    assert queued > 20 and stats.num_preemptions > 0 and stats.num_prefill_chunks > 0
     assert off["1"][1] == off["4"][1] == "abort"
 
 
@@ -129,11 +132,11 @@ def test_a_request_that_reads_its_logits_on_the_host_keeps_the_steps_synchronous
     prompts = _prompts(3, seed=2)
     requests = [(p, dict(max_tokens=16, temperature=0.0, ignore_eos=True)) for p in prompts]
     requests[1] = (prompts[1], dict(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=2))
-    off, on, queued = _both(tiny_pair.target, requests)
+    off, on, queued, stats = _both(tiny_pair.target, requests)
     assert on == off and len(on["1"][2]) == 16
     assert queued == 0
     requests[1] = (prompts[1], dict(max_tokens=16, temperature=0.0, ignore_eos=True, repetition_penalty=1.3))
-    off, on, queued = _both(tiny_pair.target, requests)
+    off, on, queued, stats = _both(tiny_pair.target, requests)
     assert on == off and queued == 0
 
 
@@ -186,6 +189,6 @@ def test_on_a_gpu_with_cuda_graphs_the_tokens_are_the_same(tmp_path):
     prompts = _prompts(7, seed=5, lo=10, hi=40)
     requests = [(p, dict(max_tokens=24 + i, temperature=0.7 if i % 2 else 0.0, seed=i, ignore_eos=True))
                 for i, p in enumerate(prompts)]
-    off, on, queued = _both(target, requests, device="cuda:0", aborts=("2",), late=3)
+    off, on, queued, stats = _both(target, requests, device="cuda:0", aborts=("2",), late=3)
     assert on == off
     assert queued > 20
