@@ -20,9 +20,10 @@ On a CPU the forward runs while it is queued, so there is nothing to overlap ("a
 CUDA only).
 
 Only plain steps run ahead, and only when every running request allows it: a grammar
-masks the next step's logits by this step's token, penalties and min_tokens count it on
-the host, and logprobs read the logits on the host. With tensor parallelism (the other
-ranks take the batch's token ids from the host) every step is synchronous.
+masks the next step's logits by this step's token, and penalties and min_tokens count it
+on the host. Logprobs do not stop it: they are computed on the device at launch and
+copied to the host with the tokens. With tensor parallelism (the other ranks take the
+batch's token ids from the host) every step is synchronous.
 """
 
 from __future__ import annotations
@@ -45,24 +46,22 @@ class Launched:
     plan: RoundPlan
     specs: dict  # seq_id -> DraftTokens verified
     num_draft: list[int]
-    num_accepted: torch.Tensor  # [B] on the device
     out_tokens: torch.Tensor  # [B, k_max + 1] on the device
-    host: tuple[torch.Tensor, torch.Tensor]  # the two, copied to (pinned) host memory as `done` completes
-    done: object  # a torch.cuda.Event recorded after that copy, or None (a CPU step)
-    target_logits: torch.Tensor | None  # [B, k_max + 1, V], kept when a row wants logprobs
+    host: tuple  # num_accepted [B], out_tokens and the logprobs tensors (or None), in host memory once `done`
+    done: object  # a torch.cuda.Event recorded after their copy, or None (a CPU step)
     batch: int  # the running sequences when it was planned (a halves step runs fewer)
     t0: float  # the step began (perf_counter)
     t1: float  # its speculations were in
     row_of: dict[int, int]  # seq_id -> row, for the plain step queued after it
 
 
-def to_host(num_accepted: torch.Tensor, out_tokens: torch.Tensor):
-    """(host copies, event): the copies are queued right behind the step's sampling, so
-    the event completes with the step, not with the steps queued after it (a plain
-    `.cpu()` at landing would wait for those too)."""
-    if num_accepted.device.type != "cuda":
-        return (num_accepted, out_tokens), None
-    host = (num_accepted.to("cpu", non_blocking=True), out_tokens.to("cpu", non_blocking=True))  # pinned
+def to_host(*tensors):
+    """(host copies, event): the copies (None stays None) are queued right behind the
+    step's sampling, so the event completes with the step, not with the steps queued after
+    it (a plain `.cpu()` at landing would wait for those too)."""
+    if tensors[0].device.type != "cuda":
+        return tensors, None
+    host = tuple(None if t is None else t.to("cpu", non_blocking=True) for t in tensors)  # pinned
     done = torch.cuda.Event()
     done.record()
     return host, done
@@ -70,7 +69,7 @@ def to_host(num_accepted: torch.Tensor, out_tokens: torch.Tensor):
 
 def allows_ahead(seqs: list[Sequence]) -> bool:
     """Whether a plain step over `seqs` may run ahead of the step before it lands (module doc)."""
-    return all(s.grammar is None and not s.sampling.logprobs and not needs_processing(s.sampling) for s in seqs)
+    return all(s.grammar is None and not needs_processing(s.sampling) for s in seqs)
 
 
 def ends_by_length(seq: Sequence, max_model_len: int) -> bool:

@@ -61,16 +61,22 @@ def verify_inputs(seqs, specs, num_draft, q_lens, k_max, st, device, bases=None)
     )
 
 
-def output_logprobs(seqs, logits: torch.Tensor, out_tokens: torch.Tensor):
-    """Host copies of (logprobs [B, S], top ids [B, S, N], top logprobs [B, S, N]) of the
-    output tokens from the raw target logits [B, S, V], or None when no row asks."""
+def device_logprobs(seqs, logits: torch.Tensor, out_tokens: torch.Tensor):
+    """(logprobs [B, S], top ids [B, S, N] or None, top logprobs [B, S, N] or None) of the
+    output tokens from the raw target logits [B, S, V], on their device; None when no row asks."""
     if not any(s.sampling.logprobs for s in seqs):
         return None
-    num_top = max(s.sampling.top_logprobs for s in seqs)
-    lp, top_ids, top_lp = token_logprobs(logits, out_tokens, num_top)
-    # sync: logprobs stream with their tokens
-    return (lp.cpu().tolist(), top_ids.cpu().tolist() if top_ids is not None else None,
-            top_lp.cpu().tolist() if top_lp is not None else None)
+    return token_logprobs(logits, out_tokens, max(s.sampling.top_logprobs for s in seqs))
+
+
+def logprobs_lists(logprobs):
+    """`device_logprobs`' tensors (on the host, or copied there: a sync) as nested lists."""
+    return None if logprobs is None else tuple(None if x is None else x.tolist() for x in logprobs)
+
+
+def output_logprobs(seqs, logits: torch.Tensor, out_tokens: torch.Tensor):
+    """Host lists of `device_logprobs` (a sync: the logprobs stream with their tokens)."""
+    return logprobs_lists(device_logprobs(seqs, logits, out_tokens))
 
 
 def logprobs_at(logprobs, i: int, t: int) -> tuple:

@@ -42,8 +42,8 @@ from target_proc.requests import ClientRequests
 from target_proc.sequence import Sequence, StopChecker
 from target_proc.round_policy import PLAIN, SD, STEADY_AFTER_ROUNDS, RoundPlan, RoundPolicy
 from target_proc.spec_policy import SpecPolicy
-from target_proc.verify import (SamplingCache, logits_process, logprobs_at, output_logprobs, sampling_tensors,
-                                transform_rows, verify_inputs)
+from target_proc.verify import (SamplingCache, device_logprobs, logits_process, logprobs_at, logprobs_lists,
+                                output_logprobs, sampling_tensors, transform_rows, verify_inputs)
 
 logger = logging.getLogger(__name__)
 
@@ -206,7 +206,7 @@ class TargetWorker(ClientRequests):
             run.done.synchronize()  # sync: the accepted prefix decides what the host does next
         num_accepted, out_tokens = run.host[0].tolist(), run.host[1].tolist()
         seqs, num_draft = run.seqs, run.num_draft
-        logprobs = None if run.target_logits is None else output_logprobs(seqs, run.target_logits, run.out_tokens)
+        logprobs = logprobs_lists(run.host[2:]) if len(run.host) > 2 else None  # (logprobs, top ids, top logprobs)
         if any(self.running.get(s.seq_id) is not s for s in seqs):
             keep = [i for i, s in enumerate(seqs) if self.running.get(s.seq_id) is s]
             seqs, num_draft = [seqs[i] for i in keep], [num_draft[i] for i in keep]
@@ -319,10 +319,9 @@ class TargetWorker(ClientRequests):
         res = rejection_sample(target_logits_p, inputs.draft_token_ids, inputs.num_draft_tokens, inputs.q_token_ids,
                                inputs.q_probs, inputs.st, inputs.positions)
         self.timing["host_parts"]["verify_launch"] += time.perf_counter() - t1
-        wants_logprobs = any(s.sampling.logprobs for s in seqs)
-        return Launched(seqs, plan, specs, num_draft, res.num_accepted, res.output_token_ids,
-                        *to_host(res.num_accepted, res.output_token_ids), target_logits if wants_logprobs else None,
-                        batch, t0, t1,
+        logprobs = device_logprobs(seqs, target_logits, res.output_token_ids)
+        return Launched(seqs, plan, specs, num_draft, res.output_token_ids,
+                        *to_host(res.num_accepted, res.output_token_ids, *(logprobs or ())), batch, t0, t1,
                         {s.seq_id: i for i, s in enumerate(seqs)})
 
     # ------------------------------------------------------------------ helpers

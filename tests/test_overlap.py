@@ -68,7 +68,8 @@ def _serve(worker: TargetWorker, clients: _Clients, requests: list[tuple[list[in
             for o in msg.outputs if isinstance(msg, TokenOutputs) else ():
                 toks, _, lps = out.setdefault(o.request_id, [[], None, []])
                 toks.extend(o.new_token_ids)
-                lps.extend(o.logprobs or [])
+                lps.extend(zip(o.logprobs, o.top_token_ids or [()] * len(o.logprobs),
+                               o.top_logprobs or [()] * len(o.logprobs)))
                 if o.finished:
                     out[o.request_id][1] = o.finish_reason
                 if o.request_id in aborts and len(toks) >= 3 and o.request_id not in aborted:
@@ -126,15 +127,17 @@ def test_aborts_preemption_and_chunked_prefill_give_the_same_tokens(tiny_pair):
     assert off["1"][1] == off["4"][1] == "abort"
 
 
-def test_a_request_that_reads_its_logits_on_the_host_keeps_the_steps_synchronous(tiny_pair):
-    """Logprobs (and likewise grammars and penalties) need each step's result on the host
-    before the next step: while such a request runs, nothing is queued ahead."""
+def test_logprobs_run_ahead_and_penalties_keep_the_steps_synchronous(tiny_pair):
+    """Logprobs are computed on the device at launch and copied with the tokens: the same
+    logprobs, steps queued ahead. A penalty (likewise a grammar) needs each step's token on
+    the host before the next step: while such a request runs, nothing is queued ahead."""
     prompts = _prompts(3, seed=2)
     requests = [(p, dict(max_tokens=16, temperature=0.0, ignore_eos=True)) for p in prompts]
-    requests[1] = (prompts[1], dict(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=2))
+    requests[1] = (prompts[1], dict(max_tokens=16, temperature=0.7, seed=3, ignore_eos=True, logprobs=True,
+                                    top_logprobs=2))
     off, on, queued, stats = _both(tiny_pair.target, requests)
-    assert on == off and len(on["1"][2]) == 16
-    assert queued == 0
+    assert on == off and len(on["1"][2]) == 16 and all(len(ids) == len(lps) == 2 for _, ids, lps in on["1"][2])
+    assert queued > 10
     requests[1] = (prompts[1], dict(max_tokens=16, temperature=0.0, ignore_eos=True, repetition_penalty=1.3))
     off, on, queued, stats = _both(tiny_pair.target, requests)
     assert on == off and queued == 0
