@@ -182,9 +182,11 @@ class TargetWorker(ClientRequests):
             seqs = [s for s in seqs if s.seq_id in ahead or s.seq_id not in prev.row_of]
         elif prev is not None:
             self._land(prev)
-            seqs, t0 = [s for s in seqs if self.running.get(s.seq_id) is s], time.perf_counter()
-        if not seqs:
-            return prev is not None and self._land(prev) is None
+            seqs, t0, prev = [s for s in seqs if self.running.get(s.seq_id) is s], time.perf_counter(), None
+        if not seqs:  # prev ended every sequence
+            if prev is not None:
+                self._land(prev)
+            return True
         seqs = self._halves.next(seqs) if plan.kind == "halves" else seqs
         specs = self.draft.collect(seqs) if plan.speculate else {}
         run = self._launch(seqs, specs, plan, batch, t0, prev if early else None)

@@ -160,17 +160,21 @@ def test_plain_steps_of_an_sd_engine_send_the_draft_the_same_outcomes_in_order(t
     """Between speculating steps (which never run ahead), the plain steps the policy chooses
     are queued ahead; the draft is sent the same outcomes in the same order either way."""
     prompts = _prompts(4, seed=3)
-    requests = [(p, dict(max_tokens=18 + i, temperature=0.0, ignore_eos=True)) for i, p in enumerate(prompts)]
-    got = {}
-    for overlap in (False, True):
-        draft = _RecordingDraft()
-        worker, clients = _worker(tiny_pair.target, overlap, mode="sd", draft=draft)
-        pattern = iter(([False] * 4 + [True]) * 100)
-        worker.policy.use_speculation = lambda batch: next(pattern)
-        out, queued = _serve(worker, clients, requests)
-        got[overlap] = (out, draft.sent)
-    assert got[True] == got[False]
-    assert any(not spec for *_, spec in got[True][1]) and any(spec for *_, spec in got[True][1])
+    for max_tokens in range(14, 19):  # the batch ends at every phase of the plan pattern
+        requests = [(p, dict(max_tokens=max_tokens + (i if max_tokens == 18 else 0), temperature=0.0,
+                             ignore_eos=True)) for i, p in enumerate(prompts)]
+        got = {}
+        for overlap in (False, True):
+            draft = _RecordingDraft()
+            worker, clients = _worker(tiny_pair.target, overlap, mode="sd", draft=draft)
+            pattern = iter(([False] * 4 + [True]) * 100)
+            worker.policy.use_speculation = lambda batch: next(pattern)
+            recorded = []
+            worker.policy.record = lambda batch, speculated, num_tokens, seconds: recorded.append(batch)
+            out, queued = _serve(worker, clients, requests)
+            got[overlap] = (out, draft.sent, worker.timing["num_steps"], recorded)
+        assert got[True] == got[False], max_tokens
+        assert any(not spec for *_, spec in got[True][1]) and any(spec for *_, spec in got[True][1])
 
 
 @pytest.mark.parametrize("overlap", [False, True])
