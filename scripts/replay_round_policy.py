@@ -28,16 +28,16 @@ STEP = re.compile(r"step batch (\d+) context (\d+): (.*?)( \(first rounds\))?, w
 
 
 def parse_plan(label: str) -> tuple[RoundPlan, int]:
-    """The plan of a record's label, and the sequences it ran when fewer than the batch (0)."""
-    m = re.fullmatch(r"halves(?: \((\d+) run\))?", label)
-    if m is not None:
-        return HALVES, int(m.group(1) or 0)
-    if label in ("sd", "plain"):
-        return (SD if label == "sd" else PLAIN), 0
+    """The plan of a record's label, and the sequences it ran when fewer than the batch (0):
+    a halves step, or a plain step queued ahead that left out a sequence ending by length."""
+    m = re.fullmatch(r"(.*?)(?: \((\d+) run\))?", label)
+    label, stepped = m.group(1), int(m.group(2) or 0)
+    if label in ("halves", "sd", "plain"):
+        return {"halves": HALVES, "sd": SD, "plain": PLAIN}[label], stepped
     m = re.fullmatch(r"ssd (\d+) branches, backup (\S+)", label)
     if m is None:
         raise ValueError(f"unknown plan {label!r}")
-    return RoundPlan("ssd", int(m.group(1)), m.group(2)), 0
+    return RoundPlan("ssd", int(m.group(1)), m.group(2)), stepped
 
 
 def main(argv: list[str] | None = None) -> None:

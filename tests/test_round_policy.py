@@ -615,6 +615,9 @@ def test_replay_reads_step_records_and_prints_the_rates(tmp_path, capsys):
     assert timed[:2] == out and re.fullmatch(r"RoundPolicy\.choose: [\d.]+ us per step over 12 steps", timed[2])
     with pytest.raises(ValueError, match="unknown plan"):
         replay.parse_plan("tree of 8")
+    # A plain step queued ahead runs fewer sequences when one ends by length.
+    assert replay.parse_plan("plain (3 run)") == (PLAIN, 3) and replay.parse_plan("halves (2 run)") == (HALVES, 2)
+    assert replay.parse_plan("ssd 8 branches, backup jit:1") == (RoundPlan("ssd", 8, "jit:1"), 0)
 
 
 def test_plain_decoding_is_measured_when_its_floor_estimate_comes_close():
