@@ -199,3 +199,22 @@ def test_on_a_gpu_with_cuda_graphs_the_tokens_are_the_same(tmp_path):
     off, on, queued, stats = _both(target, requests, device="cuda:0", aborts=("2",), late=3)
     assert on == off
     assert queued > 20
+
+
+def test_bench_overlap_script_runs_both_schedules(tmp_path):
+    """scripts/bench_overlap.py (docs/benchmarks.md's in-process step times): one line per
+    schedule and batch size; only `on` queues steps ahead."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    target = save_tiny_model(tmp_path / "tiny", "llama", hidden_size=64, num_attention_heads=2,
+                             num_key_value_heads=1, intermediate_size=128, num_hidden_layers=2)
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_overlap.py"
+    out = subprocess.run([sys.executable, str(script), "--model", target, "--device", "cpu", "--batches", "2",
+                          "--prompt-len", "8", "--max-tokens", "90", "--repeats", "1", "--vocab", "200"],
+                         capture_output=True, text=True, timeout=300, check=True).stdout.splitlines()
+    lines = [ln for ln in out if ln.startswith("overlap")]
+    assert [ln.split()[1] for ln in lines] == ["off", "on"], out
+    queued = [int(ln.split("queued ahead ")[1].split(";")[0]) for ln in lines]
+    assert queued[0] == 0 and queued[1] >= 80, lines
