@@ -9,14 +9,26 @@ recorded choices, so this shows how the policy rates what ran, not a new run.
 
 --time also asks the policy for a plan before each record, as the target does every step,
 and prints the mean host time of that call (the recorded plan is still the one fed back).
+
+--simulate N runs a fresh policy for N steps at --batch instead, each step costing a record
+drawn from those the chosen plan made in the log (the two steps after a change of plan
+from that plan's records after a change, as a switch costs; a plan the log never ran from
+the recorded plan of its kind nearest in tree shape, which it names), --repeats times with
+seeds 0, 1, ..., and prints the tokens/s it realizes beside plain steps alone: how a change
+to the policy would have fared against the costs a GPU run measured.
+
+    python scripts/replay_round_policy.py steps.log --batch 1 --levels 15,7,3 --k 4 --simulate 500 --repeats 20
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import re
+import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -40,6 +52,58 @@ def parse_plan(label: str) -> tuple[RoundPlan, int]:
     return RoundPlan("ssd", int(m.group(1)), m.group(2)), stepped
 
 
+def read_records(log: Path, batch: int) -> list[tuple[RoundPlan, int, dict, float]]:
+    """(plan, context, record's keyword arguments for RoundPolicy.record, tokens it yielded)
+    of each step record of `batch` sequences, in order."""
+    out = []
+    for line in log.read_text().splitlines():
+        m = STEP.search(line)
+        if m is None or int(m.group(1)) != batch:
+            continue
+        _, context, label, first, wait, busy, hits, specs, tokens, drafted, work = m.groups()
+        plan, stepped = parse_plan(label)
+        kw = dict(wait_s=float(wait) / 1e3, busy_s=float(busy) / 1e3, num_specs=int(specs), num_hits=int(hits),
+                  num_drafted=int(drafted), drafted_tokens=int(tokens), draft_work_s=float(work) / 1e3,
+                  steady=first is None, stepped=stepped)
+        ran = stepped or batch
+        out.append((plan, int(context), kw, ran if not plan.speculate else int(tokens) + ran - int(drafted)))
+    return out
+
+
+def simulate(records, batch: int, levels: list[int], k: int, steps: int, seed: int) -> tuple[float, Counter, dict]:
+    """A fresh RoundPolicy run for `steps` steps on costs drawn from `records` (the module
+    doc): (tokens/s, steps per plan label, {plan the log lacks: the plan that stood in})."""
+    pools: dict = {}
+    before: list = [None, None]
+    for plan, _, kw, tokens in records:
+        if kw["steady"]:
+            kind = "steady" if before == [plan, plan] else "entry"
+            pools.setdefault(plan, {"steady": [], "entry": []})[kind].append((kw, tokens))
+        before = [before[1], plan]
+    context = int(statistics.median(c for _, c, _, _ in records))
+    policy = RoundPolicy(lambda b: levels, k=k, short_jit=k // SHORT_JIT_DIV)
+    rng, stand_in = random.Random(seed), {}
+    before, seconds, total, ran = [None, None], 0.0, 0.0, Counter()
+    for _ in range(steps):
+        plan = policy.choose(batch, context)
+        pool = pools.get(plan) or pools.get(stand_in.setdefault(plan, _nearest(plan, pools)))
+        drawn = pool["steady" if before == [plan, plan] else "entry"] or pool["steady"] or pool["entry"]
+        kw, tokens = rng.choice(drawn)
+        policy.record(batch, plan, context=context, **kw)
+        seconds, total = seconds + kw["wait_s"] + kw["busy_s"], total + tokens
+        ran[plan.label()] += 1
+        before = [before[1], plan]
+    return total / seconds, ran, stand_in
+
+
+def _nearest(plan: RoundPlan, pools: dict) -> RoundPlan:
+    """The recorded plan of `plan`'s kind nearest in tree shape (the same backup first)."""
+    same = [p for p in pools if p.kind == plan.kind]
+    if not same:
+        raise SystemExit(f"the log has no step of a {plan.kind} plan ({plan.label()}) at this batch size")
+    return min(same, key=lambda p: (p.backup != plan.backup, abs(p.branches - plan.branches)))
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("log")
@@ -48,8 +112,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--k", type=int, required=True)
     p.add_argument("--top", type=int, default=4)
     p.add_argument("--time", action="store_true", help="time RoundPolicy.choose before each record")
+    p.add_argument("--simulate", type=int, default=0, help="steps of a fresh policy on the recorded costs")
+    p.add_argument("--repeats", type=int, default=10, help="simulated runs (seeds 0, 1, ...)")
     args = p.parse_args(argv)
     levels = [int(x) for x in args.levels.split(",")]
+    if args.simulate:
+        _print_simulation(args, levels)
+        return
     policy = RoundPolicy(lambda b: levels, k=args.k, short_jit=args.k // SHORT_JIT_DIV)
     last, context = None, 0
     choose_s, chosen = 0.0, 0
@@ -76,6 +145,22 @@ def main(argv: list[str] | None = None) -> None:
                       stepped=stepped)
     if chosen:
         print(f"RoundPolicy.choose: {1e6 * choose_s / chosen:.1f} us per step over {chosen} steps")
+
+
+def _print_simulation(args, levels: list[int]) -> None:
+    records = read_records(Path(args.log), args.batch)
+    plain = [(kw, t) for plan, _, kw, t in records if plan == PLAIN and kw["steady"]]
+    alone = sum(t for _, t in plain) / sum(kw["wait_s"] + kw["busy_s"] for kw, _ in plain) if plain else None
+    runs = [simulate(records, args.batch, levels, args.k, args.simulate, seed) for seed in range(args.repeats)]
+    rates = [r for r, _, _ in runs]
+    for plan, stood in sorted({p: s for _, _, m in runs for p, s in m.items()}.items(), key=lambda x: x[0].label()):
+        print(f"{plan.label()} never ran in the log: costs of {stood.label()} stand in")
+    ran = sum((r for _, r, _ in runs), Counter())
+    mean = statistics.mean(rates)
+    print(f"{len(runs)} simulated runs of {args.simulate} steps at batch {args.batch} on {len(records)} records: "
+          f"{mean:.1f} tok/s (min {min(rates):.1f}, max {max(rates):.1f}); "
+          + (f"plain steps alone {alone:.1f} ({mean / alone:.3f}x)" if alone else "no plain step recorded"))
+    print("steps per run: " + ", ".join(f"{label} {n / len(runs):.1f}" for label, n in ran.most_common()))
 
 
 if __name__ == "__main__":

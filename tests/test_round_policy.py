@@ -750,3 +750,59 @@ def test_a_draining_batch_keeps_the_choice_of_the_bucket_it_left():
              hit_rate={16: 0.5, 8: 0.4, 4: 0.3}, tokens=2.0, halves=(0.006, 0.004))
     assert q.summary() == {16: "halves"}
     assert [q.choose(b) for b in (15, 12, 9, 8, 7, 5, 3)] == [HALVES] * 4 + [SD] * 3  # 8: a bucket of its own
+
+
+def _load_replay():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "replay_round_policy", Path(__file__).resolve().parents[1] / "scripts" / "replay_round_policy.py")
+    replay = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(replay)
+    return replay
+
+
+@pytest.mark.parametrize("tokens, faster", [(1.3, "plain"), (3.0, "ssd")])
+def test_replay_simulates_a_fresh_policy_on_the_recorded_costs(tmp_path, capsys, tokens, faster):
+    """--simulate: a fresh policy run on costs drawn from the records; it finds what the
+    recording policy found. At batch 1, plain steps of 14 ms (71 tok/s) against SSD
+    rounds of ~21 ms that yield 1.3 tokens (62 tok/s) or 3 (143 tok/s)."""
+    replay = _load_replay()
+    records = logging.getLogger("target_proc.round_policy")
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    keep, level = Keep(), records.level
+    records.addHandler(keep)
+    records.setLevel(logging.DEBUG)
+    try:
+        simulate(_policy(levels=[16, 8], k=4), 1, 400, plain_s=0.014, tokens=tokens, **FITS)
+    finally:
+        records.removeHandler(keep)
+        records.setLevel(level)
+    log = tmp_path / "steps.log"
+    log.write_text("\n".join(ln for ln in lines if ln.startswith("step ")) + "\n")
+    replay.main([str(log), "--batch", "1", "--levels", "16,8", "--k", "4", "--simulate", "300", "--repeats", "3"])
+    out = capsys.readouterr().out
+    m = re.search(r"3 simulated runs of 300 steps at batch 1 on 400 records: ([\d.]+) tok/s", out)
+    assert m, out
+    if faster == "plain":  # the recording policy measured plain steps: the rate stands beside theirs
+        alone = re.search(r"plain steps alone ([\d.]+) \(([\d.]+)x\)", out)
+        assert float(alone.group(1)) == pytest.approx(1 / 0.014, rel=1e-3) and 0.85 <= float(alone.group(2)) <= 1.0
+    else:
+        assert "no plain step recorded" in out and float(m.group(1)) > 120, out
+    steps = dict(re.findall(r"([a-z][a-z0-9 ,:]*?) ([\d.]+)(?:,|$)", out.splitlines()[-1].split(": ", 1)[1]))
+    assert max(steps, key=lambda s: float(steps[s])).startswith(faster), out
+
+
+def test_replay_stands_in_the_nearest_recorded_plan():
+    replay = _load_replay()
+    pools = {RoundPlan("ssd", 16, "jit"): {}, RoundPlan("ssd", 4, "none"): {}, PLAIN: {}}
+    assert replay._nearest(RoundPlan("ssd", 8, "jit"), pools) == RoundPlan("ssd", 16, "jit")  # the backup first
+    assert replay._nearest(RoundPlan("ssd", 8, "jit:1"), pools) == RoundPlan("ssd", 4, "none")
+    with pytest.raises(SystemExit, match="no step of a sd plan"):
+        replay._nearest(SD, pools)
