@@ -149,6 +149,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def _print_simulation(args, levels: list[int]) -> None:
     records = read_records(Path(args.log), args.batch)
+    if not any(kw["steady"] for _, _, kw, _ in records):
+        raise SystemExit(f"{args.log}: no step record of batch {args.batch} past its sequences' first rounds")
     plain = [(kw, t) for plan, _, kw, t in records if plan == PLAIN and kw["steady"]]
     alone = sum(t for _, t in plain) / sum(kw["wait_s"] + kw["busy_s"] for kw, _ in plain) if plain else None
     runs = [simulate(records, args.batch, levels, args.k, args.simulate, seed) for seed in range(args.repeats)]
