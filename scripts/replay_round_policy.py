@@ -15,7 +15,8 @@ drawn from those the chosen plan made in the log (the two steps after a change o
 from that plan's records after a change, as a switch costs; a plan the log never ran from
 the recorded plan of its kind nearest in tree shape, which it names), --repeats times with
 seeds 0, 1, ..., and prints the tokens/s it realizes beside plain steps alone: how a change
-to the policy would have fared against the costs a GPU run measured.
+to the policy would have fared against the costs a GPU run measured. --warm W runs W steps
+first and counts only the N after them: a policy that starts with its costs measured.
 
     python scripts/replay_round_policy.py steps.log --batch 1 --levels 15,7,3 --k 4 --simulate 500 --repeats 20
 """
@@ -70,9 +71,11 @@ def read_records(log: Path, batch: int) -> list[tuple[RoundPlan, int, dict, floa
     return out
 
 
-def simulate(records, batch: int, levels: list[int], k: int, steps: int, seed: int) -> tuple[float, Counter, dict]:
-    """A fresh RoundPolicy run for `steps` steps on costs drawn from `records` (the module
-    doc): (tokens/s, steps per plan label, {plan the log lacks: the plan that stood in})."""
+def simulate(records, batch: int, levels: list[int], k: int, steps: int, seed: int,
+             warm: int = 0) -> tuple[float, Counter, dict]:
+    """A fresh RoundPolicy run for `warm` + `steps` steps on costs drawn from `records` (the
+    module doc): (tokens/s of the last `steps`, their steps per plan label, {plan the log
+    lacks: the plan that stood in})."""
     pools: dict = {}
     before: list = [None, None]
     for plan, _, kw, tokens in records:
@@ -84,15 +87,16 @@ def simulate(records, batch: int, levels: list[int], k: int, steps: int, seed: i
     policy = RoundPolicy(lambda b: levels, k=k, short_jit=k // SHORT_JIT_DIV)
     rng, stand_in = random.Random(seed), {}
     before, seconds, total, ran = [None, None], 0.0, 0.0, Counter()
-    for _ in range(steps):
+    for step in range(warm + steps):
         plan = policy.choose(batch, context)
         pool = pools.get(plan) or pools.get(stand_in.setdefault(plan, _nearest(plan, pools)))
         drawn = pool["steady" if before == [plan, plan] else "entry"] or pool["steady"] or pool["entry"]
         kw, tokens = rng.choice(drawn)
         policy.record(batch, plan, context=context, **kw)
-        seconds, total = seconds + kw["wait_s"] + kw["busy_s"], total + tokens
-        ran[plan.label()] += 1
         before = [before[1], plan]
+        if step >= warm:
+            seconds, total = seconds + kw["wait_s"] + kw["busy_s"], total + tokens
+            ran[plan.label()] += 1
     return total / seconds, ran, stand_in
 
 
@@ -114,6 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--time", action="store_true", help="time RoundPolicy.choose before each record")
     p.add_argument("--simulate", type=int, default=0, help="steps of a fresh policy on the recorded costs")
     p.add_argument("--repeats", type=int, default=10, help="simulated runs (seeds 0, 1, ...)")
+    p.add_argument("--warm", type=int, default=0, help="simulated steps before the counted ones")
     args = p.parse_args(argv)
     levels = [int(x) for x in args.levels.split(",")]
     if args.simulate:
@@ -153,13 +158,15 @@ def _print_simulation(args, levels: list[int]) -> None:
         raise SystemExit(f"{args.log}: no step record of batch {args.batch} past its sequences' first rounds")
     plain = [(kw, t) for plan, _, kw, t in records if plan == PLAIN and kw["steady"]]
     alone = sum(t for _, t in plain) / sum(kw["wait_s"] + kw["busy_s"] for kw, _ in plain) if plain else None
-    runs = [simulate(records, args.batch, levels, args.k, args.simulate, seed) for seed in range(args.repeats)]
+    runs = [simulate(records, args.batch, levels, args.k, args.simulate, seed, args.warm)
+            for seed in range(args.repeats)]
     rates = [r for r, _, _ in runs]
     for plan, stood in sorted({p: s for _, _, m in runs for p, s in m.items()}.items(), key=lambda x: x[0].label()):
         print(f"{plan.label()} never ran in the log: costs of {stood.label()} stand in")
     ran = sum((r for _, r, _ in runs), Counter())
     mean = statistics.mean(rates)
-    print(f"{len(runs)} simulated runs of {args.simulate} steps at batch {args.batch} on {len(records)} records: "
+    warm = f" after {args.warm}" if args.warm else ""
+    print(f"{len(runs)} simulated runs of {args.simulate} steps{warm} at batch {args.batch} on {len(records)} records: "
           f"{mean:.1f} tok/s (min {min(rates):.1f}, max {max(rates):.1f}); "
           + (f"plain steps alone {alone:.1f} ({mean / alone:.3f}x)" if alone else "no plain step recorded"))
     print("steps per run: " + ", ".join(f"{label} {n / len(runs):.1f}" for label, n in ran.most_common()))

@@ -793,6 +793,12 @@ def test_replay_simulates_a_fresh_policy_on_the_recorded_costs(tmp_path, capsys,
     if faster == "plain":  # the recording policy measured plain steps: the rate stands beside theirs
         alone = re.search(r"plain steps alone ([\d.]+) \(([\d.]+)x\)", out)
         assert float(alone.group(1)) == pytest.approx(1 / 0.014, rel=1e-3) and 0.85 <= float(alone.group(2)) <= 1.0
+        # --warm: the counted steps come after the first measurements, so fewer of them speculate.
+        replay.main([str(log), "--batch", "1", "--levels", "16,8", "--k", "4", "--simulate", "300", "--repeats", "3",
+                     "--warm", "300"])
+        warm = capsys.readouterr().out
+        assert "300 steps after 300 at batch 1" in warm, warm
+        assert float(re.search(r"\(([\d.]+)x\)", warm).group(1)) > float(alone.group(2)), (out, warm)
     else:
         assert "no plain step recorded" in out and float(m.group(1)) > 120, out
     steps = dict(re.findall(r"([a-z][a-z0-9 ,:]*?) ([\d.]+)(?:,|$)", out.splitlines()[-1].split(": ", 1)[1]))
