@@ -5,6 +5,7 @@ draft and target), so nothing here depends on this machine's speed."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 from collections import Counter
@@ -573,9 +574,8 @@ def test_probes_that_change_nothing_space_out():
     assert sum(pl.kind == "ssd" for pl in plans[-200:]) >= 170
 
 
-def test_replay_reads_step_records_and_prints_the_rates(tmp_path, capsys):
-    """scripts/replay_round_policy.py: DEBUG step records in, each option's rate out
-    wherever the recorded plan changes."""
+def _load_replay():
+    """scripts/replay_round_policy.py as a module."""
     import importlib.util
     from pathlib import Path
 
@@ -583,7 +583,12 @@ def test_replay_reads_step_records_and_prints_the_rates(tmp_path, capsys):
         "replay_round_policy", Path(__file__).resolve().parents[1] / "scripts" / "replay_round_policy.py")
     replay = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(replay)
-    # The records as the policy logs them at DEBUG.
+    return replay
+
+
+@contextlib.contextmanager
+def _step_records():
+    """The policy's messages as it logs them at DEBUG (step records among them), while open."""
     records = logging.getLogger("target_proc.round_policy")
     lines: list[str] = []
 
@@ -595,15 +600,23 @@ def test_replay_reads_step_records_and_prints_the_rates(tmp_path, capsys):
     records.addHandler(keep)
     records.setLevel(logging.DEBUG)
     try:
+        yield lines
+    finally:
+        records.removeHandler(keep)
+        records.setLevel(level)
+
+
+def test_replay_reads_step_records_and_prints_the_rates(tmp_path, capsys):
+    """scripts/replay_round_policy.py: DEBUG step records in, each option's rate out
+    wherever the recorded plan changes."""
+    replay = _load_replay()
+    with _step_records() as lines:
         logged = _policy(levels=[16, 8], k=4)
         for i in range(12):
             plan = SD if i < 6 else RoundPlan("ssd", 8, "jit")
             logged.record(4, plan, context=600 + i, wait_s=0.010, busy_s=0.020, num_specs=4,
                           num_hits=4 if i >= 8 else 0, num_drafted=4, drafted_tokens=12,
                           draft_work_s=0.015 if i >= 6 else 0.0)
-    finally:
-        records.removeHandler(keep)
-        records.setLevel(level)
     log = tmp_path / "steps.log"
     log.write_text("\n".join(["unrelated line"] + [ln for ln in lines if ln.startswith("step ")]) + "\n")
     replay.main([str(log), "--batch", "4", "--levels", "16,8", "--k", "4"])
@@ -752,38 +765,14 @@ def test_a_draining_batch_keeps_the_choice_of_the_bucket_it_left():
     assert [q.choose(b) for b in (15, 12, 9, 8, 7, 5, 3)] == [HALVES] * 4 + [SD] * 3  # 8: a bucket of its own
 
 
-def _load_replay():
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location(
-        "replay_round_policy", Path(__file__).resolve().parents[1] / "scripts" / "replay_round_policy.py")
-    replay = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(replay)
-    return replay
-
-
 @pytest.mark.parametrize("tokens, faster", [(1.3, "plain"), (3.0, "ssd")])
 def test_replay_simulates_a_fresh_policy_on_the_recorded_costs(tmp_path, capsys, tokens, faster):
     """--simulate: a fresh policy run on costs drawn from the records; it finds what the
     recording policy found. At batch 1, plain steps of 14 ms (71 tok/s) against SSD
     rounds of ~21 ms that yield 1.3 tokens (62 tok/s) or 3 (143 tok/s)."""
     replay = _load_replay()
-    records = logging.getLogger("target_proc.round_policy")
-    lines: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            lines.append(record.getMessage())
-
-    keep, level = Keep(), records.level
-    records.addHandler(keep)
-    records.setLevel(logging.DEBUG)
-    try:
+    with _step_records() as lines:
         simulate(_policy(levels=[16, 8], k=4), 1, 400, plain_s=0.014, tokens=tokens, **FITS)
-    finally:
-        records.removeHandler(keep)
-        records.setLevel(level)
     log = tmp_path / "steps.log"
     log.write_text("\n".join(ln for ln in lines if ln.startswith("step ")) + "\n")
     replay.main([str(log), "--batch", "1", "--levels", "16,8", "--k", "4", "--simulate", "300", "--repeats", "3"])
