@@ -41,6 +41,7 @@ def main() -> None:
     p.add_argument("--oracle", action="store_true")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--out", default=None, help="write the figures as JSON here")
+    p.add_argument("--trace", default=None, help="write a chrome trace of work-aheads here (.json.gz)")
     args = p.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
 
@@ -55,7 +56,10 @@ def main() -> None:
                              tree_budget=args.tree_budget,
                              synthetic_acceptance=(0.8, 0.5, 0.2, 0.1) if args.oracle else ())
     slots = max(4, args.batch)
-    max_len = max(contexts) + 4 * args.k + 16
+    # Every cycle adds a token: the context grows by about repeats + 16 over a run, and a
+    # branch needs 2K + 1 rows past it; a branch cut short by max_model_len would send the
+    # tree decode down its per-branch path and time that instead.
+    max_len = max(contexts) + args.repeats + 2 * args.k + 48
     runner = ModelRunner.build(ModelConfig(path=args.model, device="cuda:0"), num_slots=slots,
                                max_model_len=max_len, num_scratch_rows=scratch_rows_needed(spec, slots),
                                max_batch_size=max(64, slots), graph_q_lens=(1, 2, args.k + 1),
@@ -91,6 +95,8 @@ def main() -> None:
         # The tree steps alone, on the forks of one glue.
         ranked = ssd._glue(seqs)
         forks = ssd._fork(seqs, ranked)
+        if max(s.num_tokens for s in seqs) + 2 * args.k + 1 > max_len:
+            raise SystemExit(f"context {ctx}: the sequences reached max_model_len {max_len}; branches would be cut")
         row = {"context": ctx, "branches": len(forks), "chain_propose_ms": chain_ms, "work_ahead_ms": work_ms}
         for layout, q_len_fn in (("shared_prefix", shared_q_len), ("per_branch", lambda *a: None)):
             ssd._tree_q_len = q_len_fn
@@ -114,6 +120,8 @@ def main() -> None:
 
     from torch.profiler import ProfilerActivity, profile
 
+    if args.trace:
+        _trace_work_ahead(ssd, seqs, cycle, args.k, args.trace)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
             cycle(seqs)
@@ -121,6 +129,52 @@ def main() -> None:
         torch.cuda.synchronize()
     avg = prof.key_averages()
     print(avg.table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60))
+
+
+def _labelled(fn, name: str):
+    from torch.profiler import record_function
+
+    def run(*a, **kw):
+        with record_function(name):
+            return fn(*a, **kw)
+    return run
+
+
+def _trace_work_ahead(ssd, seqs, cycle, k: int, path: str, n: int = 5) -> None:
+    """A chrome trace of n work-aheads (each after a look-up), the host's phases labelled,
+    and the report of scripts/trace_gaps.py on it."""
+    import gzip
+    import os
+    import sys
+
+    import draft_proc.ssd as ssd_module
+    from torch.profiler import ProfilerActivity, profile
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from trace_gaps import format_report, gaps_by_label
+
+    for name in ("_glue", "_fork", "_tree_decode", "_store"):
+        setattr(ssd, name, _labelled(getattr(ssd, name), name.strip("_")))
+    ssd.drafter.run_chain = _labelled(ssd.drafter.run_chain, "tree_steps")
+    ssd_module.build_tree_batch = _labelled(ssd_module.build_tree_batch, "tree_build")
+    work = _labelled(ssd.work_ahead, "work_ahead")
+    for _ in range(2):
+        cycle(seqs)
+        work(seqs, k)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            cycle(seqs)
+            work(seqs, k)
+        torch.cuda.synchronize()
+    raw = path[:-3] if path.endswith(".gz") else path
+    prof.export_chrome_trace(raw)
+    if raw != path:
+        with open(raw, "rb") as f, gzip.open(path, "wb") as g:
+            g.write(f.read())
+        os.remove(raw)
+    with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as f:
+        events = json.load(f)["traceEvents"]
+    print(format_report(gaps_by_label(events, "work_ahead"), "work_ahead"), flush=True)
 
 
 if __name__ == "__main__":
