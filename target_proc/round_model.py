@@ -4,7 +4,8 @@ options are in target_proc/round_policy.py's module doc.
 
 What it measures (per bucket, from the worker's step timings and the draft's answers;
 S, P, H and W[n] the median of their last 8 samples, steps that take about the same
-time each, so that one stall does not move them; h and e running means):
+time each, so that one stall does not move them (the least of one or two samples: a
+halves probe yields one sample of H); h and e running means):
   S      the step's verify and host work, with and without a work-ahead beside it;
   P      a plain step;
   H      a halves step, scaled to the whole batch;
@@ -136,7 +137,9 @@ class Costs:
         if window is None:
             window = self.steady[key] = deque(maxlen=WINDOW)
         window.append(seconds)
-        return _median(window)
+        # Below three samples a median cannot tell a stall from the step's time; a stall
+        # only adds time, so the least stands until a third sample comes.
+        return _median(window) if len(window) >= 3 else min(window)
 
     def add_plain(self, seconds: float) -> None:
         """One plain step (P)."""

@@ -41,8 +41,8 @@ next (up to 8 x probe_every steps), and a change of choice restores it. A choice
 stood RANK_EVERY rankings in a row is ranked once in RANK_EVERY steps, then twice as far
 apart at each ranking that keeps it, up to MAX_HOLD steps: ranking every option is most of
 the policy's host time (0.16 ms with the caches cold, as between GPU steps). S, P, H and
-W are medians of their last 8 samples, and running means clamp each sample to within 4x of
-the mean, so one stall does not skew them. A step measures an option only when the two
+W are medians of their last 8 samples (the least of two), and running means clamp each sample
+to within 4x of the mean, so one stall does not skew them. A step measures an option only when the two
 requests before it made the same choice (its wait answers the request one back, from the cache
 built after the request two back), and only when no sequence of the batch is in its
 first STEADY_AFTER_ROUNDS rounds. A realized rate also needs the request three back to

@@ -89,6 +89,27 @@ def test_a_steady_measurement_ignores_one_stall_and_follows_a_lasting_change(mea
     assert c.samples[("w", 16)] == (WINDOW // 2 + 8 if measure == "W" else 0)
 
 
+@pytest.mark.parametrize("measure", ["P", "S", "H", "W"])
+def test_with_two_samples_a_stall_does_not_set_a_steady_measurement(measure):
+    """A halves probe at concurrency 32 yields one sample of H per probe (its fourth step).
+    Two probes, the second a stall (46.6 ms against 20.5 ms): a median of the two would
+    be their mean and rule halves out; below three samples the least stands, and from the
+    third the median."""
+    c = Costs()
+    add, read = {
+        "P": (c.add_plain, lambda: c.plain_s),
+        "S": (lambda x: c.add_verify(False, x), lambda: c.verify_s[False]),
+        "H": (c.add_halves, lambda: c.halves_s),
+        "W": (lambda x: c.add_work(8, x), lambda: c.work_s[8]),
+    }[measure]
+    add(0.0466)
+    assert read() == pytest.approx(0.0466)
+    add(0.0205)
+    assert read() == pytest.approx(0.0205)
+    add(0.0210)
+    assert read() == pytest.approx(0.0210)  # the median of three
+
+
 def test_the_choice_last_switched_away_from_is_probed_first():
     """At batch 8 plain steps (7.4 ms, 1,081 tok/s) beat every other option (SSD 634-929,
     SD 884, halves 816). Seven plain steps held up to 20 ms by the host rate plain at 434,
