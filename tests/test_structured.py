@@ -28,22 +28,24 @@ from spec_runtime.client import Client
 from spec_runtime.config import ModelConfig, RuntimeConfig, SchedulerConfig, SpeculativeConfig, shipped_draft_path
 
 MAX_TOKENS = 200
+BATCH = 32  # requests decoded together in the mode comparisons: fewer forwards on the CPU
 
 
-def _cfg(gguf: str, mode: str, draft: str = "", k: int = 4, **spec) -> RuntimeConfig:
+def _cfg(gguf: str, mode: str, draft: str = "", k: int = 4, batch: int = 8, **spec) -> RuntimeConfig:
     return RuntimeConfig(
         target=ModelConfig(path=gguf), draft=ModelConfig(path=draft),
         spec=SpeculativeConfig(mode=mode, k=k, draft_timeout_s=60.0, work_ahead="always", **spec),
-        sched=SchedulerConfig(max_batch_size=8, max_model_len=1024, spec_policy="always"), startup_timeout_s=300.0,
+        sched=SchedulerConfig(max_batch_size=batch, max_model_len=1024, spec_policy="always"), startup_timeout_s=300.0,
     )
 
 
 def _modes(gguf: str) -> dict[str, RuntimeConfig]:
-    return {"ar": _cfg(gguf, "ar"), "sd": _cfg(gguf, "sd", "ngram"), "ssd": _cfg(gguf, "ssd", shipped_draft_path(), fan_out=(1, 0, 0, 0, 1))}
+    return {"ar": _cfg(gguf, "ar", batch=BATCH), "sd": _cfg(gguf, "sd", "ngram", batch=BATCH),
+            "ssd": _cfg(gguf, "ssd", shipped_draft_path(), batch=BATCH, fan_out=(1, 0, 0, 0, 1))}
 
 
 def _run(cfg: RuntimeConfig, schemas: list[dict]) -> list[tuple[list[int], str, str]]:
-    """(tokens, text, finish_reason) of a greedy request per schema, 8 at a time."""
+    """(tokens, text, finish_reason) of a greedy request per schema, up to BATCH at a time."""
     with Client(cfg) as client:
         prompts = [client.encode_prompt(f"Reply with JSON for this schema: {json.dumps(s)}", chat=True)
                    for s in schemas]
