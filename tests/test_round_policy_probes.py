@@ -69,17 +69,23 @@ def test_one_stalled_plain_step_does_not_keep_the_policy_off_plain_decoding():
     assert predict(SD, 4, c, 4) == pytest.approx(8 / 0.0181)
 
 
-@pytest.mark.parametrize("measure", ["P", "S", "H", "W"])
-def test_a_steady_measurement_ignores_one_stall_and_follows_a_lasting_change(measure):
-    """S, P, H and W[n] are the median of their last WINDOW samples: one stall among them
-    does not move the value, a lasting change moves it within half a window."""
-    c = Costs()
-    add, read = {
+def _steady_measure(c: Costs, measure: str):
+    """(add a sample, read the value) of one of c's steady measurements: P, S (beside a
+    work-ahead), H or W[16]."""
+    return {
         "P": (c.add_plain, lambda: c.plain_s),
         "S": (lambda x: c.add_verify(True, x), lambda: c.verify_s[True]),
         "H": (c.add_halves, lambda: c.halves_s),
         "W": (lambda x: c.add_work(16, x), lambda: c.work_s[16]),
     }[measure]
+
+
+@pytest.mark.parametrize("measure", ["P", "S", "H", "W"])
+def test_a_steady_measurement_ignores_one_stall_and_follows_a_lasting_change(measure):
+    """S, P, H and W[n] are the median of their last WINDOW samples: one stall among them
+    does not move the value, a lasting change moves it within half a window."""
+    c = Costs()
+    add, read = _steady_measure(c, measure)
     for x in [0.008] * 4 + [0.762] + [0.008] * 2:
         add(x)
     assert read() == pytest.approx(0.008)
@@ -96,12 +102,7 @@ def test_with_two_samples_a_stall_does_not_set_a_steady_measurement(measure):
     be their mean and rule halves out; below three samples the least stands, and from the
     third the median."""
     c = Costs()
-    add, read = {
-        "P": (c.add_plain, lambda: c.plain_s),
-        "S": (lambda x: c.add_verify(False, x), lambda: c.verify_s[False]),
-        "H": (c.add_halves, lambda: c.halves_s),
-        "W": (lambda x: c.add_work(8, x), lambda: c.work_s[8]),
-    }[measure]
+    add, read = _steady_measure(c, measure)
     add(0.0466)
     assert read() == pytest.approx(0.0466)
     add(0.0205)
