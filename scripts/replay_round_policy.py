@@ -53,22 +53,26 @@ def parse_plan(label: str) -> tuple[RoundPlan, int]:
     return RoundPlan("ssd", int(m.group(1)), m.group(2)), stepped
 
 
-def read_records(log: Path, batch: int) -> list[tuple[RoundPlan, int, dict, float]]:
-    """(plan, context, record's keyword arguments for RoundPolicy.record, tokens it yielded)
-    of each step record of `batch` sequences, in order."""
-    out = []
+def step_records(log: Path):
+    """Each step record of the log, in order: (batch, context, label, plan, record's keyword
+    arguments for RoundPolicy.record, tokens it yielded)."""
     for line in log.read_text().splitlines():
         m = STEP.search(line)
-        if m is None or int(m.group(1)) != batch:
+        if m is None:
             continue
-        _, context, label, first, wait, busy, hits, specs, tokens, drafted, work = m.groups()
-        plan, stepped = parse_plan(label)
+        batch, context, label, first, wait, busy, hits, specs, tokens, drafted, work = m.groups()
+        (plan, stepped), batch = parse_plan(label), int(batch)
         kw = dict(wait_s=float(wait) / 1e3, busy_s=float(busy) / 1e3, num_specs=int(specs), num_hits=int(hits),
                   num_drafted=int(drafted), drafted_tokens=int(tokens), draft_work_s=float(work) / 1e3,
                   steady=first is None, stepped=stepped)
         ran = stepped or batch
-        out.append((plan, int(context), kw, ran if not plan.speculate else int(tokens) + ran - int(drafted)))
-    return out
+        yield batch, int(context), label, plan, kw, ran if not plan.speculate else int(tokens) + ran - int(drafted)
+
+
+def read_records(log: Path, batch: int) -> list[tuple[RoundPlan, int, dict, float]]:
+    """(plan, context, record's keyword arguments for RoundPolicy.record, tokens it yielded)
+    of each step record of `batch` sequences, in order."""
+    return [(plan, context, kw, tokens) for b, context, _, plan, kw, tokens in step_records(log) if b == batch]
 
 
 def simulate(records, batch: int, levels: list[int], k: int, steps: int, seed: int,
@@ -125,14 +129,9 @@ def main(argv: list[str] | None = None) -> None:
         _print_simulation(args, levels)
         return
     policy = RoundPolicy(lambda b: levels, k=args.k, short_jit=args.k // SHORT_JIT_DIV)
-    last, context = None, 0
+    last = None
     choose_s, chosen = 0.0, 0
-    for line in Path(args.log).read_text().splitlines():
-        m = STEP.search(line)
-        if m is None:
-            continue
-        batch, context, label, first, wait, busy, hits, specs, tokens, drafted, work = m.groups()
-        (plan, stepped), batch, context = parse_plan(label), int(batch), int(context)
+    for batch, context, label, plan, kw, _ in step_records(Path(args.log)):
         if batch == args.batch and plan != last:
             c = policy.costs(batch, context)
             rates = {o.label(): predict(o, batch, c, args.k) for o in policy.options(batch)}
@@ -144,10 +143,7 @@ def main(argv: list[str] | None = None) -> None:
             policy.choose(batch, context)
             choose_s += time.perf_counter() - t0
             chosen += 1
-        policy.record(batch, plan, context=context, wait_s=float(wait) / 1e3, busy_s=float(busy) / 1e3,
-                      num_specs=int(specs), num_hits=int(hits), num_drafted=int(drafted),
-                      drafted_tokens=int(tokens), draft_work_s=float(work) / 1e3, steady=first is None,
-                      stepped=stepped)
+        policy.record(batch, plan, context=context, **kw)
     if chosen:
         print(f"RoundPolicy.choose: {1e6 * choose_s / chosen:.1f} us per step over {chosen} steps")
 
