@@ -40,17 +40,19 @@ STEP = re.compile(r"step batch (\d+) context (\d+): (.*?)( \(first rounds\))?, w
                   r"(\d+)/(\d+) hits, (\d+) tokens drafted by (\d+), work-ahead ([\d.]+) ms")
 
 
-def parse_plan(label: str) -> tuple[RoundPlan, int]:
-    """The plan of a record's label, and the sequences it ran when fewer than the batch (0):
-    a halves step, or a plain step queued ahead that left out a sequence ending by length."""
-    m = re.fullmatch(r"(.*?)(?: \((\d+) run\))?", label)
+def parse_plan(label: str) -> tuple[RoundPlan, int, RoundPlan | None]:
+    """The plan of a record's label, the sequences it ran when fewer than the batch (0: a
+    halves step, or a plain step queued ahead that left out a sequence ending by length),
+    and the plan its request named when another (a plain step led into the next), else None."""
+    m = re.fullmatch(r"(.*?)(?: \((\d+) run\))?(?: \(requests (.*)\))?", label)
     label, stepped = m.group(1), int(m.group(2) or 0)
+    sent = parse_plan(m.group(3))[0] if m.group(3) else None
     if label in ("halves", "sd", "plain"):
-        return {"halves": HALVES, "sd": SD, "plain": PLAIN}[label], stepped
+        return {"halves": HALVES, "sd": SD, "plain": PLAIN}[label], stepped, sent
     m = re.fullmatch(r"ssd (\d+) branches, backup (\S+)", label)
     if m is None:
         raise ValueError(f"unknown plan {label!r}")
-    return RoundPlan("ssd", int(m.group(1)), m.group(2)), stepped
+    return RoundPlan("ssd", int(m.group(1)), m.group(2)), stepped, sent
 
 
 def step_records(log: Path):
@@ -61,10 +63,10 @@ def step_records(log: Path):
         if m is None:
             continue
         batch, context, label, first, wait, busy, hits, specs, tokens, drafted, work = m.groups()
-        (plan, stepped), batch = parse_plan(label), int(batch)
+        (plan, stepped, sent), batch = parse_plan(label), int(batch)
         kw = dict(wait_s=float(wait) / 1e3, busy_s=float(busy) / 1e3, num_specs=int(specs), num_hits=int(hits),
                   num_drafted=int(drafted), drafted_tokens=int(tokens), draft_work_s=float(work) / 1e3,
-                  steady=first is None, stepped=stepped)
+                  steady=first is None, stepped=stepped, sent=sent)
         ran = stepped or batch
         yield batch, int(context), label, plan, kw, ran if not plan.speculate else int(tokens) + ran - int(drafted)
 
@@ -96,7 +98,7 @@ def simulate(records, batch: int, levels: list[int], k: int, steps: int, seed: i
         pool = pools.get(plan) or pools.get(stand_in.setdefault(plan, _nearest(plan, pools)))
         drawn = pool["steady" if before == [plan, plan] else "entry"] or pool["steady"] or pool["entry"]
         kw, tokens = rng.choice(drawn)
-        policy.record(batch, plan, context=context, **kw)
+        policy.record(batch, plan, context=context, **{**kw, "sent": None})  # the drawn plan's own flags
         before = [before[1], plan]
         if step >= warm:
             seconds, total = seconds + kw["wait_s"] + kw["busy_s"], total + tokens

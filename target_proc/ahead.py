@@ -24,6 +24,15 @@ masks the next step's logits by this step's token, and penalties and min_tokens 
 on the host. Logprobs do not stop it: they are computed on the device at launch and
 copied to the host with the tokens. With tensor parallelism (the other ranks take the
 batch's token ids from the host) every step is synchronous.
+
+A plain step queued ahead lands once the next step's plan is chosen. When that one is an
+SSD or SD round, the landed step's outcomes go to the draft with its request
+(`request_plan`): the draft answers it, and works ahead, while the GPU still runs the
+step, so the first speculating step after plain ones verifies drafts (SD: a chain; SSD:
+the plan's backup, as no tree stands behind the answer) and the next one looks up a tree.
+Sent with the plain step's own flags instead, the first answered request would be the
+speculating step's, one step later: that step would verify one token per sequence, and the
+next the plan's backup.
 """
 
 from __future__ import annotations
@@ -53,6 +62,15 @@ class Launched:
     t0: float  # the step began (perf_counter)
     t1: float  # its speculations were in
     row_of: dict[int, int]  # seq_id -> row, for the plain step queued after it
+
+
+def request_plan(landed: RoundPlan, upcoming: RoundPlan | None) -> RoundPlan:
+    """The plan whose flags go with the outcomes of the step `landed` ran: `upcoming`, the
+    next step's plan, when a plain step lands before an SSD or SD round (module doc), else
+    the landed step's own. Halves steps answer one half per request: not led in."""
+    if upcoming is not None and not landed.speculate and upcoming.kind in ("ssd", "sd"):
+        return upcoming
+    return landed
 
 
 def to_host(*tensors):

@@ -11,17 +11,17 @@ tokens share one bucket) the options are:
     one half while the draft chains the other, whose outcome the step before gave it;
   - plain decoding: no speculation.
 Every option yields the target's distribution exactly; they differ only in speed, so the
-policy predicts each one's tokens/s and runs the fastest.
-
-What each option is predicted to yield, from what is measured, is in target_proc/round_model.py;
-once an option has run, its realized rate stands in for the prediction (the same module).
+policy predicts each one's tokens/s (target_proc/round_model.py; once an option has run,
+its realized rate stands in) and runs the fastest.
 
 How it chooses: the largest tree with jit first, until it is measured; then one probe of
 SD rounds (measures c); till then a step that measures nothing (a filling batch) is plain,
 and until the batch size has stood SETTLE_STEPS steps the bucket runs what the bucket it
 came from chose, unless that was an SSD round (halves as SD rounds where halves are not an
-option): a batch that drains as its requests finish passes each bucket in a few steps,
-too few for the first measurements to pay.
+option): a drain passes each bucket in a few steps, too few for the first measurements to
+pay. A bucket the batch enters as its context doubles starts from the costs and choice of
+the one it leaves: those grow little with the context, and measuring every option afresh
+cost 60-140 ms of speculating steps per bucket at alpha 0.6 in docs/benchmarks.md's runs.
 Then each step runs the best prediction. An option whose inputs are not measured yet is
 probed before it is run: the next smaller tree when the best one overruns the verify;
 plain decoding once its estimate with P taken as S comes within PLAIN_PRIOR_SLACK of the
@@ -40,14 +40,14 @@ steps and two switches, so one after which the choice stands doubles the wait fo
 next (up to 8 x probe_every steps), and a change of choice restores it. A choice that
 stood RANK_EVERY rankings in a row is ranked once in RANK_EVERY steps, then twice as far
 apart at each ranking that keeps it, up to MAX_HOLD steps: ranking every option is most of
-the policy's host time (0.16 ms with the caches cold, as between GPU steps). S, P, H and
-W are medians of their last 8 samples (the least of two), and running means clamp each sample
-to within 4x of the mean, so one stall does not skew them. A step measures an option only when the two
-requests before it made the same choice (its wait answers the request one back, from the cache
-built after the request two back), and only when no sequence of the batch is in its
-first STEADY_AFTER_ROUNDS rounds. A realized rate also needs the request three back to
-have made it: the first chain after SSD rounds first feeds the draft the tokens of the
-last hit's branch (their KV lies in the tree's scratch rows), a cost of the switch.
+the policy's host time (0.16 ms with the caches cold, as between GPU steps). S, P, H and W
+are medians of their last 8 samples (the least of two); running means clamp each sample to
+within 4x of the mean: one stall does not skew them. A step measures an option only when
+the two requests before it named it (its wait answers the request one back, from the cache
+built after the request two back; a plain step queued ahead may name the next step's plan,
+target_proc/ahead.py), and no sequence of the batch is in its first STEADY_AFTER_ROUNDS
+rounds. A realized rate also needs the request three back: the first chain after SSD rounds
+feeds the draft the last hit's branch (its KV is in the tree's scratch rows), a switch's cost.
 `jit` is the only backup at batch 1; from 2 one miss holds up the batch: jit:N and none too.
 
 A draft on one of the target's GPUs gets no SSD rounds (unless SD rounds are ruled out):
@@ -59,6 +59,7 @@ always (no plain steps). Pure bookkeeping, no torch.
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections import Counter, deque
@@ -115,17 +116,9 @@ class RoundPolicy:
             raise ValueError("need probe_every >= 2, probe_len >= 1 and warmup >= 1")
         if short_jit < 0 or (short_jit and not 0 < short_jit < k):
             raise ValueError(f"short_jit must be 0 or in [1, k), got {short_jit} with k={k}")
-        self.k = k
-        self.short_jit = short_jit
-        self.tree_levels = tree_levels
-        self.allow_ssd = allow_ssd
-        self.allow_sd = allow_sd
-        self.allow_plain = allow_plain
-        self.allow_halves = allow_halves
-        self.backup_auto = backup_auto
-        self.probe_every = probe_every
-        self.probe_len = probe_len
-        self.warmup = warmup
+        self.k, self.short_jit, self.tree_levels, self.allow_ssd = k, short_jit, tree_levels, allow_ssd
+        self.allow_sd, self.allow_plain, self.allow_halves = allow_sd, allow_plain, allow_halves
+        self.backup_auto, self.probe_every, self.probe_len, self.warmup = backup_auto, probe_every, probe_len, warmup
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         self._options: dict[int, list[RoundPlan]] = {}  # per batch size (tree_levels is fixed)
         self._current: dict[int, tuple[int, int]] = {}  # batch bucket -> the key of its last step
@@ -194,8 +187,8 @@ class RoundPolicy:
 
     def _choose(self, batch: int, context: int, steady: bool) -> RoundPlan:
         key = self.key(batch, context)
-        self._current[key[0]] = key
-        b = self._bucket(key)
+        came_from, self._current[key[0]] = self._current.get(key[0]), key
+        b = self._bucket(key, came_from)
         last, last_batch, steps, came = self._visit
         prev = self._buckets.get(last)
         # A bucket left before it chose passes on what the one before it chose.
@@ -301,24 +294,25 @@ class RoundPolicy:
 
     def record(self, batch: int, plan: RoundPlan, *, context: int = 0, wait_s: float, busy_s: float, num_specs: int = 0,
                num_hits: int = 0, num_drafted: int = 0, drafted_tokens: int = 0, draft_work_s: float = 0.0,
-               steady: bool = True, stepped: int = 0) -> None:
+               steady: bool = True, stepped: int = 0, sent: RoundPlan | None = None) -> None:
         """One step over `batch` sequences ran `plan`: it waited wait_s for speculations and
-        spent busy_s on the verify and host work. num_specs speculations arrived, num_hits
-        of them from the tree cache; num_drafted sequences had drafts and produced
-        drafted_tokens tokens; draft_work_s: the work-ahead the draft reported with them.
-        steady False (a sequence of the batch is in its first rounds, when the draft is
-        still prefilling its prompt): the step measures nothing. stepped: the sequences
-        the step ran, when fewer than `batch` (a halves step); its other counts are of them."""
+        spent busy_s on the verify and host work. num_specs speculations arrived, num_hits of
+        them from the tree cache; num_drafted sequences had drafts and produced drafted_tokens
+        tokens; draft_work_s: the work-ahead the draft reported with them. steady False (a
+        sequence is in its first rounds, the draft still prefilling it): it measures nothing.
+        stepped: the sequences it ran, if fewer than `batch` (a halves step; the counts are of
+        them). sent: the plan its outcomes' request named, if not `plan` (target_proc/ahead.py)."""
         key = self.key(batch, context)
         c = self._bucket(key).costs
         if logger.isEnabledFor(logging.DEBUG):  # the step record (scripts/replay_round_policy.py reads it)
-            logger.debug("step batch %d context %d: %s%s%s, wait %.2f ms, busy %.2f ms, %d/%d hits, %d tokens "
+            logger.debug("step batch %d context %d: %s%s%s%s, wait %.2f ms, busy %.2f ms, %d/%d hits, %d tokens "
                          "drafted by %d, work-ahead %.2f ms", batch, context, plan.label(),
                          f" ({stepped} run)" if stepped and stepped != batch else "",
+                         f" (requests {sent.label()})" if sent and sent != plan else "",
                          "" if steady else " (first rounds)", 1e3 * wait_s, 1e3 * busy_s, num_hits, num_specs,
                          drafted_tokens, num_drafted, 1e3 * draft_work_s)
         (k3, p3), (k2, p2), (k1, p1) = self._history
-        self._history.append((key, plan))
+        self._history.append((key, sent or plan))
         if not steady:
             return
         if num_drafted and not (p1 is not None and short_jit_len(p1.backup)):  # full-length speculations only
@@ -359,17 +353,16 @@ class RoundPolicy:
 
     def record_step(self, plan: RoundPlan, specs: dict, num_draft: list[int], num_accepted: list[int],
                     wait_s: float, busy_s: float, draft_work_s: float, steady: bool = True, context: int = 0,
-                    batch: int = 0) -> None:
-        """`record` from the worker's view of a step: the speculations that arrived (each
-        with .cache_hit), per sequence of the step its drafts and accepted tokens. steady:
-        no sequence of the batch is in its first rounds (see `record`). batch: the running
-        sequences, when the step ran fewer (a halves step)."""
+                    batch: int = 0, sent: RoundPlan | None = None) -> None:
+        """`record` from the worker's view of a step: the speculations that arrived (each with
+        .cache_hit), per sequence of the step its drafts and accepted tokens. steady, sent: as
+        `record`'s. batch: the running sequences, when the step ran fewer (a halves step)."""
         t0 = time.perf_counter()
         drafted = [j + 1 for j, m in zip(num_accepted, num_draft) if m]
         self.record(batch or len(num_draft), plan, context=context, wait_s=wait_s, busy_s=busy_s,
                     num_specs=len(specs), num_hits=sum(1 for s in specs.values() if s.cache_hit),
                     num_drafted=len(drafted), drafted_tokens=sum(drafted), draft_work_s=draft_work_s, steady=steady,
-                    stepped=len(num_draft))
+                    stepped=len(num_draft), sent=sent)
         self.host_s += time.perf_counter() - t0
 
     # ---------------------------------------------------------------- reading
@@ -384,10 +377,16 @@ class RoundPolicy:
     def costs(self, batch: int, context: int = 0) -> Costs:
         return self._bucket(self.key(batch, context)).costs
 
-    def _bucket(self, key: tuple[int, int]) -> _Bucket:
+    def _bucket(self, key: tuple[int, int], came_from: tuple[int, int] | None = None) -> _Bucket:
         b = self._buckets.get(key)  # no new _Bucket (and Costs) built per call for setdefault
         if b is None:
             b = self._buckets[key] = _Bucket()
+            src = self._buckets.get(came_from) if came_from and came_from[0] == key[0] else None
+            if src is not None and src.choice is not None and key[1] in (2 * came_from[1], came_from[1] // 2):
+                # The batch's context crossed into the next bucket (module doc): start from its costs and choice.
+                b.costs, b.choice, b.backoff = copy.deepcopy(src.costs), src.choice, src.backoff
+                logger.info("batch size ~%d, context up to %d tokens: %s, from the costs up to %d tokens", key[0],
+                            key[1], b.choice.label(), came_from[1])
         return b
 
     def summary(self) -> dict[int, str]:

@@ -31,7 +31,8 @@ from spec_runtime.engine.forward_batch import ForwardItem
 from spec_runtime.engine.kv_blocks import KVBlocks
 from spec_runtime.rejection import rejection_sample
 from spec_runtime.structured import Grammars
-from target_proc.ahead import Launched, ahead_of, allows_ahead, ends_by_length, fill_tokens, to_host
+from target_proc.ahead import (Launched, ahead_of, allows_ahead, ends_by_length, fill_tokens, request_plan,
+                               to_host)
 from target_proc.draft_link import DraftLink
 from target_proc.halves import Halves
 from target_proc.kv_schedule import KVScheduler
@@ -181,7 +182,7 @@ class TargetWorker(ClientRequests):
         if prev is not None and early:  # those prev ends by length run no more
             seqs = [s for s in seqs if s.seq_id in ahead or s.seq_id not in prev.row_of]
         elif prev is not None:
-            self._land(prev)
+            self._land(prev, plan)  # a plain step before a speculating one: its request goes now
             seqs, t0, prev = [s for s in seqs if self.running.get(s.seq_id) is s], time.perf_counter(), None
         if not seqs:  # prev ended every sequence
             if prev is not None:
@@ -199,10 +200,11 @@ class TargetWorker(ClientRequests):
             self._land(run)
         return True
 
-    def _land(self, run: Launched) -> None:
+    def _land(self, run: Launched, upcoming: RoundPlan | None = None) -> None:
         """Read a queued step's tokens to the host (the sync), then tell the draft, apply
         them, feed the round policy and stream. Sequences that ended or left (finished,
-        aborted, preempted) since it was queued are skipped."""
+        aborted, preempted) since it was queued are skipped. upcoming: the next step's plan,
+        when chosen already (target_proc/ahead.py's request_plan)."""
         t2 = time.perf_counter()
         if run.done is not None:
             run.done.synchronize()  # sync: the accepted prefix decides what the host does next
@@ -225,12 +227,13 @@ class TargetWorker(ClientRequests):
         # the plan says whether the draft works ahead for the next round (at which tree
         # shape, with which backup) or answers it with a chain (SD); plain steps wait for nothing.
         plan, specs = run.plan, run.specs
-        self.draft.send_outcomes(seqs, specs, num_accepted, out_tokens, plan.speculate, lambda n: plan)
+        sent = request_plan(plan, upcoming)
+        self.draft.send_outcomes(seqs, specs, num_accepted, out_tokens, plan.speculate, lambda n: sent)
         t4 = time.perf_counter()
         self._accept(seqs, specs, num_draft, num_accepted, out_tokens, logprobs, plan.speculate)
         t5 = time.perf_counter()
         self._record_step(seqs, plan, specs, num_draft, num_accepted, run.t1 - run.t0, t5 - start, draft_work_s,
-                          run.batch)
+                          run.batch, sent)
         parts = tm["host_parts"]
         parts["outcomes"] += t4 - t3
         parts["accept"] += t5 - t4
@@ -268,16 +271,17 @@ class TargetWorker(ClientRequests):
                 self.sched.commit(seq)
 
     def _record_step(self, seqs, plan: RoundPlan, specs, num_draft, num_accepted, wait_s: float, busy_s: float,
-                     draft_work_s: float, batch: int) -> None:
-        """Feed the step's timings to the policy that chose its plan (batch: every running sequence);
-        a step that finished a sequence measures nothing (releasing it is a one-off host cost)."""
+                     draft_work_s: float, batch: int, sent: RoundPlan) -> None:
+        """Feed the step's timings to the policy that chose its plan (batch: every running sequence;
+        sent: the plan whose request went with its outcomes); a step that finished a sequence
+        measures nothing (releasing it is a one-off host cost)."""
         if self.rounds is not None:
             steady = all(s.stats.num_rounds > STEADY_AFTER_ROUNDS and not s.finished for s in seqs)
             self.rounds.record_step(plan, specs, num_draft, num_accepted, wait_s, busy_s,
-                                    draft_work_s, steady=steady, context=self._context, batch=batch)
+                                    draft_work_s, steady=steady, context=self._context, batch=batch, sent=sent)
         elif self.draft.present:
             self.policy.record(len(seqs), plan.speculate, sum(n + 1 for n in num_accepted), wait_s + busy_s)
-        self._last_flags = self._last_flags[1:] + (plan.work_ahead,)
+        self._last_flags = self._last_flags[1:] + (sent.work_ahead,)
 
     def _launch(self, seqs: list[Sequence], specs: dict[int, DraftTokens], plan: RoundPlan, batch: int, t0: float,
                 prev: Launched | None) -> Launched:

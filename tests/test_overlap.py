@@ -8,6 +8,8 @@ In-process: a TargetWorker over a tiny random llama and a stand-in client channe
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -27,6 +29,7 @@ _RUNNERS: dict = {}
 def _worker(target: str, overlap: bool, *, mode: str = "ar", num_kv_blocks: int = 0, budget: int = 0,
             draft=None, device: str = "cpu") -> tuple[TargetWorker, _Clients]:
     cfg = RuntimeConfig(target=ModelConfig(path=target, device=device, gpu_memory_utilization=0.3),
+                        draft=ModelConfig(path=target, device=device),
                         spec=SpeculativeConfig(mode=mode, k=2),
                         sched=SchedulerConfig(max_batch_size=4, max_model_len=MAX_LEN, block_size=4,
                                               num_kv_blocks=num_kv_blocks, max_num_batched_tokens=budget,
@@ -218,3 +221,40 @@ def test_bench_overlap_script_runs_both_schedules(tmp_path):
     assert [ln.split()[1] for ln in lines] == ["off", "on"], out
     queued = [int(ln.split("queued ahead ")[1].split(";")[0]) for ln in lines]
     assert queued[0] == 0 and queued[1] >= 80, lines
+
+
+class _FlagsDraft(_RecordingDraft):
+    """As _RecordingDraft, also recording the plan each request names."""
+
+    def send_outcomes(self, seqs, specs, num_accepted, token_ids, speculated, choose_work_ahead):
+        super().send_outcomes(seqs, specs, num_accepted, token_ids, speculated, choose_work_ahead)
+        self.sent[-1] += (choose_work_ahead(len(seqs)),)
+        return True
+
+
+def test_a_plain_step_before_a_speculating_one_sends_that_ones_request(tiny_pair):
+    """Overlap on: the plain step queued ahead lands once the next step's plan is chosen;
+    before an SSD or SD round its outcomes go with that round's request, so the draft
+    answers and works ahead one step earlier (target_proc/ahead.py). Before a halves or
+    plain step, and with every step synchronous, each request names its own step's plan."""
+    from target_proc.round_policy import HALVES, PLAIN, SD, RoundPlan
+
+    ssd = RoundPlan("ssd", 3, "none")
+    plans = [PLAIN] * 3 + [ssd] * 2 + [PLAIN] * 2 + [SD] + [PLAIN] * 2 + [HALVES] + [PLAIN] * 2
+    requests = [(p, dict(max_tokens=len(plans) + 1, temperature=0.0, ignore_eos=True)) for p in _prompts(2, seed=6)]
+    got = {}
+    for overlap in (False, True):
+        draft = _FlagsDraft()
+        worker, clients = _worker(tiny_pair.target, overlap, mode="ssd", draft=draft)
+        pattern, recorded = itertools.chain(plans, itertools.repeat(PLAIN)), []
+        worker.rounds.choose = lambda batch, context=0, steady=True: next(pattern)
+        worker.rounds.record_step = lambda plan, *a, sent=None, **kw: recorded.append((plan, sent))
+        out, _ = _serve(worker, clients, requests)
+        assert [plan for plan, _ in recorded][:len(plans)] == plans
+        assert [s[-1] for s in draft.sent] == [s for _, s in recorded]
+        got[overlap] = out, [s for _, s in recorded][:len(plans)]
+    assert got[True][0] == got[False][0]
+    assert got[False][1] == plans
+    led = list(plans)
+    led[2], led[6] = ssd, SD  # the plain steps right before the SSD and SD rounds
+    assert got[True][1] == led

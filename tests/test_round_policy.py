@@ -440,6 +440,25 @@ def test_costs_are_kept_per_context_length():
     assert p.costs(1, 8192).chain_s == pytest.approx(0.010) and p.key(1, 100) == p.key(1, 1000) == (1, 1024)
 
 
+def test_a_doubling_context_starts_from_the_costs_and_choice_it_leaves(caplog):
+    """The batch's context grows past 1024 tokens: the next bucket starts from the costs
+    and choice of the one it leaves (a copy), with no first measurements (the largest tree
+    with jit would run first); a jump past the next bucket measures afresh."""
+    p = _policy()
+    simulate(p, 4, 200, verify_s=0.005, chain_s=0.030, work_s={16: 0.040, 8: 0.035, 4: 0.030},
+             hit_rate={16: 0.9, 8: 0.8, 4: 0.7}, tokens=2.0)
+    assert p.summary() == {4: "plain"}
+    with caplog.at_level(logging.INFO, logger="target_proc.round_policy"):
+        assert p.choose(4, 1500) == PLAIN
+    assert "batch size ~4, context up to 2048 tokens: plain, from the costs up to 1024 tokens" in caplog.text
+    before, after = p.costs(4), p.costs(4, 1500)
+    assert after is not before and after.plain_s == before.plain_s and after.work_s == before.work_s
+    for _ in range(2):  # the first step in the bucket measures nothing (the step before was another's)
+        p.record(4, PLAIN, context=1500, wait_s=0.0, busy_s=0.006)
+    assert list(after.steady["P"])[-1] == 0.006 and list(before.steady["P"])[-1] == 0.005  # its own from here
+    assert p.choose(4, 8192) == RoundPlan("ssd", 16, "jit")  # 2048 -> 8192: not the next bucket
+
+
 def test_one_slow_step_does_not_set_a_realized_rate():
     """A first-use stall (a kernel built on the first SD round) among the first steps of an
     option: no rate from two steps, and with a third it is left out (over 3x the median)."""
@@ -629,8 +648,30 @@ def test_replay_reads_step_records_and_prints_the_rates(tmp_path, capsys):
     with pytest.raises(ValueError, match="unknown plan"):
         replay.parse_plan("tree of 8")
     # A plain step queued ahead runs fewer sequences when one ends by length.
-    assert replay.parse_plan("plain (3 run)") == (PLAIN, 3) and replay.parse_plan("halves (2 run)") == (HALVES, 2)
-    assert replay.parse_plan("ssd 8 branches, backup jit:1") == (RoundPlan("ssd", 8, "jit:1"), 0)
+    assert replay.parse_plan("plain (3 run)") == (PLAIN, 3, None)
+    assert replay.parse_plan("halves (2 run)") == (HALVES, 2, None)
+    assert replay.parse_plan("ssd 8 branches, backup jit:1") == (RoundPlan("ssd", 8, "jit:1"), 0, None)
+
+
+def test_a_plain_step_that_requests_the_next_plan_is_logged_and_replayed_so(tmp_path):
+    """A plain step queued ahead sends its outcomes with the next SSD round's request
+    (target_proc/ahead.py): its record names that plan, the replay reads it back, and the
+    policy reads the next step's answer as one a work-ahead ran beside."""
+    replay = _load_replay()
+    ssd = RoundPlan("ssd", 8, "none")
+    with _step_records() as lines:
+        p = _policy(levels=[16, 8], k=4)
+        for sent in (None, ssd):
+            p.record(4, PLAIN, context=600, wait_s=0.0, busy_s=0.006, sent=sent)
+        p.record(4, ssd, context=601, wait_s=0.001, busy_s=0.010, num_specs=4, num_drafted=4, drafted_tokens=8)
+    assert lines[1].startswith("step batch 4 context 600: plain (requests ssd 8 branches, backup none), wait")
+    log = tmp_path / "steps.log"
+    log.write_text("\n".join(lines) + "\n")
+    records = list(replay.step_records(log))
+    assert [kw["sent"] for *_, kw, _ in records] == [None, ssd, None]
+    assert replay.parse_plan("plain (3 run) (requests sd)") == (PLAIN, 3, SD)
+    # The SSD round's verify ran beside the work-ahead its lead-in request started.
+    assert p.costs(4, 601).verify_s == {True: pytest.approx(0.010), False: None}
 
 
 def test_plain_decoding_is_measured_when_its_floor_estimate_comes_close():
