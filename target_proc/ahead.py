@@ -62,6 +62,7 @@ class Launched:
     t0: float  # the step began (perf_counter)
     t1: float  # its speculations were in
     row_of: dict[int, int]  # seq_id -> row, for the plain step queued after it
+    lead: float = 0.0  # a synchronous step's host time between the landing before it and t0 (the worker's step)
 
 
 def request_plan(landed: RoundPlan, upcoming: RoundPlan | None) -> RoundPlan:

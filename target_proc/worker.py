@@ -90,7 +90,7 @@ class TargetWorker(ClientRequests):
         self._halves, self._sampling = Halves(), SamplingCache(runner)
         # A plain step queued but not landed (target_proc/ahead.py), and when the last step landed.
         self._ahead: Launched | None = None
-        self._landed_at = 0.0
+        self._landed_at, self._landed_step = 0.0, -1
         overlap = cfg.sched.overlap_schedule
         self._overlap = runner.tp is None and (overlap == "on" or overlap == "auto" and runner.device.type == "cuda")
 
@@ -100,7 +100,9 @@ class TargetWorker(ClientRequests):
         """Serve until the process is stopped (the launcher signals its children)."""
         while True:
             t0 = time.perf_counter()
-            self.poll_clients(block=not self.running and not self.waiting)
+            if idle := not self.running and not self.waiting:
+                self._landed_step = -1  # the wait for a request is no step's lead
+            self.poll_clients(block=idle)
             self.draft.check()
             t1 = time.perf_counter()
             self.admit()
@@ -175,15 +177,19 @@ class TargetWorker(ClientRequests):
         if not seqs:
             return prev is not None and self._land(prev) is None
         t0 = time.perf_counter()
+        # The lead: the host's work since the last landing (outputs, clients, admission). A step queued
+        # behind another is timed from that one's landing; any other step counts its lead as busy.
+        lead = t0 - self._landed_at if self._landed_step == self.step_id - 1 else 0.0
         # Plain steps keep the draft in sync: it gets each outcome as (0, t), answering nothing.
         self._context = sum(s.num_tokens for s in seqs) // len(seqs)  # the round policy's cost bucket
         plan, batch = self._plan(seqs), len(seqs)
         early = self._overlap and not plan.speculate and allows_ahead(seqs)
         if prev is not None and early:  # those prev ends by length run no more
-            seqs = [s for s in seqs if s.seq_id in ahead or s.seq_id not in prev.row_of]
+            seqs, lead = [s for s in seqs if s.seq_id in ahead or s.seq_id not in prev.row_of], 0.0
         elif prev is not None:
             self._land(prev, plan)  # a plain step before a speculating one: its request goes now
             seqs, t0, prev = [s for s in seqs if self.running.get(s.seq_id) is s], time.perf_counter(), None
+            lead = 0.0
         if not seqs:  # prev ended every sequence
             if prev is not None:
                 self._land(prev)
@@ -191,6 +197,7 @@ class TargetWorker(ClientRequests):
         seqs = self._halves.next(seqs) if plan.kind == "halves" else seqs
         specs = self.draft.collect(seqs) if plan.speculate else {}
         run = self._launch(seqs, specs, plan, batch, t0, prev if early else None)
+        run.lead = max(0.0, lead)
         if early:
             if prev is not None:
                 self._land(prev)  # while `run` computes
@@ -232,14 +239,14 @@ class TargetWorker(ClientRequests):
         t4 = time.perf_counter()
         self._accept(seqs, specs, num_draft, num_accepted, out_tokens, logprobs, plan.speculate)
         t5 = time.perf_counter()
-        self._record_step(seqs, plan, specs, num_draft, num_accepted, run.t1 - run.t0, t5 - start, draft_work_s,
-                          run.batch, sent)
+        self._record_step(seqs, plan, specs, num_draft, num_accepted, run.t1 - run.t0, t5 - start + run.lead,
+                          draft_work_s, run.batch, sent)
         parts = tm["host_parts"]
         parts["outcomes"] += t4 - t3
         parts["accept"] += t5 - t4
         parts["record"] += time.perf_counter() - t5
         parts["land"] += t3 - t2
-        self._landed_at = t5  # steps queued back to back: each is timed from one landing to the next
+        self._landed_at, self._landed_step = t5, self.step_id  # queued back to back: timed landing to landing
         self._emit(seqs)
 
     def _plan(self, seqs: list[Sequence]) -> RoundPlan:

@@ -9,6 +9,7 @@ In-process: a TargetWorker over a tiny random llama and a stand-in client channe
 from __future__ import annotations
 
 import itertools
+import time
 
 import numpy as np
 import pytest
@@ -258,3 +259,25 @@ def test_a_plain_step_before_a_speculating_one_sends_that_ones_request(tiny_pair
     led = list(plans)
     led[2], led[6] = ssd, SD  # the plain steps right before the SSD and SD rounds
     assert got[True][1] == led
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_round_policy_times_each_step_from_the_landing_before_it(tiny_pair, overlap):
+    """The host's work between two landings (here 20 ms of streaming) is part of one step's
+    time as the round policy sees it: a plain step queued behind another is timed from that
+    one's landing, and any other step adds the time since the last landing to its busy time."""
+    from target_proc.round_policy import PLAIN, SD
+
+    worker, clients = _worker(tiny_pair.target, overlap, mode="ssd", draft=_FlagsDraft())
+    pattern, recorded = itertools.cycle([PLAIN, PLAIN, SD]), []
+    worker.rounds.choose = lambda batch, context=0, steady=True: next(pattern)
+    worker.rounds.record_step = lambda plan, specs, nd, na, wait_s, busy_s, *a, **kw: recorded.append(
+        (plan, wait_s + busy_s))
+    flush = worker.flush_outputs
+    worker.flush_outputs = lambda: (time.sleep(0.02), flush())
+    _serve(worker, clients, [(p, dict(max_tokens=16, temperature=0.0, ignore_eos=True)) for p in _prompts(2, 7)])
+    assert len(recorded) >= 14 and {plan for plan, _ in recorded} == {PLAIN, SD}
+    steps = [seconds for _, seconds in recorded[1:]]
+    assert sum(steps) >= 0.02 * len(steps)
+    if not overlap:
+        assert min(steps) >= 0.02, recorded
