@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.replay_round_policy import STEP  # noqa: E402
+from scripts.replay_round_policy import STEP, parse_plan  # noqa: E402
 
 POINT = re.compile(r"^\[ssd\] P=(\d+) T=([\d.]+) B=(\d+):")
 MIN_STEADY = 10  # steady steps before a plan's rate is shown
@@ -51,10 +51,9 @@ def read(path: str) -> list[tuple[str, list[Step]]]:
             m = STEP.search(line)
             if m is not None:
                 batch, _, label, first, wait, busy, _, _, tokens, drafted, _ = m.groups()
-                if first is None:
-                    stepped = re.fullmatch(r"(.*) \((\d+) run\)", label)  # a halves step: its sequences
-                    plan, n = (stepped.group(1), int(stepped.group(2))) if stepped else (label, int(batch))
-                    steps.append(Step(int(batch), plan, int(tokens) + n - int(drafted),
+                if first is None:  # a halves step runs `stepped` sequences; a plain one may request the next plan
+                    plan, stepped, _ = parse_plan(label)
+                    steps.append(Step(int(batch), plan.label(), int(tokens) + (stepped or int(batch)) - int(drafted),
                                       (float(wait) + float(busy)) / 1e3))
                 continue
             p = POINT.match(line)

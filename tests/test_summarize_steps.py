@@ -30,6 +30,7 @@ def test_a_points_steps_split_into_its_best_plan_the_rest_and_other_batch_sizes(
     lines = [_step(4, "sd", 30, 30, 4, 4, first=True)]  # a first round: left out
     lines += [_step(4, "sd", 10, 10, 12, 4)] * 14  # 12 tokens / 20 ms: 600 tok/s
     lines += [_step(4, "plain", 0, 10, 0, 0)] * 2  # 4 tokens / 10 ms: 3.3 ms more than SD's rate
+    lines[-1] = _step(4, "plain (requests sd)", 0, 10, 0, 0)  # a plain step all the same
     lines += [_step(2, "sd", 10, 10, 6, 2), "[ssd] P=512 T=0.0 B=4: 500.0 tok/s (decode 510.0)"]
     # A halves step runs 2 of the 4 sequences: 6 tokens (its 2, 3 each) in 10 ms.
     lines += [_step(4, "halves (2 run)", 0.5, 9.5, 6, 2)] * 13 + ["[ssd] P=512 T=0.0 B=4: 600.0 tok/s"]
