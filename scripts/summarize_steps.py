@@ -12,8 +12,12 @@ Per point (the records up to its "[ssd] P=... B=..." line):
   - the loss: step time at the point's batch size beyond what its best plan would have
     taken for the same tokens, as a share of all step time (probes, switches and choices
     other than the best), and the part of it in the first three steps after each change
-    of plan.
-Steps of a sequence's first rounds are left out, as the policy leaves them out.
+    of plan;
+  - the timed run's records (the last `steps N` of the point's line) against the engine:
+    their tokens over their time beside its decode tok/s. The records time each step from
+    the landing before it, so the two differ by the time before the first step and after
+    the last (0.4% at most in docs/benchmarks.md's runs); a larger gap is time no record holds.
+Steps of a sequence's first rounds are left out of the rest, as the policy leaves them out.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts.replay_round_policy import STEP, parse_plan  # noqa: E402
 
-POINT = re.compile(r"^\[ssd\] P=(\d+) T=([\d.]+) B=(\d+):")
+POINT = re.compile(r"^\[ssd\] P=(\d+) T=([\d.]+) B=(\d+):(?:.*?decode ([\d.]+))?(?:.*? steps (\d+), )?")
 MIN_STEADY = 10  # steady steps before a plan's rate is shown
 
 
@@ -40,10 +44,12 @@ class Step:
     plan: str  # the record's label
     tokens: int
     seconds: float
+    steady: bool = True  # past the first rounds of its sequences
 
 
-def read(path: str) -> list[tuple[str, list[Step]]]:
-    """(point, its steady steps) for each point of the file, in order."""
+def read(path: str) -> list[tuple[str, list[Step], tuple[float, int] | None]]:
+    """(point, its steps, (the engine's decode tok/s, steps of the timed run) or None) for
+    each point of the file, in order."""
     opener = gzip.open if path.endswith(".gz") else open
     points, steps = [], []
     with opener(path, "rt") as f:
@@ -51,20 +57,24 @@ def read(path: str) -> list[tuple[str, list[Step]]]:
             m = STEP.search(line)
             if m is not None:
                 batch, _, label, first, wait, busy, _, _, tokens, drafted, _ = m.groups()
-                if first is None:  # a halves step runs `stepped` sequences; a plain one may request the next plan
-                    plan, stepped, _ = parse_plan(label)
-                    steps.append(Step(int(batch), plan.label(), int(tokens) + (stepped or int(batch)) - int(drafted),
-                                      (float(wait) + float(busy)) / 1e3))
+                # A halves step runs `stepped` sequences; a plain one may request the next plan.
+                plan, stepped, _ = parse_plan(label)
+                steps.append(Step(int(batch), plan.label(), int(tokens) + (stepped or int(batch)) - int(drafted),
+                                  (float(wait) + float(busy)) / 1e3, first is None))
                 continue
             p = POINT.match(line)
             if p is not None:
-                points.append((f"prompt {p.group(1)}, T {p.group(2)}, batch {p.group(3)}", steps))
+                engine = (float(p.group(4)), int(p.group(5))) if p.group(4) and p.group(5) else None
+                points.append((f"prompt {p.group(1)}, T {p.group(2)}, batch {p.group(3)}", steps, engine))
                 steps = []
     return points
 
 
-def summarize(steps: list[Step]) -> dict:
-    """The measures of the module doc for one point's steps."""
+def summarize(steps: list[Step], timed: int = 0) -> dict:
+    """The measures of the module doc for one point's steps (its steady ones; the last
+    `timed` of them all: the records of the timed run)."""
+    timed = steps[-timed:] if timed else []
+    steps = [s for s in steps if s.steady]
     total = sum(s.seconds for s in steps)
     batch = max(s.batch for s in steps)
     full = [s for s in steps if s.batch == batch]
@@ -83,6 +93,8 @@ def summarize(steps: list[Step]) -> dict:
     counts = Counter(s.plan for s in full)
     out = dict(batch=batch, total_s=total, other_batch=(total - sum(s.seconds for s in full)) / total,
                plans={p: (n, rates.get(p)) for p, n in counts.most_common()})
+    if timed:
+        out["records_rate"] = sum(s.tokens for s in timed) / sum(s.seconds for s in timed)
     if rates:
         best = max(rates, key=rates.get)
         extra = [s.seconds - s.tokens / rates[best] for s in full]
@@ -95,16 +107,18 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("log")
     args = p.parse_args(argv)
-    for point, steps in read(args.log):
-        if not steps:
+    for point, steps, engine in read(args.log):
+        if not any(s.steady for s in steps):
             continue
-        r = summarize(steps)
+        r = summarize(steps, engine[1] if engine else 0)
         plans = ", ".join(f"{label} {n} steps" + (f" {rate:.0f} tok/s" if rate else "")
                           for label, (n, rate) in r["plans"].items())
         loss = (f"loss against {r['best']}: {100 * r['loss']:.1f}% ({100 * r['switch_loss']:.1f}% in the first "
                 f"three steps after a change)" if "best" in r else "no plan with enough steady steps")
+        timed = (f"; the timed run's {engine[1]} records {r['records_rate']:.1f} tok/s, the engine's decode "
+                 f"{engine[0]:.1f} ({engine[0] / r['records_rate']:.3f}x)" if engine else "")
         print(f"{point}: {r['total_s']:.2f} s of steps, {100 * r['other_batch']:.0f}% at other batch sizes; {loss}; "
-              f"{plans}")
+              f"{plans}{timed}")
 
 
 if __name__ == "__main__":

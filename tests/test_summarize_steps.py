@@ -33,19 +33,25 @@ def test_a_points_steps_split_into_its_best_plan_the_rest_and_other_batch_sizes(
     lines[-1] = _step(4, "plain (requests sd)", 0, 10, 0, 0)  # a plain step all the same
     lines += [_step(2, "sd", 10, 10, 6, 2), "[ssd] P=512 T=0.0 B=4: 500.0 tok/s (decode 510.0)"]
     # A halves step runs 2 of the 4 sequences: 6 tokens (its 2, 3 each) in 10 ms.
-    lines += [_step(4, "halves (2 run)", 0.5, 9.5, 6, 2)] * 13 + ["[ssd] P=512 T=0.0 B=4: 600.0 tok/s"]
+    lines += [_step(4, "halves (2 run)", 0.5, 9.5, 6, 2)] * 13
+    # The engine's line: the timed run's last 12 steps (600 tok/s by their records) decoded 540 tok/s.
+    lines += ["[ssd] P=512 T=0.0 B=4: 530.0 tok/s (decode 540.0, steps 541.0), 3.00 tok/round, admit=0.10 ms, "
+              "steps 12, ssd/sd rounds 0/0, halves steps 12, plain steps 0"]
     log = tmp_path / "steps.log.gz"
     with gzip.open(log, "wt") as f:
         f.write("\n".join(["unrelated line", *lines]) + "\n")
     mod = _module()
-    (_, first), (_, second) = mod.read(str(log))
+    (_, first, none), (_, second, engine) = mod.read(str(log))
+    assert none is None and engine == (540.0, 12)
     r = mod.summarize(first)
     assert r["total_s"] == pytest.approx(0.32) and r["other_batch"] == pytest.approx(0.02 / 0.32)
     assert r["best"] == "sd" and r["plans"] == {"sd": (14, pytest.approx(600)), "plain": (2, None)}
     assert r["loss"] == pytest.approx(2 * (0.010 - 4 / 600) / 0.32)
     assert r["switch_loss"] == pytest.approx(r["loss"])  # both plain steps follow the change
-    h = mod.summarize(second)
+    h = mod.summarize(second, timed=12)
     assert h["best"] == "halves" and h["plans"]["halves"][1] == pytest.approx(600) and h["loss"] == pytest.approx(0)
+    assert h["records_rate"] == pytest.approx(600)
     mod.main([str(log)])
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 2 and out[0].startswith("prompt 512, T 0.0, batch 4: 0.32 s of steps, 6% at other batch sizes")
+    assert out[1].endswith("; the timed run's 12 records 600.0 tok/s, the engine's decode 540.0 (0.900x)")
