@@ -19,9 +19,9 @@ SD rounds (measures c); till then a step that measures nothing (a filling batch)
 and until the batch size has stood SETTLE_STEPS steps the bucket runs what the bucket it
 came from chose, unless that was an SSD round (halves as SD rounds where halves are not an
 option): a drain passes each bucket in a few steps, too few for the first measurements to
-pay. A bucket the batch enters as its context doubles starts from the costs and choice of
-the one it leaves: those grow little with the context, and measuring every option afresh
-cost 60-140 ms of speculating steps per bucket at alpha 0.6 in docs/benchmarks.md's runs.
+pay. A bucket the batch enters as its context doubles (or halves) starts from the costs and
+choice of the one it leaves: they change little with the context, and measuring every option
+afresh cost 50-140 ms of speculating steps per bucket at alpha 0.6 (docs/benchmarks.md).
 Then each step runs the best prediction. An option whose inputs are not measured yet is
 probed before it is run: the next smaller tree when the best one overruns the verify;
 plain decoding once its estimate with P taken as S comes within PLAIN_PRIOR_SLACK of the
@@ -381,7 +381,7 @@ class RoundPolicy:
         b = self._buckets.get(key)  # no new _Bucket (and Costs) built per call for setdefault
         if b is None:
             b = self._buckets[key] = _Bucket()
-            src = self._buckets.get(came_from) if came_from and came_from[0] == key[0] else None
+            src = self._buckets.get(came_from) if came_from else None  # (the same batch bucket)
             if src is not None and src.choice is not None and key[1] in (2 * came_from[1], came_from[1] // 2):
                 # The batch's context crossed into the next bucket (module doc): start from its costs and choice.
                 b.costs, b.choice, b.backoff = copy.deepcopy(src.costs), src.choice, src.backoff

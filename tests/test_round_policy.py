@@ -245,9 +245,12 @@ def test_greedy_output_is_ars_across_forced_switches(tiny_pair, ar_reference, ov
     cfg = cfg.replace(sched=SchedulerConfig(max_batch_size=8, max_model_len=256, spec_policy="adaptive",
                                             spec_policy_probe_every=2, overlap_schedule=overlap))
     with Client(cfg) as client:
-        res = client.generate_batch(prompts, sp)
+        # Two batches: one gives the policy too few steps at batch 8 for its probes (timed, so
+        # not the same each run) to reach halves every time on a loaded CPU.
+        runs = [client.generate_batch(prompts, sp) for _ in range(2)]
         stats = client.engine_stats()
-    assert [r.token_ids for r in res] == ar
+    assert [[r.token_ids for r in res] for res in runs] == [ar, ar]
+    res = runs[0] + runs[1]
     assert stats.num_ssd_rounds > 0 and stats.num_sd_rounds > 0 and stats.num_plain_steps > 0
     assert stats.num_halves_steps > 0
     assert stats.round_choices and all(isinstance(k, int) for k in stats.round_choices)
