@@ -151,7 +151,7 @@ def _trace_work_ahead(ssd, seqs, cycle, k: int, path: str, n: int = 5) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from trace_gaps import format_report, gaps_by_label
+    from trace_gaps import format_report, gaps_by_label, load
 
     for name in ("_glue", "_fork", "_tree_decode", "_store"):
         setattr(ssd, name, _labelled(getattr(ssd, name), name.strip("_")))
@@ -168,12 +168,11 @@ def _trace_work_ahead(ssd, seqs, cycle, k: int, path: str, n: int = 5) -> None:
         torch.cuda.synchronize()
     raw = path[:-3] if path.endswith(".gz") else path
     prof.export_chrome_trace(raw)
+    events = load(raw)
     if raw != path:
         with open(raw, "rb") as f, gzip.open(path, "wb") as g:
             g.write(f.read())
         os.remove(raw)
-    with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as f:
-        events = json.load(f)["traceEvents"]
     print(format_report(gaps_by_label(events, "work_ahead"), "work_ahead"), flush=True)
 
 

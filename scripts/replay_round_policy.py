@@ -55,20 +55,26 @@ def parse_plan(label: str) -> tuple[RoundPlan, int, RoundPlan | None]:
     return RoundPlan("ssd", int(m.group(1)), m.group(2)), stepped, sent
 
 
+def parse_record(line: str):
+    """A step record's (batch, context, label, plan, record's keyword arguments for
+    RoundPolicy.record, tokens it yielded), or None for any other line."""
+    m = STEP.search(line)
+    if m is None:
+        return None
+    batch, context, label, first, wait, busy, hits, specs, tokens, drafted, work = m.groups()
+    (plan, stepped, sent), batch = parse_plan(label), int(batch)
+    kw = dict(wait_s=float(wait) / 1e3, busy_s=float(busy) / 1e3, num_specs=int(specs), num_hits=int(hits),
+              num_drafted=int(drafted), drafted_tokens=int(tokens), draft_work_s=float(work) / 1e3,
+              steady=first is None, stepped=stepped, sent=sent)
+    ran = stepped or batch
+    return batch, int(context), label, plan, kw, ran if not plan.speculate else int(tokens) + ran - int(drafted)
+
+
 def step_records(log: Path):
-    """Each step record of the log, in order: (batch, context, label, plan, record's keyword
-    arguments for RoundPolicy.record, tokens it yielded)."""
+    """Each step record of the log, in order (parse_record's tuples)."""
     for line in log.read_text().splitlines():
-        m = STEP.search(line)
-        if m is None:
-            continue
-        batch, context, label, first, wait, busy, hits, specs, tokens, drafted, work = m.groups()
-        (plan, stepped, sent), batch = parse_plan(label), int(batch)
-        kw = dict(wait_s=float(wait) / 1e3, busy_s=float(busy) / 1e3, num_specs=int(specs), num_hits=int(hits),
-                  num_drafted=int(drafted), drafted_tokens=int(tokens), draft_work_s=float(work) / 1e3,
-                  steady=first is None, stepped=stepped, sent=sent)
-        ran = stepped or batch
-        yield batch, int(context), label, plan, kw, ran if not plan.speculate else int(tokens) + ran - int(drafted)
+        if (record := parse_record(line)) is not None:
+            yield record
 
 
 def read_records(log: Path, batch: int) -> list[tuple[RoundPlan, int, dict, float]]:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.replay_round_policy import STEP, parse_plan  # noqa: E402
+from scripts.replay_round_policy import parse_record  # noqa: E402
 
 POINT = re.compile(r"^\[ssd\] P=(\d+) T=([\d.]+) B=(\d+):(?:.*?decode ([\d.]+))?(?:.*? steps (\d+), )?")
 MIN_STEADY = 10  # steady steps before a plan's rate is shown
@@ -54,13 +54,10 @@ def read(path: str) -> list[tuple[str, list[Step], tuple[float, int] | None]]:
     points, steps = [], []
     with opener(path, "rt") as f:
         for line in f:
-            m = STEP.search(line)
-            if m is not None:
-                batch, _, label, first, wait, busy, _, _, tokens, drafted, _ = m.groups()
-                # A halves step runs `stepped` sequences; a plain one may request the next plan.
-                plan, stepped, _ = parse_plan(label)
-                steps.append(Step(int(batch), plan.label(), int(tokens) + (stepped or int(batch)) - int(drafted),
-                                  (float(wait) + float(busy)) / 1e3, first is None))
+            record = parse_record(line)
+            if record is not None:
+                batch, _, _, plan, kw, tokens = record
+                steps.append(Step(batch, plan.label(), tokens, kw["wait_s"] + kw["busy_s"], kw["steady"]))
                 continue
             p = POINT.match(line)
             if p is not None:

@@ -177,19 +177,15 @@ class TargetWorker(ClientRequests):
         if not seqs:
             return prev is not None and self._land(prev) is None
         t0 = time.perf_counter()
-        # The lead: the host's work since the last landing (outputs, clients, admission). A step queued
-        # behind another is timed from that one's landing; any other step counts its lead as busy.
-        lead = t0 - self._landed_at if self._landed_step == self.step_id - 1 else 0.0
         # Plain steps keep the draft in sync: it gets each outcome as (0, t), answering nothing.
         self._context = sum(s.num_tokens for s in seqs) // len(seqs)  # the round policy's cost bucket
         plan, batch = self._plan(seqs), len(seqs)
         early = self._overlap and not plan.speculate and allows_ahead(seqs)
         if prev is not None and early:  # those prev ends by length run no more
-            seqs, lead = [s for s in seqs if s.seq_id in ahead or s.seq_id not in prev.row_of], 0.0
+            seqs = [s for s in seqs if s.seq_id in ahead or s.seq_id not in prev.row_of]
         elif prev is not None:
             self._land(prev, plan)  # a plain step before a speculating one: its request goes now
             seqs, t0, prev = [s for s in seqs if self.running.get(s.seq_id) is s], time.perf_counter(), None
-            lead = 0.0
         if not seqs:  # prev ended every sequence
             if prev is not None:
                 self._land(prev)
@@ -197,7 +193,10 @@ class TargetWorker(ClientRequests):
         seqs = self._halves.next(seqs) if plan.kind == "halves" else seqs
         specs = self.draft.collect(seqs) if plan.speculate else {}
         run = self._launch(seqs, specs, plan, batch, t0, prev if early else None)
-        run.lead = max(0.0, lead)
+        # The lead: the host's work since the last step landed, in the call before (outputs, clients,
+        # admission), busy time of this step. One queued behind another is timed from that one's landing.
+        if prev is None and self._landed_step == self.step_id - 1:
+            run.lead = max(0.0, t0 - self._landed_at)
         if early:
             if prev is not None:
                 self._land(prev)  # while `run` computes
