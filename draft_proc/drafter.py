@@ -105,9 +105,7 @@ class ModelDrafter(Speculator):
         prev = None
         for i in range(num_steps):
             batch = make_batch(i, prev)
-            logits = self.runner.forward(batch)  # [T, V]
-            if select is not None:
-                logits = logits[select]  # [R, V]
+            logits = self.runner.forward(batch, rows=select)  # [R, V]: `rows`' logits (every row without select)
             if i == 0 and chain is not None:
                 # Benchmark oracle for every step at once, while step 0 runs on the GPU.
                 steps_tf = chain(rows, positions, num_steps, self.runner.vocab_size, device)

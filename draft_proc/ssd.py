@@ -39,10 +39,10 @@ import torch
 from draft_proc.speculator import Speculator
 from draft_proc.state import DraftSeq
 from draft_proc.tree_budget import TreeBudget
-from draft_proc.tree_cache import Fork, TreeCache, select_forks
-from protocol.sparse_q import NO_DRAFT, DraftTokens, put_q
+from draft_proc.tree_cache import BranchTable, Forks, TreeCache, select_forks_groups
+from protocol.sparse_q import NO_DRAFT, put_q
 from spec_runtime.config import pow2_at_least
-from spec_runtime.engine.forward_batch import ForwardItem, TreeBranch, build_tree_batch, tree_step_batch
+from spec_runtime.engine.forward_batch import ForwardItem, tree_batch, tree_step_batch
 
 logger = logging.getLogger(__name__)
 
@@ -234,9 +234,9 @@ class SSDEngine:
         # it, the request's choice or TreeBudget's keeps the work-ahead inside the target's verify.
         return self._requested_branches or self.budget.branches(batch)
 
-    def _glue(self, seqs: list[DraftSeq]) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Forward [x_n, d_1..d_m]; per sequence the ranked candidates and their draft
-        probabilities, each [m + 1, R]."""
+    def _glue(self, seqs: list[DraftSeq]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Forward [x_n, d_1..d_m]; the ranked candidates and their draft probabilities
+        [sum(m + 1), R], sequence by sequence, and each sequence's first row [B]."""
         lagging = [s for s in seqs if s.num_cached < s.num_tokens - 1]
         if lagging:
             # The backup drafted nothing, so the prompt was never prefilled: do it now.
@@ -263,32 +263,29 @@ class SSDEngine:
         top = torch.topk(torch.softmax(logits.float(), dim=-1), min(width, logits.shape[-1]), dim=-1)
         ranked_ids = top.indices.cpu().numpy()  # sync: forks are chosen on the host
         ranked_probs = top.values.cpu().numpy()
-        out, start = [], 0
-        for s in seqs:
-            m = len(s.draft_token_ids)
-            out.append((ranked_ids[start : start + m + 1], ranked_probs[start : start + m + 1]))
-            start += m + 1
-            s.num_cached = s.num_tokens + m
-        return out
+        starts = np.zeros(len(seqs), dtype=np.int64)  # each sequence's first row of the ranking
+        start = 0
+        for i, s in enumerate(seqs):
+            starts[i] = start
+            start += len(s.draft_token_ids) + 1
+            s.num_cached = s.num_tokens + len(s.draft_token_ids)
+        return ranked_ids, ranked_probs, starts
 
-    def _fork(self, seqs: list[DraftSeq], ranked: list[tuple[np.ndarray, np.ndarray]]) -> list[Fork]:
+    def _fork(self, seqs: list[DraftSeq], ranked: tuple[np.ndarray, np.ndarray, np.ndarray]) -> Forks:
         per_seq = self._branches_per_seq(len(seqs))
-        forks: list[Fork] = []
-        for s, (ids, probs) in zip(seqs, ranked):
+        groups: dict[tuple, list[int]] = {}  # sequences with the same drafts count and fan-out fork together
+        for i, s in enumerate(seqs):
             # No speculation (a fresh sequence, or a backup that drafted nothing): every
             # outcome is at depth 0, so the whole budget goes there.
             fan = self.cfg.fan_out_for(s.last_missed) if s.draft_token_ids else (per_seq,)
-            forks.extend(select_forks(s.seq_id, ids, probs, np.asarray(s.draft_token_ids, dtype=np.int64), fan,
-                                      per_seq, self.accept_rate))
-        return forks
+            groups.setdefault((len(s.draft_token_ids), fan), []).append(i)
+        return select_forks_groups(groups, seqs, ranked, per_seq, self.accept_rate)
 
-    def _tree_decode(self, seqs: list[DraftSeq], forks: list[Fork], k: int) -> None:
-        by_id = {s.seq_id: s for s in seqs}
-        f_seqs = [by_id[f.seq_id] for f in forks]
-        max_len = self.layout.max_model_len
+    def _tree_decode(self, seqs: list[DraftSeq], forks: Forks, k: int) -> None:
+        n = np.array([s.num_tokens for s in seqs], dtype=np.int64)[forks.seq]
         # Outcome (j, t) leaves the sequence with n + j + 1 tokens; its speculation is
         # capped like the chain drafter's, at max_model_len - (n + j + 1).
-        lens = np.array([max(0, min(k, max_len - (s.num_tokens + f.depth + 1))) for s, f in zip(f_seqs, forks)])
+        lens = np.clip(np.minimum(k, self.layout.max_model_len - (n + forks.depth + 1)), 0, None)
         sampled = any(s.temperature > 0 for s in seqs)
         top = self.cfg.draft_top_k
         tokens = np.full((len(forks), k), -1, dtype=np.int64)
@@ -296,86 +293,85 @@ class SSDEngine:
         q_probs = np.zeros((len(forks), k, top), dtype=np.float32) if sampled else None
         q_len = self._tree_q_len(seqs, forks)
         if k > 0 and (lens == k).all() and q_len is not None:
-            self._tree_decode_shared(f_seqs, forks, k, q_len, tokens, q_ids, q_probs, sampled)
+            self._tree_decode_shared(seqs, forks, n, k, q_len, tokens, q_ids, q_probs, sampled)
             self._store(seqs, forks, lens, tokens, q_ids, q_probs, sampled)
             return
         # All branches of all sequences step together (one batch per step); branches near
         # the context limit are shorter, so there is one pipelined chain per length.
         for steps in sorted(set(lens.tolist()) - {0}):
             idx = np.flatnonzero(lens == steps)
-            rows = [f_seqs[b] for b in idx]
-            prefix = [f_seqs[b].num_tokens + forks[b].depth for b in idx]  # the sequence's rows [0, n + j)
-            prefix_rows = [self.kv.rows(f_seqs[b], p) for b, p in zip(idx, prefix)]
+            rows = [seqs[i] for i in forks.seq[idx]]
+            prefix = (n + forks.depth)[idx].tolist()  # the sequence's rows [0, n + j)
+            prefix_rows = [self.kv.rows(s, p) for s, p in zip(rows, prefix)]
+            branch, first_tok = forks.branch[idx].tolist(), forks.token_id[idx].tolist()
 
-            def items(i, tok=None, idx=idx, prefix=prefix, prefix_rows=prefix_rows):
+            def items(i, tok=None, rows=rows, prefix=prefix, prefix_rows=prefix_rows, branch=branch, first=first_tok):
                 return [
-                    ForwardItem([forks[b].token_id if tok is None else 0], p + i,
-                                np.concatenate([pr, self.cache.scratch_rows(f_seqs[b].slot, forks[b].branch, i + 1)]),
-                                "last")
-                    for b, p, pr in zip(idx, prefix, prefix_rows)
+                    ForwardItem([t if tok is None else 0], p + i,
+                                np.concatenate([pr, self.cache.scratch_rows(s.slot, b, i + 1)]), "last")
+                    for s, p, pr, b, t in zip(rows, prefix, prefix_rows, branch, first)
                 ]
 
-            positions = np.array(prefix, dtype=np.int64) + 1
-            toks, qi, qp = self.drafter.decode_chain(items(0), lambda i: items(i, tok=0), rows, positions, steps)
+            toks, qi, qp = self.drafter.decode_chain(items(0), lambda i: items(i, tok=0), rows,
+                                                     np.array(prefix, dtype=np.int64) + 1, steps)
             tokens[idx, :steps] = toks
             if sampled:  # greedy branches in a sampled batch get a one-hot q
                 put_q(q_ids, q_probs, (idx, slice(0, steps)), toks, qi, qp)
         self._store(seqs, forks, lens, tokens, q_ids, q_probs, sampled)
 
-    def _tree_q_len(self, seqs: list[DraftSeq], forks: list[Fork]) -> int | None:
+    def _tree_q_len(self, seqs: list[DraftSeq], forks: Forks) -> int | None:
         """Branches per request of the shared-prefix tree step, or None where the backend
         cannot run one (the per-branch layout is used then)."""
-        q_len = max(np.bincount([f.branch for f in forks]).size, 1)  # most branches of one sequence
+        q_len = int(forks.branch.max()) + 1 if len(forks) else 1  # most branches of one sequence
         if self.runner.graphs is not None:
             q_len = max(q_len, pow2_at_least(self._branches_per_seq(len(seqs))))  # the graph's shape
         return q_len if self.runner.backend.supports_tree(q_len) else None
 
-    def _tree_decode_shared(self, f_seqs, forks, k, q_len, tokens, q_ids, q_probs, sampled) -> None:
+    def _tree_decode_shared(self, seqs, forks: Forks, n, k, q_len, tokens, q_ids, q_probs, sampled) -> None:
         """K tree steps with one request per sequence and its branches as the request's
-        tokens; the prefix [0, n) is shared, each branch sees its accepted drafts
-        [n, n + j) and its scratch rows."""
-        order: dict[int, list[int]] = {}
-        for b, f in enumerate(forks):
-            order.setdefault(f.seq_id, []).append(b)
-        by_id = {s.seq_id: s for s in f_seqs}
-        prefixes, branches, select = [], [], []
-        for r, (sid, idx) in enumerate(order.items()):
-            s = by_id[sid]
-            n = s.num_tokens
-            seq_rows = self.kv.rows(s, n + max(forks[b].depth for b in idx))
-            prefixes.append(seq_rows[:n])
-            brs = []
-            for j, b in enumerate(idx):
-                f = forks[b]
-                local = np.concatenate([seq_rows[n:n + f.depth], self.cache.scratch_rows(s.slot, f.branch, k)])
-                brs.append(TreeBranch(f.token_id, n + f.depth, local, f.depth + 1))
-                select.append(r * q_len + j)
-            branches.append(brs)
-        first = build_tree_batch(prefixes, branches, q_len, self.runner.dummy_row, self.runner.device)
-        perm = np.concatenate(list(order.values()))  # fork index of each selected row
-        select_d = torch.from_numpy(np.asarray(select, dtype=np.int64)).to(self.runner.device)
-        rows = [f_seqs[b] for b in perm]
-        positions = np.array([f_seqs[b].num_tokens + forks[b].depth + 1 for b in perm], dtype=np.int64)
+        tokens; the prefix [0, n) is shared (n [F]: each fork's sequence length), each
+        branch sees its accepted drafts [n, n + j) and its scratch rows."""
+        counts = np.bincount(forks.seq, minlength=len(seqs))
+        present = np.flatnonzero(counts)  # request r: sequence present[r]
+        request = np.cumsum(counts > 0)[forks.seq] - 1
+        deepest = np.maximum.reduceat(forks.depth, np.cumsum(counts[present]) - counts[present])  # per request
+        width = int(deepest.max(initial=0)) + k  # the longest own rows: accepted drafts, then K scratch rows
+        prefixes, accepted = [], np.zeros((len(present), width), dtype=np.int64)  # rows of d_1..d_j, padded
+        for r, i in enumerate(present.tolist()):
+            s = seqs[i]
+            seq_rows = self.kv.rows(s, s.num_tokens + int(deepest[r]))
+            prefixes.append(seq_rows[: s.num_tokens])
+            accepted[r, : deepest[r]] = seq_rows[s.num_tokens:]
+        if k > self.cache.k or int(forks.branch.max()) >= self.cache.max_branches:
+            raise ValueError(f"{k} tokens or branch {int(forks.branch.max())} outside the budget of "
+                             f"{self.cache.k} tokens and {self.cache.max_branches} branches")
+        # A branch's own rows: the sequence's rows of the drafts it accepted, then its first
+        # k scratch rows (TreeCache.scratch_rows).
+        slot = np.array([s.slot for s in seqs], dtype=np.int64)[forks.seq]
+        scratch = self.cache.scratch_base + (slot * self.cache.max_branches + forks.branch) * self.cache.k
+        col, d = np.arange(width)[None, :], forks.depth[:, None]
+        local = np.where(col < d, accepted[request], scratch[:, None] + col - d)
+        first = tree_batch(prefixes, request, forks.token_id, n + forks.depth, local, forks.depth + k,
+                           forks.depth + 1, q_len, self.runner.dummy_row, self.runner.device)
+        select_d = torch.from_numpy(request * q_len + forks.branch).to(self.runner.device)
 
         def make_batch(i, prev):
             return first if i == 0 else tree_step_batch(first, i, prev)
 
-        toks, qi, qp = self.drafter.run_chain(make_batch, rows, positions, k, select=select_d)
-        tokens[perm] = toks
+        rows = [seqs[i] for i in forks.seq.tolist()]
+        toks, qi, qp = self.drafter.run_chain(make_batch, rows, n + forks.depth + 1, k, select=select_d)
+        tokens[:] = toks
         if sampled:  # greedy branches in a sampled batch get a one-hot q
-            put_q(q_ids, q_probs, (perm, slice(None)), toks, qi, qp)
+            put_q(q_ids, q_probs, (slice(None), slice(None)), toks, qi, qp)
 
-    def _store(self, seqs, forks, lens, tokens, q_ids, q_probs, sampled) -> None:
-        entries: dict[int, dict[tuple[int, int], DraftTokens]] = {s.seq_id: {} for s in seqs}
-        for b, f in enumerate(forks):
-            m = int(lens[b])
-            entries[f.seq_id][(f.depth, f.token_id)] = DraftTokens(
-                tokens[b, :m].copy(),
-                q_ids[b, :m].copy() if sampled else None,
-                q_probs[b, :m].copy() if sampled else None,
-            )
-        for sid, e in entries.items():
-            self.cache.replace(sid, e)
+    def _store(self, seqs, forks: Forks, lens, tokens, q_ids, q_probs, sampled) -> None:
+        """Each branch's row of this work-ahead's arrays under its outcome."""
+        table = BranchTable(tokens, q_ids if sampled else None, q_probs if sampled else None, lens)
+        keys: list[dict[tuple[int, int], int]] = [{} for _ in seqs]
+        for b, (i, j, t) in enumerate(zip(forks.seq.tolist(), forks.depth.tolist(), forks.token_id.tolist())):
+            keys[i][(j, t)] = b
+        for s, k in zip(seqs, keys):
+            self.cache.replace_rows(s.seq_id, k, table)
 
     # ---------------------------------------------------------------- bookkeeping
 

@@ -36,6 +36,21 @@ class Fork:
     branch: int  # index among the sequence's branches (scratch rows)
 
 
+@dataclass(frozen=True)
+class Forks:
+    """The branches of one work-ahead as arrays [F], sequence by sequence, each
+    sequence's in branch order: its sequence (an index into the work-ahead's list),
+    depth, token and index among its sequence's branches (Fork's fields)."""
+
+    seq: np.ndarray
+    depth: np.ndarray
+    token_id: np.ndarray
+    branch: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.seq)
+
+
 def select_forks(
     seq_id: int,
     ranked_token_ids: np.ndarray,
@@ -57,7 +72,8 @@ def select_forks(
         a^m q_m(t)                                 for j = m (all accepted, bonus t)
     with a the running per-token acceptance rate and q_j the draft's distribution at
     depth j. When max_branches (the budget that keeps shapes fixed) binds, the forks
-    of highest estimated probability win, whatever their depth.
+    of highest estimated probability win, whatever their depth (ties: the shallower,
+    then the higher ranked). The chosen forks come in order of depth, then estimate.
     """
     m = len(draft_token_ids)
     if ranked_token_ids.shape[0] != m + 1 or ranked_probs.shape != ranked_token_ids.shape:
@@ -88,6 +104,91 @@ def select_forks(
     return [Fork(seq_id, j, t, i) for i, (_, j, t) in enumerate(chosen)]
 
 
+def select_forks_batch(ranked_token_ids: np.ndarray, ranked_probs: np.ndarray, draft_token_ids: np.ndarray,
+                       fan_out: tuple[int, ...], max_branches: int,
+                       accept_rate: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """select_forks for B sequences with the same number of drafts m, in a few array
+    operations (fewer host operations than B calls of select_forks from a handful of
+    sequences on): ranked_* [B, m + 1, R], draft_token_ids [B, m]. Returns the forks'
+    depths and tokens [B, W] in branch order (row b's first count[b] entries are its
+    branches) and count [B]."""
+    ids = np.asarray(ranked_token_ids)
+    b, rows, width = ids.shape
+    m = draft_token_ids.shape[1]
+    if rows != m + 1 or np.shape(ranked_probs) != ids.shape:
+        raise ValueError(f"need m + 1 = {m + 1} ranked rows of ids and probs, got {ids.shape[1:]}")
+    probs = np.asarray(ranked_probs, dtype=np.float64)
+    a = min(max(accept_rate, 1e-3), 1 - 1e-3)
+    powers = np.array([a**j for j in range(m + 1)])
+    # Depth j < m excludes d_{j+1} (that outcome is an accept) and weighs by 1 - q_j(d_{j+1}).
+    excluded = np.full((b, m + 1), PLACEHOLDER_TOKEN_ID, dtype=np.int64)
+    excluded[:, :m] = draft_token_ids
+    match = ids == excluded[:, :, None]
+    first = np.take_along_axis(probs, match.argmax(axis=2)[:, :, None], 2)[:, :, 0]
+    q_excluded = np.where(match.any(axis=2), first, 0.0)  # its first match's probability
+    scale = np.empty((b, m + 1))
+    scale[:, :m] = powers[:m] * (1 - a) / np.maximum(1e-6, 1.0 - q_excluded[:, :m])
+    scale[:, m] = powers[m]
+    want = np.array([fan_out[j] if j < len(fan_out) else 0 for j in range(m + 1)])
+    usable = ~match & (ids >= 0)
+    taken = usable & (np.cumsum(usable, axis=2) <= want[None, :, None])  # the first F_j usable per depth
+    est = np.where(taken, scale[:, :, None] * probs, -np.inf).reshape(b, -1)  # candidates in (depth, rank) order
+    # Stable sorts: by estimate (ties keep (depth, rank) order), the best max_branches;
+    # then by depth and estimate, the untaken candidates (estimate -inf) last.
+    r = np.arange(b)[:, None]
+    order = np.argsort(-est, axis=1, kind="stable")[:, :max_branches]
+    est_c = est[r, order]
+    order = order[r, np.lexsort((-est_c, np.where(np.isfinite(est_c), order // width, m + 1)), axis=-1)]
+    count = np.minimum(taken.sum(axis=(1, 2)), max_branches)
+    return order // width, ids.reshape(b, -1)[r, order], count
+
+
+# Groups of up to this many sequences choose their forks one sequence at a time (fewer host
+# operations than select_forks_batch's arrays for a single sequence).
+FORK_LOOP_SEQS = 1
+
+
+def select_forks_groups(groups: dict[tuple[int, tuple[int, ...]], list[int]], seqs, ranked, max_branches: int,
+                        accept_rate: float) -> Forks:
+    """The forks of a work-ahead's sequences `seqs` (DraftSeq: their draft_token_ids).
+    groups: (m, fan-out) -> the indices of the sequences with m drafts that fork with that
+    fan-out; ranked: (ids, probs [sum(m + 1), R], each sequence's first row [B])."""
+    parts = []  # (sequence, depth, token, branch) of each group's forks, sequence by sequence
+    for (m, fan), idx in groups.items():
+        if len(idx) <= FORK_LOOP_SEQS:
+            for i in idx:
+                a = ranked[2][i]
+                fs = select_forks(i, ranked[0][a : a + m + 1], ranked[1][a : a + m + 1],
+                                  np.asarray(seqs[i].draft_token_ids, dtype=np.int64), fan, max_branches, accept_rate)
+                parts.append((np.full(len(fs), i, dtype=np.int64), np.array([f.depth for f in fs], dtype=np.int64),
+                              np.array([f.token_id for f in fs], dtype=np.int64), np.arange(len(fs))))
+            continue
+        drafts = np.array([seqs[i].draft_token_ids for i in idx], dtype=np.int64).reshape(len(idx), m)
+        rows = ranked[2][idx][:, None] + np.arange(m + 1)  # [G, m + 1]
+        d, t, c = select_forks_batch(ranked[0][rows], ranked[1][rows], drafts, fan, max_branches, accept_rate)
+        g, branch = np.nonzero(np.arange(d.shape[1])[None, :] < c[:, None])  # each fork's row and column
+        parts.append((np.asarray(idx, dtype=np.int64)[g], d[g, branch], t[g, branch], branch))
+    if len(parts) == 1:
+        return Forks(*parts[0])
+    seq, depth, token, branch = (np.concatenate(x) for x in zip(*parts))
+    order = np.argsort(seq, kind="stable")  # each sequence's forks stay together and in order
+    return Forks(seq=seq[order], depth=depth[order], token_id=token[order], branch=branch[order])
+
+
+class BranchTable:
+    """One work-ahead's speculations, as its arrays hold them: branch b's tokens[b, :lens[b]]
+    and their q (None: greedy). A branch's DraftTokens are made when a look-up asks for it."""
+
+    def __init__(self, tokens: np.ndarray, q_ids: np.ndarray | None, q_probs: np.ndarray | None, lens: np.ndarray):
+        self.tokens, self.q_ids, self.q_probs, self.lens = tokens, q_ids, q_probs, lens
+
+    def __getitem__(self, b: int) -> DraftTokens:
+        m = int(self.lens[b])
+        if self.q_ids is None:
+            return DraftTokens(self.tokens[b, :m])
+        return DraftTokens(self.tokens[b, :m], self.q_ids[b, :m], self.q_probs[b, :m])
+
+
 class TreeCache:
     """Per-sequence maps from outcome (j, t) to a pre-computed speculation."""
 
@@ -97,7 +198,8 @@ class TreeCache:
         self.max_branches = max_branches
         self.k = k
         self.scratch_base = scratch_base
-        self._entries: dict[int, dict[tuple[int, int], DraftTokens]] = {}
+        # seq_id -> (outcome -> index into its table, the table: a list of DraftTokens or a BranchTable)
+        self._entries: dict[int, tuple[dict[tuple[int, int], int], object]] = {}
 
     def scratch_rows(self, slot: int, branch: int, length: int) -> np.ndarray:
         """Rows of the first `length` tokens of a branch."""
@@ -107,19 +209,31 @@ class TreeCache:
         return np.arange(base, base + length, dtype=np.int64)
 
     def lookup(self, seq_id: int, depth: int, token_id: int) -> DraftTokens | None:
-        return self._entries.get(seq_id, {}).get((depth, token_id))
+        keys, table = self._entries.get(seq_id, ({}, None))
+        b = keys.get((depth, token_id))
+        return None if b is None else table[b]
 
     def replace(self, seq_id: int, entries: dict[tuple[int, int], DraftTokens]) -> None:
         """The speculation changed: the old branches answer outcomes that can no longer come."""
-        if len(entries) > self.max_branches:
-            raise ValueError(f"{len(entries)} entries exceed the budget of {self.max_branches}")
-        self._entries[seq_id] = entries
+        self.replace_rows(seq_id, {key: i for i, key in enumerate(entries)}, list(entries.values()))
+
+    def replace_rows(self, seq_id: int, keys: dict[tuple[int, int], int], table) -> None:
+        """replace, with each outcome's speculation at table[keys[outcome]] (a BranchTable:
+        the rows of one work-ahead's arrays)."""
+        if len(keys) > self.max_branches:
+            raise ValueError(f"{len(keys)} entries exceed the budget of {self.max_branches}")
+        self._entries[seq_id] = (keys, table)
+
+    def entries(self, seq_id: int) -> dict[tuple[int, int], DraftTokens]:
+        """Every outcome the sequence's cache answers, with its speculation."""
+        keys, table = self._entries.get(seq_id, ({}, None))
+        return {key: table[b] for key, b in keys.items()}
 
     def clear(self, seq_id: int) -> None:
         self._entries.pop(seq_id, None)
 
     def num_entries(self) -> int:
-        return sum(len(e) for e in self._entries.values())
+        return sum(len(keys) for keys, _ in self._entries.values())
 
     def num_seqs(self) -> int:
         return len(self._entries)

@@ -7,8 +7,9 @@ at several context lengths.
 Per context length: the chain drafter's propose(), the SSD work-ahead (glue + K tree
 steps), and the K tree steps alone, with the shared-prefix layout (one request per
 sequence, forward_batch.TreeMask) and with the per-branch layout (one request per
-branch, its prefix rows listed in full) for comparison. Then torch.profiler's top ops
-at the last context.
+branch, its prefix rows listed in full) for comparison; then the shared-prefix step's
+forward alone, replayed back to back (what the GPU takes, without the host's work).
+Then torch.profiler's top ops at the last context.
 """
 
 from __future__ import annotations
@@ -104,10 +105,22 @@ def main() -> None:
             row[f"tree_step_{layout}_ms"] = 1e3 * _timed(lambda: ssd._tree_decode(seqs, forks, args.k),
                                                         args.repeats) / args.k
         ssd._tree_q_len = shared_q_len
+        # A tree step's forward alone (its graph replayed back to back: the GPU's time, not the host's).
+        batches, forward = [], runner.forward
+
+        def recorded(batch, rows=None):
+            batches.append(batch)
+            return forward(batch, rows)
+
+        runner.forward = recorded
+        ssd._tree_decode(seqs, forks, args.k)
+        runner.forward = forward
+        row["tree_forward_ms"] = 1e3 * _timed(lambda: forward(batches[0]), args.repeats)
         results["contexts"].append(row)
         print(f"context {ctx}, batch {args.batch}, K={args.k}, {len(forks)} branches: chain propose "
               f"{chain_ms:.2f} ms, work-ahead {work_ms:.2f} ms, tree step {row['tree_step_shared_prefix_ms']:.3f} ms "
-              f"shared-prefix / {row['tree_step_per_branch_ms']:.3f} ms per-branch", flush=True)
+              f"shared-prefix / {row['tree_step_per_branch_ms']:.3f} ms per-branch, its forward alone "
+              f"{row['tree_forward_ms']:.3f} ms", flush=True)
     if len(results["contexts"]) > 1:
         a, b = results["contexts"][0], results["contexts"][-1]
         ratio = b["tree_step_shared_prefix_ms"] / a["tree_step_shared_prefix_ms"]

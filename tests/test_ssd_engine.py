@@ -59,7 +59,7 @@ def test_cached_branches_equal_fresh_chain_drafts(model_dir, temperature, saguar
     for b, s in enumerate(seqs):
         d = prop[b].draft_token_ids.tolist()
         assert len(d) == K
-        for (j, t), entry in engine.cache._entries[s.seq_id].items():
+        for (j, t), entry in engine.cache.entries(s.seq_id).items():
             assert j == K or t != d[j]  # fork exclusion
             fresh = DraftSeq(9, 0, s.token_ids + d[:j] + [t], temperature=temperature, seed=s.seed)
             ref = reference.propose([fresh], K)
@@ -86,7 +86,7 @@ def test_hit_returns_the_cached_speculation(model_dir):
     # Outcome: sequence 0 rejects at depth 1 with a forked token (hit), sequence 1
     # gets a token nobody forked (miss).
     s0, s1 = seqs
-    (j0, t0), want = next(((key, e) for key, e in engine.cache._entries[0].items() if key[0] == 1))
+    (j0, t0), want = next(((key, e) for key, e in engine.cache.entries(0).items() if key[0] == 1))
     unforked = next(t for t in range(3, 384) if engine.cache.lookup(1, 0, t) is None and t != prop[1].draft_token_ids[0])
     engine.note_outcome(s0, j0, t0)
     s0.apply_outcome(j0, t0, s0.num_tokens + j0 + 1, 2)
@@ -115,7 +115,7 @@ def test_a_round_without_work_ahead_feeds_the_hits_branch(model_dir):
     s.apply_outcome(0, 5, s.num_tokens + 1, 1)
     engine.propose(seqs, K)
     engine.work_ahead(seqs, K)
-    (j, t) = next(key for key in engine.cache._entries[0] if key[0] == 1)
+    (j, t) = next(key for key in engine.cache.entries(0) if key[0] == 1)
     engine.note_outcome(s, j, t)
     s.apply_outcome(j, t, s.num_tokens + j + 1, 2)
     prop, _ = engine.propose(seqs, K)

@@ -153,7 +153,7 @@ def test_first_request_after_add_hits_and_is_exact(model_dir, temperature):
     assert not h.chan.sent  # a prefetch answers nothing
     budget = ssd.cache.max_branches  # m = 0: the whole per-sequence budget forks depth 0
     for sid in (1, 2):
-        assert len(ssd.cache._entries[sid]) == budget and {j for j, _ in ssd.cache._entries[sid]} == {0}
+        assert len(ssd.cache.entries(sid)) == budget and {j for j, _ in ssd.cache.entries(sid)} == {0}
     h.worker.run_once()
     assert h.prefetched == [[1, 2]] and h.chan.timeouts[-1] == 0.5  # nothing fresh: wait as before
 
@@ -161,7 +161,7 @@ def test_first_request_after_add_hits_and_is_exact(model_dir, temperature):
     if temperature == 0:
         firsts = {sid: h.chain(sid, PROMPTS[sid])[0][0] for sid in (1, 2)}
     else:
-        firsts = {sid: min(t for _, t in ssd.cache._entries[sid]) for sid in (1, 2)}
+        firsts = {sid: min(t for _, t in ssd.cache.entries(sid)) for sid in (1, 2)}
     h.request([(sid, 0, t) for sid, t in firsts.items()])
     h.drain()
     resp = h.response()
@@ -172,7 +172,7 @@ def test_first_request_after_add_hits_and_is_exact(model_dir, temperature):
     # The next round, from the state the hit left: 1 rejects at depth 1 with a token the
     # draft may not have forked, 2 accepts everything. Hit or miss, still exact.
     reject = next(t for t in range(3, 384) if t != h.last[1][1] and ssd.cache.lookup(1, 1, t) is None)
-    bonus = next(t for j, t in ssd.cache._entries[2] if j == K)  # greedy: the draft's top token
+    bonus = next(t for j, t in ssd.cache.entries(2) if j == K)  # greedy: the draft's top token
     h.request([(1, 1, reject), (2, K, bonus)])
     h.drain()
     resp = h.response()
@@ -346,7 +346,7 @@ def test_a_request_names_the_tree_shape_and_the_backup_and_stays_exact(model_dir
     h.drain()
     h.check_exact(h.response())
     assert ssd.budget.branches(1) == levels[1] and ssd.budget.num_shrinks == 1
-    assert len(ssd.cache._entries[1]) <= levels[1]
+    assert len(ssd.cache.entries(1)) <= levels[1]
     # A miss answered with no backup: no drafts, and the next round (from an empty
     # speculation) is exact again; a request for more branches than exist gets the largest tree.
     reject = next(t for t in range(3, 384) if t != h.last[1][1] and ssd.cache.lookup(1, 1, t) is None)

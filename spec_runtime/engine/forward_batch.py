@@ -225,48 +225,62 @@ def build_tree_batch(prefixes: Sequence[np.ndarray], branches: Sequence[Sequence
     `tree_step_batch` derives the later steps on the device. Logits: every token."""
     if not prefixes or len(prefixes) != len(branches):
         raise ValueError("a tree step needs one prefix per request and at least one request")
-    if any(not 1 <= len(b) <= q_len for b in branches):
-        raise ValueError(f"every request needs 1 to q_len={q_len} branches")
-    pad = TreeBranch(0, 0, np.array([dummy_row], dtype=np.int64), 1)
+    flat = [br for brs in branches for br in brs]
+    width = max((len(br.local_rows) for br in flat), default=1)
+    local = np.zeros((len(flat), width), dtype=np.int64)
+    for i, br in enumerate(flat):
+        local[i, : len(br.local_rows)] = br.local_rows
+    return tree_batch(prefixes, np.repeat(np.arange(len(branches)), [len(b) for b in branches]),
+                      np.array([br.token_id for br in flat], dtype=np.int64),
+                      np.array([br.position for br in flat], dtype=np.int64), local,
+                      np.array([len(br.local_rows) for br in flat], dtype=np.int64),
+                      np.array([br.num_visible for br in flat], dtype=np.int64), q_len, dummy_row, device)
+
+
+def tree_batch(prefixes: Sequence[np.ndarray], request: np.ndarray, token_ids: np.ndarray, positions: np.ndarray,
+               local_rows: np.ndarray, local_len: np.ndarray, num_visible: np.ndarray, q_len: int, dummy_row: int,
+               device: torch.device | str) -> ForwardBatch:
+    """build_tree_batch from arrays over the branches (F of them, request by request, in
+    branch order): each one's request [F], first token and position [F], own rows
+    local_rows[f, :local_len[f]] ([F, L], TreeBranch.local_rows) and num_visible [F]. No
+    host work per branch beyond array operations."""
     r = len(prefixes)
+    counts = np.bincount(request, minlength=r) if len(request) else np.zeros(r, dtype=np.int64)
+    if len(counts) != r or counts.min() < 1 or counts.max() > q_len:
+        raise ValueError(f"every request needs 1 to q_len={q_len} branches")
+    if ((num_visible < 1) | (num_visible > local_len)).any():
+        raise ValueError("num_visible outside [1, len(local_rows)]")
     t = r * q_len
-    input_ids = np.zeros(t, dtype=np.int64)
-    positions = np.zeros(t, dtype=np.int64)
-    write_rows = np.zeros(t, dtype=np.int64)
-    advance = np.zeros(t, dtype=np.int64)  # 1: a real branch moves on each step; 0: padding stays put
-    lo = np.zeros(t, dtype=np.int32)
-    hi = np.zeros(t, dtype=np.int32)
-    prefix_len = np.zeros(r, dtype=np.int32)
-    kv_lens = np.zeros(r, dtype=np.int64)
-    rows: list[np.ndarray] = []
-    for i, (prefix, brs) in enumerate(zip(prefixes, branches)):
-        prefix_len[i] = len(prefix)
-        rows.append(np.asarray(prefix, dtype=np.int64))
-        offset = len(prefix)
-        for j, br in enumerate(list(brs) + [pad] * (q_len - len(brs))):
-            tok = i * q_len + j
-            if not 1 <= br.num_visible <= len(br.local_rows):
-                raise ValueError(f"num_visible {br.num_visible} outside [1, {len(br.local_rows)}]")
-            input_ids[tok], positions[tok] = br.token_id, br.position
-            write_rows[tok] = br.local_rows[br.num_visible - 1]
-            advance[tok] = int(j < len(brs))
-            lo[tok] = offset
-            hi[tok] = offset + br.num_visible
-            rows.append(np.asarray(br.local_rows, dtype=np.int64))
-            offset += len(br.local_rows)
-        kv_lens[i] = offset
+    tok = request * q_len + (np.arange(len(request)) - np.repeat(np.cumsum(counts) - counts, counts))
+    input_ids, pos, advance = np.zeros(t, dtype=np.int64), np.zeros(t, dtype=np.int64), np.zeros(t, dtype=np.int64)
+    input_ids[tok], pos[tok], advance[tok] = token_ids, positions, 1
+    write_rows = np.full(t, dummy_row, dtype=np.int64)
+    write_rows[tok] = local_rows[np.arange(len(tok)), num_visible - 1]
+    lens, visible = np.ones(t, dtype=np.int64), np.ones(t, dtype=np.int64)  # padding: its one dummy row
+    lens[tok], visible[tok] = local_len, num_visible
+    rows = np.full((t, max(local_rows.shape[1], 1)), dummy_row, dtype=np.int64)
+    rows[tok, : local_rows.shape[1]] = local_rows
+    own = rows[np.arange(rows.shape[1])[None, :] < lens[:, None]]  # every token's rows, token by token
+    prefix_len = np.array([len(p) for p in prefixes], dtype=np.int32)
+    per_req = lens.reshape(r, q_len)
+    lo = (prefix_len[:, None] + np.cumsum(per_req, axis=1) - per_req).ravel().astype(np.int32)
+    hi = (lo + visible).astype(np.int32)
+    own_ends = np.cumsum(per_req.sum(axis=1))
+    pieces = []
+    for i, prefix in enumerate(prefixes):
+        pieces += [np.asarray(prefix, dtype=np.int64), own[own_ends[i] - per_req[i].sum() : own_ends[i]]]
+    kv_indices = np.concatenate(pieces)
     qo_indptr = np.arange(0, t + 1, q_len, dtype=np.int32)
     kv_indptr = np.zeros(r + 1, dtype=np.int32)
-    np.cumsum(kv_lens, out=kv_indptr[1:])
-    kv_indices = np.concatenate(rows)
+    np.cumsum(prefix_len + per_req.sum(axis=1), out=kv_indptr[1:])
     ids_d, pos_d, write_d, adv_d, qo_d, kv_d, kvi_d, lo_d, hi_d, plen_d = _upload(
-        (input_ids, positions, write_rows, advance, qo_indptr, kv_indptr, kv_indices, lo, hi, prefix_len), device)
+        (input_ids, pos, write_rows, advance, qo_indptr, kv_indptr, kv_indices, lo, hi, prefix_len), device)
     return ForwardBatch(
         input_ids=ids_d, positions=pos_d, kv_write_rows=write_d,
         qo_indptr=qo_d.to(torch.int32), kv_indptr=kv_d.to(torch.int32), kv_indices=kvi_d.to(torch.int32),
         logits_indices=torch.arange(t, device=ids_d.device),
         qo_indptr_cpu=qo_indptr, kv_indptr_cpu=kv_indptr, max_q_len=q_len,
-        logits_positions_cpu=positions,
+        logits_positions_cpu=pos,
         tree=TreeMask(prefix_len=plen_d.to(torch.int32), lo=lo_d.to(torch.int32), hi=hi_d.to(torch.int32),
                       prefix_len_cpu=prefix_len, lo_cpu=lo, hi_cpu=hi, advance=adv_d, advance_cpu=advance),
     )

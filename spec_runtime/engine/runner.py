@@ -265,18 +265,22 @@ class ModelRunner:
         self.graphs.capture()
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [N, V] float32 of the rows batch.logits_indices selects."""
+    def forward(self, batch: ForwardBatch, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [N, V] float32 of the rows batch.logits_indices selects; with `rows`
+        (device indices into those N), of those rows only, in one gather."""
         if self.device.type == "cuda":
             logits = self.graphs.run(batch) if self.graphs is not None else None  # [T, V]; None: no graph fits
             if logits is not None:
                 # The graph's buffer is overwritten by its next replay: hand out a copy.
                 # logits_indices are ascending and unique, so N == T means every row.
                 idx = batch.logits_indices
-                return logits.clone() if idx.shape[0] == logits.shape[0] else logits[idx]  # [N, V]
+                if idx.shape[0] == logits.shape[0]:
+                    return logits.clone() if rows is None else logits[rows]  # [N, V]
+                return logits[idx] if rows is None else logits[idx[rows]]
         self.backend.begin(batch)
         hidden = self.model(batch.input_ids, batch.positions, batch)  # [T, H]
-        return self.model.compute_logits(hidden[batch.logits_indices])  # [N, V]
+        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [N, V]
+        return logits if rows is None else logits[rows]
 
     def run(self, items: Sequence[ForwardItem], fill=None) -> torch.Tensor:
         """Logits of `items` (padded to a graph's shape where one fits, see `_batch`);
