@@ -108,10 +108,9 @@ def select_forks_batch(ranked_token_ids: np.ndarray, ranked_probs: np.ndarray, d
                        fan_out: tuple[int, ...], max_branches: int,
                        accept_rate: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """select_forks for B sequences with the same number of drafts m, in a few array
-    operations (fewer host operations than B calls of select_forks from a handful of
-    sequences on): ranked_* [B, m + 1, R], draft_token_ids [B, m]. Returns the forks'
-    depths and tokens [B, W] in branch order (row b's first count[b] entries are its
-    branches) and count [B]."""
+    operations (from two sequences on, less host time than a select_forks call each):
+    ranked_* [B, m + 1, R], draft_token_ids [B, m]. Returns the forks' depths and tokens
+    [B, W] in branch order (row b's first count[b] entries are its branches) and count [B]."""
     ids = np.asarray(ranked_token_ids)
     b, rows, width = ids.shape
     m = draft_token_ids.shape[1]
