@@ -14,7 +14,8 @@ Then, while the target verifies what it was just sent, the draft works ahead:
                shared-prefix mask (forward_batch.TreeMask): the prefix [0, n) is read
                once per sequence per step, and a step's metadata is built once per
                work-ahead and moved on by device adds, so neither the GPU's nor the
-               host's work per branch grows with the context;
+               host's work per branch grows with the context. The first step is laid
+               out while the glue's forward runs (tree_layout.py);
   store:       the branches replace the sequence's cache entries.
 
 A sequence just added (AddSequence) has no speculation yet; its first outcome is
@@ -40,9 +41,11 @@ from draft_proc.speculator import Speculator
 from draft_proc.state import DraftSeq
 from draft_proc.tree_budget import TreeBudget
 from draft_proc.tree_cache import BranchTable, Forks, TreeCache, select_forks_groups
+from draft_proc.tree_layout import TreeLayout, fork_counts
 from protocol.sparse_q import NO_DRAFT, put_q
 from spec_runtime.config import pow2_at_least
-from spec_runtime.engine.forward_batch import ForwardItem, tree_batch, tree_step_batch
+from spec_runtime.engine.forward_batch import ForwardItem, tree_step_batch
+from spec_runtime.sampling import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -165,9 +168,12 @@ class SSDEngine:
         self._requested_branches = self.budget.follow(len(seqs), branches) if seqs and branches > 0 else 0
         if seqs:
             ranked = self._glue(seqs)
-            forks = self._fork(seqs, ranked)
+            groups = self._fork_groups(seqs)
+            # The first tree step is laid out while the glue's forward runs; _fork waits for it.
+            layout = self._layout(seqs, fork_counts(groups, len(seqs), self._branches_per_seq(len(seqs))), k)
+            forks = self._fork(seqs, ranked, groups)
             if forks:
-                self._tree_decode(seqs, forks, k)
+                self._tree_decode(seqs, forks, k, layout)
             else:
                 for s in seqs:
                     self.cache.replace(s.seq_id, {})
@@ -234,9 +240,9 @@ class SSDEngine:
         # it, the request's choice or TreeBudget's keeps the work-ahead inside the target's verify.
         return self._requested_branches or self.budget.branches(batch)
 
-    def _glue(self, seqs: list[DraftSeq]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _glue(self, seqs: list[DraftSeq]) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
         """Forward [x_n, d_1..d_m]; the ranked candidates and their draft probabilities
-        [sum(m + 1), R], sequence by sequence, and each sequence's first row [B]."""
+        [sum(m + 1), R] on the device, sequence by sequence, and each sequence's first row [B]."""
         lagging = [s for s in seqs if s.num_cached < s.num_tokens - 1]
         if lagging:
             # The backup drafted nothing, so the prompt was never prefilled: do it now.
@@ -261,27 +267,31 @@ class SSDEngine:
         if any(not s.draft_token_ids for s in seqs):
             width = max(width, self._branches_per_seq(len(seqs)))  # m = 0 forks its whole budget at depth 0
         top = torch.topk(torch.softmax(logits.float(), dim=-1), min(width, logits.shape[-1]), dim=-1)
-        ranked_ids = top.indices.cpu().numpy()  # sync: forks are chosen on the host
-        ranked_probs = top.values.cpu().numpy()
         starts = np.zeros(len(seqs), dtype=np.int64)  # each sequence's first row of the ranking
         start = 0
         for i, s in enumerate(seqs):
             starts[i] = start
             start += len(s.draft_token_ids) + 1
             s.num_cached = s.num_tokens + len(s.draft_token_ids)
-        return ranked_ids, ranked_probs, starts
+        return top.indices, top.values, starts
 
-    def _fork(self, seqs: list[DraftSeq], ranked: tuple[np.ndarray, np.ndarray, np.ndarray]) -> Forks:
-        per_seq = self._branches_per_seq(len(seqs))
-        groups: dict[tuple, list[int]] = {}  # sequences with the same drafts count and fan-out fork together
+    def _fork_groups(self, seqs: list[DraftSeq]) -> dict[tuple[int, tuple[int, ...]], list[int]]:
+        """(drafts count m, fan-out) -> the indices of the sequences that fork with them."""
+        groups: dict[tuple, list[int]] = {}
         for i, s in enumerate(seqs):
             # No speculation (a fresh sequence, or a backup that drafted nothing): every
             # outcome is at depth 0, so the whole budget goes there.
-            fan = self.cfg.fan_out_for(s.last_missed) if s.draft_token_ids else (per_seq,)
+            fan = self.cfg.fan_out_for(s.last_missed) if s.draft_token_ids else (self._branches_per_seq(len(seqs)),)
             groups.setdefault((len(s.draft_token_ids), fan), []).append(i)
-        return select_forks_groups(groups, seqs, ranked, per_seq, self.accept_rate)
+        return groups
 
-    def _tree_decode(self, seqs: list[DraftSeq], forks: Forks, k: int) -> None:
+    def _fork(self, seqs: list[DraftSeq], ranked: tuple[torch.Tensor, torch.Tensor, np.ndarray], groups) -> Forks:
+        host = (ranked[0].cpu().numpy(), ranked[1].cpu().numpy(), ranked[2])  # sync: forks chosen on the host
+        return select_forks_groups(groups, seqs, host, self._branches_per_seq(len(seqs)), self.accept_rate)
+
+    def _tree_decode(self, seqs: list[DraftSeq], forks: Forks, k: int, layout: TreeLayout | None = None) -> None:
+        """layout: the first step laid out for the forks expected (_layout); the shared-prefix
+        step uses it if the forks match it, a layout of their own if not."""
         n = np.array([s.num_tokens for s in seqs], dtype=np.int64)[forks.seq]
         # Outcome (j, t) leaves the sequence with n + j + 1 tokens; its speculation is
         # capped like the chain drafter's, at max_model_len - (n + j + 1).
@@ -291,11 +301,13 @@ class SSDEngine:
         tokens = np.full((len(forks), k), -1, dtype=np.int64)
         q_ids = np.zeros((len(forks), k, top), dtype=np.int64) if sampled else None
         q_probs = np.zeros((len(forks), k, top), dtype=np.float32) if sampled else None
-        q_len = self._tree_q_len(seqs, forks)
-        if k > 0 and (lens == k).all() and q_len is not None:
-            self._tree_decode_shared(seqs, forks, n, k, q_len, tokens, q_ids, q_probs, sampled)
-            self._store(seqs, forks, lens, tokens, q_ids, q_probs, sampled)
-            return
+        if k > 0 and (lens == k).all():
+            if layout is None or not layout.matches(forks):
+                layout = self._layout(seqs, np.bincount(forks.seq, minlength=len(seqs)), k)
+            if layout is not None:
+                self._tree_decode_shared(seqs, forks, layout, n, k, tokens, q_ids, q_probs, sampled)
+                self.store(seqs, forks, lens, tokens, q_ids, q_probs, sampled)
+                return
         # All branches of all sequences step together (one batch per step); branches near
         # the context limit are shorter, so there is one pipelined chain per length.
         for steps in sorted(set(lens.tolist()) - {0}):
@@ -317,43 +329,46 @@ class SSDEngine:
             tokens[idx, :steps] = toks
             if sampled:  # greedy branches in a sampled batch get a one-hot q
                 put_q(q_ids, q_probs, (idx, slice(0, steps)), toks, qi, qp)
-        self._store(seqs, forks, lens, tokens, q_ids, q_probs, sampled)
+        self.store(seqs, forks, lens, tokens, q_ids, q_probs, sampled)
 
-    def _tree_q_len(self, seqs: list[DraftSeq], forks: Forks) -> int | None:
-        """Branches per request of the shared-prefix tree step, or None where the backend
-        cannot run one (the per-branch layout is used then)."""
-        q_len = int(forks.branch.max()) + 1 if len(forks) else 1  # most branches of one sequence
+    def tree_q_len(self, num_seqs: int, most: int) -> int | None:
+        """Branches per request of the shared-prefix tree step when one sequence has at most
+        `most` branches, or None where the backend cannot run one (the per-branch layout
+        is used then)."""
+        q_len = most
         if self.runner.graphs is not None:
-            q_len = max(q_len, pow2_at_least(self._branches_per_seq(len(seqs))))  # the graph's shape
+            q_len = max(q_len, pow2_at_least(self._branches_per_seq(num_seqs)))  # the graph's shape
         return q_len if self.runner.backend.supports_tree(q_len) else None
 
-    def _tree_decode_shared(self, seqs, forks: Forks, n, k, q_len, tokens, q_ids, q_probs, sampled) -> None:
+    def _layout(self, seqs: list[DraftSeq], counts: np.ndarray, k: int) -> TreeLayout | None:
+        """The shared-prefix tree step for counts [B] forks per sequence, laid out before
+        they are chosen (tree_layout.py); None where it cannot run (the per-branch layout
+        is used then): a tree the attention cannot run, or outside the scratch rows."""
+        most = int(counts.max(initial=0))
+        q_len = self.tree_q_len(len(seqs), most) if most else None
+        if q_len is None or not 0 < k <= self.cache.k or most > self.cache.max_branches:
+            return None
+        present = np.flatnonzero(counts)
+        n = np.array([s.num_tokens for s in seqs], dtype=np.int64)
+        m = np.array([len(s.draft_token_ids) for s in seqs], dtype=np.int64)
+        prefixes, accepted = [], np.full((len(present), int(m[present].max())), self.runner.dummy_row, dtype=np.int64)
+        for r, i in enumerate(present.tolist()):
+            rows = self.kv.rows(seqs[i], int(n[i] + m[i]))  # the glue wrote d_1..d_m's rows
+            prefixes.append(rows[: n[i]])
+            accepted[r, : m[i]] = rows[n[i]:]
+        seq = np.repeat(np.arange(len(seqs)), counts)
+        branch = np.arange(len(seq)) - (np.cumsum(counts) - counts)[seq]
+        slot = np.array([s.slot for s in seqs], dtype=np.int64)[seq]
+        scratch = self.cache.scratch_base + (slot * self.cache.max_branches + branch) * self.cache.k
+        return TreeLayout(prefixes, counts, n, accepted, scratch, k, q_len, self.runner.dummy_row)
+
+    def _tree_decode_shared(self, seqs, forks: Forks, layout: TreeLayout, n, k, tokens, q_ids, q_probs,
+                            sampled) -> None:
         """K tree steps with one request per sequence and its branches as the request's
         tokens; the prefix [0, n) is shared (n [F]: each fork's sequence length), each
         branch sees its accepted drafts [n, n + j) and its scratch rows."""
-        counts = np.bincount(forks.seq, minlength=len(seqs))
-        present = np.flatnonzero(counts)  # request r: sequence present[r]
-        request = np.cumsum(counts > 0)[forks.seq] - 1
-        deepest = np.maximum.reduceat(forks.depth, np.cumsum(counts[present]) - counts[present])  # per request
-        width = int(deepest.max(initial=0)) + k  # the longest own rows: accepted drafts, then K scratch rows
-        prefixes, accepted = [], np.zeros((len(present), width), dtype=np.int64)  # rows of d_1..d_j, padded
-        for r, i in enumerate(present.tolist()):
-            s = seqs[i]
-            seq_rows = self.kv.rows(s, s.num_tokens + int(deepest[r]))
-            prefixes.append(seq_rows[: s.num_tokens])
-            accepted[r, : deepest[r]] = seq_rows[s.num_tokens:]
-        if k > self.cache.k or int(forks.branch.max()) >= self.cache.max_branches:
-            raise ValueError(f"{k} tokens or branch {int(forks.branch.max())} outside the budget of "
-                             f"{self.cache.k} tokens and {self.cache.max_branches} branches")
-        # A branch's own rows: the sequence's rows of the drafts it accepted, then its first
-        # k scratch rows (TreeCache.scratch_rows).
-        slot = np.array([s.slot for s in seqs], dtype=np.int64)[forks.seq]
-        scratch = self.cache.scratch_base + (slot * self.cache.max_branches + forks.branch) * self.cache.k
-        col, d = np.arange(width)[None, :], forks.depth[:, None]
-        local = np.where(col < d, accepted[request], scratch[:, None] + col - d)
-        first = tree_batch(prefixes, request, forks.token_id, n + forks.depth, local, forks.depth + k,
-                           forks.depth + 1, q_len, self.runner.dummy_row, self.runner.device)
-        select_d = torch.from_numpy(request * q_len + forks.branch).to(self.runner.device)
+        first = layout.batch(forks, self.runner.device)
+        select_d = to_device(torch.from_numpy(layout.arrays.token), self.runner.device)
 
         def make_batch(i, prev):
             return first if i == 0 else tree_step_batch(first, i, prev)
@@ -364,7 +379,7 @@ class SSDEngine:
         if sampled:  # greedy branches in a sampled batch get a one-hot q
             put_q(q_ids, q_probs, (slice(None), slice(None)), toks, qi, qp)
 
-    def _store(self, seqs, forks: Forks, lens, tokens, q_ids, q_probs, sampled) -> None:
+    def store(self, seqs, forks: Forks, lens, tokens, q_ids, q_probs, sampled) -> None:
         """Each branch's row of this work-ahead's arrays under its outcome."""
         table = BranchTable(tokens, q_ids if sampled else None, q_probs if sampled else None, lens)
         keys: list[dict[tuple[int, int], int]] = [{} for _ in seqs]

@@ -67,7 +67,7 @@ def main() -> None:
     fork, tree = [], []
     for _ in range(args.repeats):
         t0 = time.perf_counter()
-        forks = ssd._fork(seqs, ranked)
+        forks = ssd._fork(seqs, ranked, ssd._fork_groups(seqs))
         t1 = time.perf_counter()
         ssd._tree_decode(seqs, forks, K)
         tree.append(1e3 * (time.perf_counter() - t1))

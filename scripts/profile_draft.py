@@ -68,7 +68,7 @@ def main() -> None:
     drafter = ModelDrafter(runner, spec, logits_transform=draft_oracle(spec.synthetic_acceptance))
     ssd = SSDEngine(drafter, drafter, spec)
     rng = np.random.default_rng(0)
-    shared_q_len = ssd._tree_q_len
+    shared_q_len = ssd.tree_q_len
     results = {"model": args.model, "k": args.k, "batch": args.batch, "fan_out": args.fan_out,
                "tree_budget": args.tree_budget, "oracle": args.oracle, "device": torch.cuda.get_device_name(),
                "contexts": []}
@@ -95,16 +95,16 @@ def main() -> None:
         work_ms = 1e3 * _timed(lambda: ssd.work_ahead(seqs, args.k), args.repeats)
         # The tree steps alone, on the forks of one glue.
         ranked = ssd._glue(seqs)
-        forks = ssd._fork(seqs, ranked)
+        forks = ssd._fork(seqs, ranked, ssd._fork_groups(seqs))
         if max(s.num_tokens for s in seqs) + 2 * args.k + 1 > max_len:
             raise SystemExit(f"context {ctx}: the sequences reached max_model_len {max_len}; branches would be cut")
         row = {"context": ctx, "branches": len(forks), "chain_propose_ms": chain_ms, "work_ahead_ms": work_ms}
         for layout, q_len_fn in (("shared_prefix", shared_q_len), ("per_branch", lambda *a: None)):
-            ssd._tree_q_len = q_len_fn
+            ssd.tree_q_len = q_len_fn
             ssd._tree_decode(seqs, forks, args.k)  # warm
             row[f"tree_step_{layout}_ms"] = 1e3 * _timed(lambda: ssd._tree_decode(seqs, forks, args.k),
                                                         args.repeats) / args.k
-        ssd._tree_q_len = shared_q_len
+        ssd.tree_q_len = shared_q_len
         # A tree step's forward alone (its graph replayed back to back: the GPU's time, not the host's).
         batches, forward = [], runner.forward
 
@@ -160,16 +160,17 @@ def _trace_work_ahead(ssd, seqs, cycle, k: int, path: str, n: int = 5) -> None:
     import os
     import sys
 
-    import draft_proc.ssd as ssd_module
     from torch.profiler import ProfilerActivity, profile
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from trace_gaps import format_report, gaps_by_label, load
 
-    for name in ("_glue", "_fork", "_tree_decode", "_store"):
+    import draft_proc.tree_layout as layout_module
+
+    for name in ("_glue", "_layout", "_fork", "_tree_decode", "store"):
         setattr(ssd, name, _labelled(getattr(ssd, name), name.strip("_")))
     ssd.drafter.run_chain = _labelled(ssd.drafter.run_chain, "tree_steps")
-    ssd_module.build_tree_batch = _labelled(ssd_module.build_tree_batch, "tree_build")
+    layout_module.tree_arrays = _labelled(layout_module.tree_arrays, "tree_build")
     work = _labelled(ssd.work_ahead, "work_ahead")
     for _ in range(2):
         cycle(seqs)

@@ -49,10 +49,10 @@ def parse_plan(label: str) -> tuple[RoundPlan, int, RoundPlan | None]:
     sent = parse_plan(m.group(3))[0] if m.group(3) else None
     if label in ("halves", "sd", "plain"):
         return {"halves": HALVES, "sd": SD, "plain": PLAIN}[label], stepped, sent
-    m = re.fullmatch(r"ssd (\d+) branches, backup (\S+)", label)
+    m = re.fullmatch(r"ssd (?:(\d+) branches|configured tree), backup (\S+)", label)  # configured: 0 branches
     if m is None:
         raise ValueError(f"unknown plan {label!r}")
-    return RoundPlan("ssd", int(m.group(1)), m.group(2)), stepped, sent
+    return RoundPlan("ssd", int(m.group(1) or 0), m.group(2)), stepped, sent
 
 
 def parse_record(line: str):

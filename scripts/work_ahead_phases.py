@@ -2,19 +2,23 @@
 (perf_counter at entry and exit) and on the GPU (a CUDA event recorded at the same
 points), so the host time that leaves the GPU idle shows as such.
 
-    python scripts/work_ahead_phases.py BATCH BRANCHES CONTEXT [nooracle] [--timeline]
+    python scripts/work_ahead_phases.py BATCH BRANCHES CONTEXT [nooracle] [--timeline] [--layouts early,late]
 
 draft-1b, K=4, fan-out 3 per depth, BRANCHES the tree budget (per work-ahead), CONTEXT
 tokens of random prompt per sequence, the synthetic oracle unless `nooracle`, one CUDA
 device, one intra-op thread (as the draft process runs). Prints, over 15 work-aheads
 after five untimed ones, the median host time of each phase:
   - glue prep: the glue's entry to its forward's (items, page table, upload);
-  - glue after forward: the forward's return to the glue's (oracle, ranking, the sync);
-  - fork, tree prep (the tree decode's entry to its steps'), steps, store;
+  - glue after forward: the forward's return to the glue's (oracle, ranking);
+  - layout: the first tree step laid out while the glue's forward runs (tree_layout.py);
+  - fork (the ranking read back: a sync), tree prep (the tree decode's entry to its
+    steps'), steps, store;
   - work-ahead: the whole, and forwards GPU: the five forwards' GPU time (entry to exit
     event of each, the GPU's own time where it was busy before the entry).
 With --timeline, the last work-ahead's marks: host and GPU ms since the start; where the
-GPU's time equals the host's, the GPU waited for the host.
+GPU's time equals the host's, the GPU waited for the host. --layouts: in turn, twice
+each, in one process: `early` as SSDEngine does it, `late` with the step laid out only
+once the forks are chosen (the layout made before the forks is dropped).
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ import numpy as np
 import torch
 
 K = 4
-SPANS = (("glue prep", "glue>", "fwd>"), ("glue after forward", "fwd<", "glue<"), ("fork", "fork>", "fork<"),
+SPANS = (("glue prep", "glue>", "fwd>"), ("glue after forward", "fwd<", "glue<"), ("layout", "layout>", "layout<"),
+         ("fork", "fork>", "fork<"),
          ("tree prep", "tree_decode>", "steps>"), ("steps", "steps>", "steps<"), ("store", "store>", "store<"))
 
 
@@ -70,7 +75,7 @@ def instrument(ssd, drafter, runner, marks: list):
             return out
         setattr(obj, attr, run)
 
-    for attr in ("_glue", "_fork", "_tree_decode", "_store"):
+    for attr in ("_glue", "_layout", "_fork", "_tree_decode", "store"):
         wrap(ssd, attr, attr.strip("_"))
     wrap(drafter, "run_chain", "steps")
     wrap(runner, "forward", "fwd")
@@ -103,7 +108,7 @@ def measure(ssd, seqs, marks: list, mark) -> tuple[dict[str, list[float]], list]
         for n, h, _ in rows:
             first.setdefault(n, h)
         for name, a, b in SPANS:
-            got[name].append(first[b] - first[a])
+            got[name].append(first[b] - first[a])  # a phase's first run (the layout's: before the forks)
         got["forwards GPU"].append(sum(rows[i + 1][2] - rows[i][2] for i in range(len(rows) - 1)
                                        if rows[i][0] == "fwd>"))
     return got, rows
@@ -116,6 +121,7 @@ def main() -> None:
     p.add_argument("context", type=int)
     p.add_argument("oracle", nargs="?", default="oracle", choices=("oracle", "nooracle"))
     p.add_argument("--timeline", action="store_true")
+    p.add_argument("--layouts", default="early,late")
     args = p.parse_args()
     torch.set_num_threads(1)
     runner, drafter, ssd, seqs = build(args.batch, args.branches, args.context, args.oracle == "oracle")
@@ -127,13 +133,22 @@ def main() -> None:
         ssd.work_ahead(seqs, K)
     marks: list = []
     mark = instrument(ssd, drafter, runner, marks)
-    got, rows = measure(ssd, seqs, marks, mark)
-    print(f"batch {args.batch}, {args.branches} branches, context {args.context}, {args.oracle}, medians of 15 "
-          "work-aheads (host ms): " + ", ".join(f"{n} {np.median(v):.3f}" for n, v in got.items()))
-    if args.timeline:
-        print(f"{'mark':<16}{'host ms':>9}{'gpu ms':>9}")
-        for n, h, g in rows:
-            print(f"{n:<16}{h:>9.3f}{g:>9.3f}")
+    early, calls = ssd._layout, []
+
+    def late(seqs, counts, k):  # a work-ahead's first call (before the forks) lays nothing out
+        calls.append(1)
+        return None if len(calls) % 2 else early(seqs, counts, k)
+
+    for order in args.layouts.split(",") * 2:
+        calls.clear()
+        ssd._layout = early if order == "early" else late
+        got, rows = measure(ssd, seqs, marks, mark)
+        print(f"batch {args.batch}, {args.branches} branches, context {args.context}, {args.oracle}, layout {order}, "
+              "medians of 15 work-aheads (host ms): " + ", ".join(f"{n} {np.median(v):.3f}" for n, v in got.items()))
+        if args.timeline:
+            print(f"{'mark':<16}{'host ms':>9}{'gpu ms':>9}")
+            for n, h, g in rows:
+                print(f"{n:<16}{h:>9.3f}{g:>9.3f}")
 
 
 if __name__ == "__main__":

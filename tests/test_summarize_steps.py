@@ -55,3 +55,14 @@ def test_a_points_steps_split_into_its_best_plan_the_rest_and_other_batch_sizes(
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 2 and out[0].startswith("prompt 512, T 0.0, batch 4: 0.32 s of steps, 6% at other batch sizes")
     assert out[1].endswith("; the timed run's 12 records 600.0 tok/s, the engine's decode 540.0 (0.900x)")
+
+
+def test_a_pinned_trees_records_are_read():
+    """A tree pinned by --tree-budget or --fan-out is labelled "ssd configured tree" (RoundPlan
+    with 0 branches): its records parse, and the label of its plan reads back the same."""
+    _module()  # puts the repository on the path, as the script does
+    from scripts.replay_round_policy import parse_plan
+
+    (plan, stepped, sent) = parse_plan("ssd configured tree, backup jit:1")
+    assert (plan.kind, plan.branches, plan.backup, stepped, sent) == ("ssd", 0, "jit:1", 0, None)
+    assert plan.label() == "ssd configured tree, backup jit:1"

@@ -244,6 +244,47 @@ def tree_batch(prefixes: Sequence[np.ndarray], request: np.ndarray, token_ids: n
     branch order): each one's request [F], first token and position [F], own rows
     local_rows[f, :local_len[f]] ([F, L], TreeBranch.local_rows) and num_visible [F]. No
     host work per branch beyond array operations."""
+    return tree_arrays(prefixes, request, token_ids, positions, local_rows, local_len, num_visible, q_len,
+                       dummy_row).upload(device)
+
+
+@dataclass
+class TreeArrays:
+    """A tree step's inputs on the host (tree_arrays), before `upload` makes its ForwardBatch."""
+
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    write_rows: np.ndarray  # [T] int64
+    advance: np.ndarray  # [T] int64: 1 for a real branch, 0 for padding
+    qo_indptr: np.ndarray  # [R+1] int32
+    kv_indptr: np.ndarray  # [R+1] int32
+    kv_indices: np.ndarray  # [nnz] int64
+    lo: np.ndarray  # [T] int32: TreeMask's windows, within the request's kv rows
+    hi: np.ndarray  # [T] int32
+    prefix_len: np.ndarray  # [R] int32
+    token: np.ndarray  # [F] each branch's token index
+    q_len: int
+
+    def upload(self, device: torch.device | str) -> ForwardBatch:
+        ids_d, pos_d, write_d, adv_d, qo_d, kv_d, kvi_d, lo_d, hi_d, plen_d = _upload(
+            (self.input_ids, self.positions, self.write_rows, self.advance, self.qo_indptr, self.kv_indptr,
+             self.kv_indices, self.lo, self.hi, self.prefix_len), device)
+        return ForwardBatch(
+            input_ids=ids_d, positions=pos_d, kv_write_rows=write_d,
+            qo_indptr=qo_d.to(torch.int32), kv_indptr=kv_d.to(torch.int32), kv_indices=kvi_d.to(torch.int32),
+            logits_indices=torch.arange(len(self.input_ids), device=ids_d.device),
+            qo_indptr_cpu=self.qo_indptr, kv_indptr_cpu=self.kv_indptr, max_q_len=self.q_len,
+            logits_positions_cpu=self.positions,
+            tree=TreeMask(prefix_len=plen_d.to(torch.int32), lo=lo_d.to(torch.int32), hi=hi_d.to(torch.int32),
+                          prefix_len_cpu=self.prefix_len, lo_cpu=self.lo, hi_cpu=self.hi, advance=adv_d,
+                          advance_cpu=self.advance),
+        )
+
+
+def tree_arrays(prefixes: Sequence[np.ndarray], request: np.ndarray, token_ids: np.ndarray, positions: np.ndarray,
+                local_rows: np.ndarray, local_len: np.ndarray, num_visible: np.ndarray, q_len: int,
+                dummy_row: int) -> TreeArrays:
+    """tree_batch's inputs on the host (its arguments)."""
     r = len(prefixes)
     counts = np.bincount(request, minlength=r) if len(request) else np.zeros(r, dtype=np.int64)
     if len(counts) != r or counts.min() < 1 or counts.max() > q_len:
@@ -270,20 +311,10 @@ def tree_batch(prefixes: Sequence[np.ndarray], request: np.ndarray, token_ids: n
     for i, prefix in enumerate(prefixes):
         pieces += [np.asarray(prefix, dtype=np.int64), own[own_ends[i] - per_req[i].sum() : own_ends[i]]]
     kv_indices = np.concatenate(pieces)
-    qo_indptr = np.arange(0, t + 1, q_len, dtype=np.int32)
     kv_indptr = np.zeros(r + 1, dtype=np.int32)
     np.cumsum(prefix_len + per_req.sum(axis=1), out=kv_indptr[1:])
-    ids_d, pos_d, write_d, adv_d, qo_d, kv_d, kvi_d, lo_d, hi_d, plen_d = _upload(
-        (input_ids, pos, write_rows, advance, qo_indptr, kv_indptr, kv_indices, lo, hi, prefix_len), device)
-    return ForwardBatch(
-        input_ids=ids_d, positions=pos_d, kv_write_rows=write_d,
-        qo_indptr=qo_d.to(torch.int32), kv_indptr=kv_d.to(torch.int32), kv_indices=kvi_d.to(torch.int32),
-        logits_indices=torch.arange(t, device=ids_d.device),
-        qo_indptr_cpu=qo_indptr, kv_indptr_cpu=kv_indptr, max_q_len=q_len,
-        logits_positions_cpu=pos,
-        tree=TreeMask(prefix_len=plen_d.to(torch.int32), lo=lo_d.to(torch.int32), hi=hi_d.to(torch.int32),
-                      prefix_len_cpu=prefix_len, lo_cpu=lo, hi_cpu=hi, advance=adv_d, advance_cpu=advance),
-    )
+    return TreeArrays(input_ids, pos, write_rows, advance, np.arange(0, t + 1, q_len, dtype=np.int32), kv_indptr,
+                      kv_indices, lo, hi, prefix_len, tok, q_len)
 
 
 def tree_step_batch(first: ForwardBatch, step: int, input_ids: torch.Tensor) -> ForwardBatch:
@@ -309,3 +340,4 @@ def tree_step_batch(first: ForwardBatch, step: int, input_ids: torch.Tensor) -> 
                       hi_cpu=tr.hi_cpu + (step * tr.advance_cpu).astype(np.int32), advance=tr.advance,
                       advance_cpu=tr.advance_cpu),
     )
+
