@@ -306,7 +306,7 @@ class SSDEngine:
                 layout = self._layout(seqs, np.bincount(forks.seq, minlength=len(seqs)), k)
             if layout is not None:
                 self._tree_decode_shared(seqs, forks, layout, n, k, tokens, q_ids, q_probs, sampled)
-                self.store(seqs, forks, lens, tokens, q_ids, q_probs, sampled)
+                self._store(seqs, forks, lens, tokens, q_ids, q_probs, sampled)
                 return
         # All branches of all sequences step together (one batch per step); branches near
         # the context limit are shorter, so there is one pipelined chain per length.
@@ -329,7 +329,7 @@ class SSDEngine:
             tokens[idx, :steps] = toks
             if sampled:  # greedy branches in a sampled batch get a one-hot q
                 put_q(q_ids, q_probs, (idx, slice(0, steps)), toks, qi, qp)
-        self.store(seqs, forks, lens, tokens, q_ids, q_probs, sampled)
+        self._store(seqs, forks, lens, tokens, q_ids, q_probs, sampled)
 
     def tree_q_len(self, num_seqs: int, most: int) -> int | None:
         """Branches per request of the shared-prefix tree step when one sequence has at most
@@ -379,7 +379,7 @@ class SSDEngine:
         if sampled:  # greedy branches in a sampled batch get a one-hot q
             put_q(q_ids, q_probs, (slice(None), slice(None)), toks, qi, qp)
 
-    def store(self, seqs, forks: Forks, lens, tokens, q_ids, q_probs, sampled) -> None:
+    def _store(self, seqs, forks: Forks, lens, tokens, q_ids, q_probs, sampled) -> None:
         """Each branch's row of this work-ahead's arrays under its outcome."""
         table = BranchTable(tokens, q_ids if sampled else None, q_probs if sampled else None, lens)
         keys: list[dict[tuple[int, int], int]] = [{} for _ in seqs]

@@ -167,7 +167,7 @@ def _trace_work_ahead(ssd, seqs, cycle, k: int, path: str, n: int = 5) -> None:
 
     import draft_proc.tree_layout as layout_module
 
-    for name in ("_glue", "_layout", "_fork", "_tree_decode", "store"):
+    for name in ("_glue", "_layout", "_fork", "_tree_decode", "_store"):
         setattr(ssd, name, _labelled(getattr(ssd, name), name.strip("_")))
     ssd.drafter.run_chain = _labelled(ssd.drafter.run_chain, "tree_steps")
     layout_module.tree_arrays = _labelled(layout_module.tree_arrays, "tree_build")

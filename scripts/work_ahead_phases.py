@@ -75,7 +75,7 @@ def instrument(ssd, drafter, runner, marks: list):
             return out
         setattr(obj, attr, run)
 
-    for attr in ("_glue", "_layout", "_fork", "_tree_decode", "store"):
+    for attr in ("_glue", "_layout", "_fork", "_tree_decode", "_store"):
         wrap(ssd, attr, attr.strip("_"))
     wrap(drafter, "run_chain", "steps")
     wrap(runner, "forward", "fwd")

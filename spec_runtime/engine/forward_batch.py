@@ -262,7 +262,7 @@ class TreeArrays:
     lo: np.ndarray  # [T] int32: TreeMask's windows, within the request's kv rows
     hi: np.ndarray  # [T] int32
     prefix_len: np.ndarray  # [R] int32
-    token: np.ndarray  # [F] each branch's token index
+    token: np.ndarray  # [F] each branch's index among the T tokens
     q_len: int
 
     def upload(self, device: torch.device | str) -> ForwardBatch:
@@ -340,4 +340,3 @@ def tree_step_batch(first: ForwardBatch, step: int, input_ids: torch.Tensor) -> 
                       hi_cpu=tr.hi_cpu + (step * tr.advance_cpu).astype(np.int32), advance=tr.advance,
                       advance_cpu=tr.advance_cpu),
     )
-
