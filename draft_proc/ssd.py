@@ -356,11 +356,9 @@ class SSDEngine:
             rows = self.kv.rows(seqs[i], int(n[i] + m[i]))  # the glue wrote d_1..d_m's rows
             prefixes.append(rows[: n[i]])
             accepted[r, : m[i]] = rows[n[i]:]
-        seq = np.repeat(np.arange(len(seqs)), counts)
-        branch = np.arange(len(seq)) - (np.cumsum(counts) - counts)[seq]
-        slot = np.array([s.slot for s in seqs], dtype=np.int64)[seq]
-        scratch = self.cache.scratch_base + (slot * self.cache.max_branches + branch) * self.cache.k
-        return TreeLayout(prefixes, counts, n, accepted, scratch, k, q_len, self.runner.dummy_row)
+        slot = np.array([s.slot for s in seqs], dtype=np.int64)
+        scratch = self.cache.scratch_base + slot * self.cache.max_branches * self.cache.k  # branch 0's rows
+        return TreeLayout(prefixes, counts, n, accepted, scratch, self.cache.k, k, q_len, self.runner.dummy_row)
 
     def _tree_decode_shared(self, seqs, forks: Forks, layout: TreeLayout, n, k, tokens, q_ids, q_probs,
                             sampled) -> None:

@@ -39,15 +39,17 @@ class TreeLayout:
 
     prefixes: the rows [0, n) of each sequence with forks; n [B]: the sequences' lengths;
     accepted [R, A]: each such sequence's rows of its drafts d_1..d_m (padded with
-    dummy_row); scratch [F]: each branch's first scratch row; k: the tree's steps.
+    dummy_row); scratch [B]: each sequence's first scratch row, its branch b's first row
+    scratch + b * stride (TreeCache.scratch_rows); k: the tree's steps.
     """
 
     def __init__(self, prefixes, counts: np.ndarray, n: np.ndarray, accepted: np.ndarray, scratch: np.ndarray,
-                 k: int, q_len: int, dummy_row: int):
+                 stride: int, k: int, q_len: int, dummy_row: int):
         f = int(counts.sum())
         self.seq = np.repeat(np.arange(len(counts)), counts)  # [F]
         self.branch = np.arange(f) - (np.cumsum(counts) - counts)[self.seq]
         request = (np.cumsum(counts > 0) - 1)[self.seq]
+        scratch = scratch[self.seq] + self.branch * stride  # [F] each branch's first scratch row
         self.width = accepted.shape[1] + k
         local = np.full((f, self.width), dummy_row, dtype=np.int64)
         local[:, 0] = scratch  # the one row seen so far: the row the step writes, whatever the depth

@@ -1,9 +1,9 @@
 """The first tree step laid out before its forks are chosen (draft_proc/tree_layout.py).
 
 Every branch of the layout gets the same number of own rows, so it differs from
-forward_batch.tree_batch's layout in where rows sit, not in what a token sees: each
+forward_batch.build_tree_batch's layout in where rows sit, not in what a token sees: each
 branch's token, position and write row, and the rows its window shows, in order, must be
-tree_batch's. And a work-ahead through it must leave the same cache as the per-branch
+build_tree_batch's. And a work-ahead through it must leave the same cache as the per-branch
 layout, over rounds that hit and miss, with sequences of different drafts counts, greedy
 and sampled, with the benchmark oracle, whether the forks match the layout laid out for
 them or not.
@@ -23,7 +23,7 @@ from draft_proc.tree_cache import Forks, select_forks_batch
 from draft_proc.tree_layout import TreeLayout, fork_count
 from spec_runtime.bench.oracle import draft_oracle
 from spec_runtime.config import ModelConfig, SpeculativeConfig
-from spec_runtime.engine.forward_batch import tree_batch
+from spec_runtime.engine.forward_batch import tree_arrays
 from spec_runtime.engine.runner import ModelRunner
 
 K = 3
@@ -53,7 +53,7 @@ def _seen(batch, t):
             + rows[start + int(tr.lo_cpu[t]) : start + int(tr.hi_cpu[t])].tolist())
 
 
-def test_a_layout_shows_each_token_what_tree_batch_shows_it():
+def test_a_layout_shows_each_token_what_build_tree_batch_shows_it():
     rng = np.random.default_rng(3)
     for _ in range(50):
         counts = rng.integers(0, 4, size=int(rng.integers(1, 5)))
@@ -66,20 +66,21 @@ def test_a_layout_shows_each_token_what_tree_batch_shows_it():
         accepted = np.full((len(present), int(m[present].max())), DUMMY)
         for r, i in enumerate(present):
             accepted[r, : m[i]] = 1000 * (i + 1) + n[i] + np.arange(m[i])
-        scratch = 50000 + 10 * np.arange(f)
-        layout = TreeLayout(prefixes, counts, n, accepted, scratch, K, q_len, DUMMY)
+        seq_scratch = 50000 + 100 * np.arange(len(counts))  # each sequence's; its branches 10 rows apart
+        layout = TreeLayout(prefixes, counts, n, accepted, seq_scratch, 10, K, q_len, DUMMY)
         seq = np.repeat(np.arange(len(counts)), counts)
+        scratch = seq_scratch[seq] + 10 * layout.branch
         forks = Forks(seq=seq, depth=rng.integers(0, m[seq] + 1), token_id=rng.integers(0, 500, size=f),
                       branch=layout.branch)
         assert layout.matches(forks)
         got = layout.batch(forks, "cpu")
-        # tree_batch's layout: own rows d_1..d_j, then the K scratch rows.
+        # build_tree_batch's layout: own rows d_1..d_j, then the K scratch rows.
         request = (np.cumsum(counts > 0) - 1)[seq]
         col, d = np.arange(accepted.shape[1] + K)[None, :], forks.depth[:, None]
         local = np.where(col < d, np.pad(accepted, ((0, 0), (0, K)), constant_values=DUMMY)[request][:, col[0]],
                          scratch[:, None] + col - d)
-        want = tree_batch(prefixes, request, forks.token_id, n[seq] + forks.depth, local, forks.depth + K,
-                          forks.depth + 1, q_len, DUMMY, "cpu")
+        want = tree_arrays(prefixes, request, forks.token_id, n[seq] + forks.depth, local, forks.depth + K,
+                           forks.depth + 1, q_len, DUMMY).upload("cpu")
         for t in layout.arrays.token.tolist():
             assert _seen(got, t) == _seen(want, t)
         for field in ("input_ids", "positions", "kv_write_rows"):

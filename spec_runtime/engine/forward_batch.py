@@ -230,22 +230,11 @@ def build_tree_batch(prefixes: Sequence[np.ndarray], branches: Sequence[Sequence
     local = np.zeros((len(flat), width), dtype=np.int64)
     for i, br in enumerate(flat):
         local[i, : len(br.local_rows)] = br.local_rows
-    return tree_batch(prefixes, np.repeat(np.arange(len(branches)), [len(b) for b in branches]),
-                      np.array([br.token_id for br in flat], dtype=np.int64),
-                      np.array([br.position for br in flat], dtype=np.int64), local,
-                      np.array([len(br.local_rows) for br in flat], dtype=np.int64),
-                      np.array([br.num_visible for br in flat], dtype=np.int64), q_len, dummy_row, device)
-
-
-def tree_batch(prefixes: Sequence[np.ndarray], request: np.ndarray, token_ids: np.ndarray, positions: np.ndarray,
-               local_rows: np.ndarray, local_len: np.ndarray, num_visible: np.ndarray, q_len: int, dummy_row: int,
-               device: torch.device | str) -> ForwardBatch:
-    """build_tree_batch from arrays over the branches (F of them, request by request, in
-    branch order): each one's request [F], first token and position [F], own rows
-    local_rows[f, :local_len[f]] ([F, L], TreeBranch.local_rows) and num_visible [F]. No
-    host work per branch beyond array operations."""
-    return tree_arrays(prefixes, request, token_ids, positions, local_rows, local_len, num_visible, q_len,
-                       dummy_row).upload(device)
+    return tree_arrays(prefixes, np.repeat(np.arange(len(branches)), [len(b) for b in branches]),
+                       np.array([br.token_id for br in flat], dtype=np.int64),
+                       np.array([br.position for br in flat], dtype=np.int64), local,
+                       np.array([len(br.local_rows) for br in flat], dtype=np.int64),
+                       np.array([br.num_visible for br in flat], dtype=np.int64), q_len, dummy_row).upload(device)
 
 
 @dataclass
@@ -284,7 +273,10 @@ class TreeArrays:
 def tree_arrays(prefixes: Sequence[np.ndarray], request: np.ndarray, token_ids: np.ndarray, positions: np.ndarray,
                 local_rows: np.ndarray, local_len: np.ndarray, num_visible: np.ndarray, q_len: int,
                 dummy_row: int) -> TreeArrays:
-    """tree_batch's inputs on the host (its arguments)."""
+    """build_tree_batch's inputs on the host, from arrays over the branches (F of them,
+    request by request, in branch order): each one's request [F], first token and position
+    [F], own rows local_rows[f, :local_len[f]] ([F, L], TreeBranch.local_rows) and
+    num_visible [F]. No host work per branch beyond array operations."""
     r = len(prefixes)
     counts = np.bincount(request, minlength=r) if len(request) else np.zeros(r, dtype=np.int64)
     if len(counts) != r or counts.min() < 1 or counts.max() > q_len:
