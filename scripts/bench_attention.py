@@ -1,18 +1,24 @@
-"""The Triton paged attention of graph steps (kernels/paged.py) at the split counts a
-graph could be captured with: for each model shape, batch, q_len (decode, K + 1 verify)
-and context length, us per layer at the split count the runtime picks
-(kernels/paged.py::num_splits_for) and at each of CANDIDATES. Needs a CUDA GPU.
+"""The Triton paged attention of graph steps (kernels/paged.py) at the split counts and
+launches a graph could be captured with: for each model shape, batch, q_len (decode, K + 1
+verify, or with --tree a tree step's branches per request) and context length, us per
+layer at the split count the runtime picks (kernels/paged.py::num_splits_for) and at
+each of CANDIDATES; with --block-ns, --warps or --stages also at each of those kv
+blocks and launches (the runtime's at each split count first). Needs a CUDA GPU.
 
 Each point is captured in a CUDA graph of calls cycling over enough layers' KV (at least
 COPY_BYTES) that it streams from memory as in a forward; the figure is us per call, and
 `floor_us` the time to read the point's K and V once at the measured copy bandwidth.
+A --tree point gives each request `context` rows of shared prefix and TREE_WIDTH own rows
+per branch, of which each branch sees its own (forward_batch.TreeMask).
 
     python3 scripts/bench_attention.py --out bench/results/bench_attention_<gpu>.json
+    python3 scripts/bench_attention.py --models draft-1b --tree --q-lens 4,8,16 --block-ns 32,64,128 --warps 4,8
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import sys
@@ -26,26 +32,18 @@ SHAPES = {  # heads, kv heads, head dim
     "target-8b": (32, 8, 128),
     "target-32b": (64, 8, 128),
     "draft-1b": (32, 8, 64),
+    "draft-0.6b": (16, 8, 128),
 }
 CANDIDATES = (1, 2, 3, 4, 5, 8, 9, 16, 32)  # powers of two, and 2 x SMs / (batch x kv heads) rounded up at batch 16, 8, 4
+TREE_WIDTH = 9  # own rows per branch of a K = 4 tree step: accepted drafts, K scratch rows, the dummy row
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default="target-8b,target-32b,draft-1b")
-    p.add_argument("--batches", default="1,4,8,16,32")
-    p.add_argument("--q-lens", default="1,5,9")
-    p.add_argument("--contexts", default="512,2048,4096,8192")
-    p.add_argument("--out", default=None)
-    args = p.parse_args(argv)
+def _ints(s: str | None) -> list:
+    return [None] if s is None else [int(x) for x in s.split(",")]
 
-    import torch
 
-    from spec_runtime.kernels.paged import MAX_TILE_M, num_splits_for, paged_attention
-
-    dev = torch.device("cuda")
-    bf = torch.bfloat16
-    num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
+def _copy_bandwidth(torch, dev) -> float:
+    """Bytes/s of a device copy (read + write)."""
     x = torch.empty(int(1e9), dtype=torch.uint8, device=dev)
     y = torch.empty_like(x)
     y.copy_(x)
@@ -55,68 +53,116 @@ def main(argv: list[str] | None = None) -> None:
         y.copy_(x)
     e1.record()
     torch.cuda.synchronize()
-    copy_bw = 2 * 5 * x.numel() / (e0.elapsed_time(e1) / 1e3)  # bytes/s, read + write
-    del x, y
+    return 2 * 5 * x.numel() / (e0.elapsed_time(e1) / 1e3)
 
-    def timed(fn, n_layers: int) -> float:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for i in range(2):
-                fn(i % n_layers)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for i in range(REPS):
-                fn(i % n_layers)
+
+def _timed(torch, fn, n_layers: int) -> float:
+    """us per call of fn(layer), REPS calls over n_layers layers in one CUDA graph, the best of 3 replays."""
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for i in range(2):
+            fn(i % n_layers)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(REPS):
+            fn(i % n_layers)
+    g.replay()
+    torch.cuda.synchronize()
+    best = math.inf
+    for _ in range(3):
+        e0.record()
         g.replay()
+        e1.record()
         torch.cuda.synchronize()
-        best = math.inf
-        for _ in range(3):
-            e0.record()
-            g.replay()
-            e1.record()
-            torch.cuda.synchronize()
-            best = min(best, e0.elapsed_time(e1) * 1e3 / REPS)
-        return best
+        best = min(best, e0.elapsed_time(e1) * 1e3 / REPS)
+    return best
 
+
+def _tree_mask(torch, bs: int, q_len: int, ctx: int, dev):
+    """A tree step's (prefix_len [R], lo [T], hi [T]): branch i of a request sees the prefix
+    and rows [ctx + i W, ctx + i W + W - 1) of its own (W = TREE_WIDTH; the last is the dummy)."""
+    i = torch.arange(q_len, dtype=torch.int32, device=dev).repeat(bs)
+    lo = ctx + i * TREE_WIDTH
+    return torch.full((bs,), ctx, dtype=torch.int32, device=dev), lo, lo + TREE_WIDTH - 1
+
+
+def _point(torch, args, shape, bs, q_len, ctx, kv, num_sms, launches):
+    """{(splits, block_n, warps, stages): us} of one point, the runtime's own launch first
+    (its split count, kv_block, 4 warps, Triton's default stages: None)."""
+    from spec_runtime.kernels.paged import kv_block, num_splits_for, paged_attention
+
+    hq, hkv, d = shape
+    k, v, indptr, indices, rows_per_req = kv
+    dev = k.device
+    q = torch.randn(bs * q_len, hq, d, dtype=k.dtype, device=dev)
+    tree = _tree_mask(torch, bs, q_len, ctx, dev) if args.tree else None
+    runtime = num_splits_for(bs, hkv, num_sms, rows_per_req, tile_rows=q_len * (hq // hkv), head_dim=d)
+    keys = dict.fromkeys([(runtime, kv_block(d), 4, None)] + [
+        (splits, block_n or kv_block(d), warps or 4, stages)
+        for splits in sorted({runtime, *CANDIDATES}) for block_n, warps, stages in launches])
+    us = {}
+    for key in keys:
+        splits, block_n, warps, stages = key
+        kw = dict(q_len=q_len, num_splits=splits, scale=d ** -0.5, tree=tree, block_n=block_n, num_warps=warps,
+                  num_stages=stages)
+        us[key] = _timed(torch, lambda i: paged_attention(q, k[i], v[i], indptr, indices, **kw), k.shape[0])
+    return runtime, us
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="target-8b,target-32b,draft-1b")
+    p.add_argument("--batches", default="1,4,8,16,32")
+    p.add_argument("--q-lens", default="1,5,9")
+    p.add_argument("--contexts", default="512,2048,4096,8192")
+    p.add_argument("--tree", action="store_true", help="tree steps: q_len branches per request under the tree mask")
+    p.add_argument("--block-ns", default=None, help="kv blocks to time (default: the runtime's, kv_block)")
+    p.add_argument("--warps", default=None, help="num_warps to time (default: the runtime's, 4)")
+    p.add_argument("--stages", default=None, help="num_stages to time (default: Triton's)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+
+    import torch
+
+    from spec_runtime.kernels.paged import MAX_TILE_M
+
+    dev = torch.device("cuda")
+    num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    copy_bw = _copy_bandwidth(torch, dev)
+    launches = list(itertools.product(_ints(args.block_ns), _ints(args.warps), _ints(args.stages)))
     rows = []
     for model in args.models.split(","):
         hq, hkv, d = SHAPES[model]
-        for ctx in map(int, args.contexts.split(",")):
-            for bs in map(int, args.batches.split(",")):
-                n_rows = bs * ctx
-                layer_bytes = 2 * n_rows * hkv * d * 2
-                n_layers = max(1, min(REPS, math.ceil(COPY_BYTES / layer_bytes)))
-                k = torch.randn(n_layers, n_rows, hkv, d, dtype=bf, device=dev)
-                v = torch.randn_like(k)
-                indptr = torch.arange(0, n_rows + 1, ctx, dtype=torch.int32, device=dev)
-                indices = torch.arange(n_rows, dtype=torch.int32, device=dev)
-                for q_len in map(int, args.q_lens.split(",")):
-                    if q_len * (hq // hkv) > MAX_TILE_M:
-                        continue
-                    q = torch.randn(bs * q_len, hq, d, dtype=bf, device=dev)
-                    runtime = num_splits_for(bs, hkv, num_sms, tile_rows=q_len * (hq // hkv))
-                    us = {}
-                    for splits in sorted({runtime, *CANDIDATES}):
-                        us[splits] = timed(
-                            lambda i: paged_attention(q, k[i], v[i], indptr, indices, q_len=q_len, num_splits=splits,
-                                                      scale=d ** -0.5), n_layers)
-                    best = min(us, key=us.get)
-                    row = dict(model=model, batch=bs, q_len=q_len, context=ctx, runtime=runtime,
-                               runtime_us=us[runtime], best=best, best_us=us[best],
-                               floor_us=1e6 * layer_bytes / copy_bw, us=us)
-                    rows.append(row)
-                    print(f"{model:10} ctx {ctx:5d} b {bs:2d} q {q_len}: runtime {runtime:2d} splits "
-                          f"{row['runtime_us']:7.1f} us, best {best:2d} {row['best_us']:7.1f} us, "
-                          f"floor {row['floor_us']:6.1f} us | "
-                          + " ".join(f"{c}:{t:.0f}" for c, t in us.items()), flush=True)
-                del k, v
-                torch.cuda.empty_cache()
+        for ctx, bs, q_len in itertools.product(_ints(args.contexts), _ints(args.batches), _ints(args.q_lens)):
+            if q_len * (hq // hkv) > MAX_TILE_M:
+                continue
+            per_req = ctx + (q_len * TREE_WIDTH if args.tree else 0)
+            n_rows = bs * per_req
+            layer_bytes = 2 * n_rows * hkv * d * 2
+            n_layers = max(1, min(REPS, math.ceil(COPY_BYTES / layer_bytes)))
+            k = torch.randn(n_layers, n_rows, hkv, d, dtype=torch.bfloat16, device=dev)
+            kv = (k, torch.randn_like(k), torch.arange(0, n_rows + 1, per_req, dtype=torch.int32, device=dev),
+                  torch.arange(n_rows, dtype=torch.int32, device=dev), per_req)
+            runtime, us = _point(torch, args, (hq, hkv, d), bs, q_len, ctx, kv, num_sms, launches)
+            default = next(iter(us))  # the runtime's launch
+            best = min(us, key=us.get)
+            label = lambda key: "/".join("-" if x is None else str(x) for x in key)  # noqa: E731
+            row = dict(model=model, tree=args.tree, batch=bs, q_len=q_len, context=ctx, runtime=runtime,
+                       runtime_us=us[default], best=label(best), best_us=us[best],
+                       floor_us=1e6 * layer_bytes / copy_bw, us={label(key): t for key, t in us.items()})
+            rows.append(row)
+            print(f"{model:10} {'tree ' if args.tree else ''}ctx {ctx:5d} b {bs:2d} q {q_len:2d}: runtime "
+                  f"{runtime:2d} splits {row['runtime_us']:7.1f} us, best {row['best']} {row['best_us']:7.1f} us, "
+                  f"floor {row['floor_us']:6.1f} us", flush=True)
+            del k, kv
+            torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(dev), num_sms=num_sms, copy_bw_bytes_per_s=copy_bw,
-                           reps=REPS, rows=rows), f, indent=1)
+                           reps=REPS, key="splits/block_n/num_warps/num_stages", rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

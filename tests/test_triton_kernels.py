@@ -18,6 +18,7 @@ from spec_runtime.attention.sdpa import SDPABackend, write_kv  # noqa: E402
 from spec_runtime.engine.forward_batch import ForwardItem, build_forward_batch  # noqa: E402
 from spec_runtime.engine.kv_cache import KVCache  # noqa: E402
 from spec_runtime.kernels.paged import (  # noqa: E402
+    kv_block,
     num_splits_for,
     paged_attention,
     rope_store_kv,
@@ -101,6 +102,16 @@ def test_num_splits_fills_one_wave_but_not_past_the_rows():
     assert num_splits_for(1, 8, 132, max_kv_len=40) == 2  # 40 rows: two blocks of 32
 
 
+def test_heads_of_64_dims_take_64_row_blocks():
+    assert kv_block(64) == 64 and kv_block(32) == 64 and kv_block(128) == 32
+    assert num_splits_for(16, 8, 132, tile_rows=20, head_dim=64) == 4  # tiles of up to 24 rows: 4 per SM
+    assert num_splits_for(16, 8, 132, tile_rows=32, head_dim=64) == 3  # larger ones 3 per SM, 396 // 128
+    assert num_splits_for(32, 8, 132, tile_rows=32, head_dim=64) == 3  # ... and at least 3 splits (396 // 256 = 1)
+    assert num_splits_for(16, 8, 132, tile_rows=32, head_dim=128) == 4
+    assert num_splits_for(16, 8, 132, tile_rows=64, head_dim=128) == 2
+    assert num_splits_for(1, 8, 132, max_kv_len=100, head_dim=64) == 2  # 100 rows: two blocks of 64
+
+
 # The interpreter truncates float32 -> bf16 (the GPU rounds to nearest), so in bf16
 # the kernel is ~1 ulp low at each of its casts; float32 checks the math tightly.
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -160,7 +171,8 @@ def _tree_batch(seed: int, q_len: int, prefix_lens: list[int], branches_per_req:
     (8, [130], [5], 8),  # splits over the prefix, the branches' rows at the tail
     (2, [1, 40, 64], [2, 1, 2], 1),
 ])
-def test_paged_attention_tree_mask_matches_sdpa(hq, hkv, d, q_len, prefix_lens, branches, splits):
+@pytest.mark.parametrize("block_n", [None, 32])  # kv_block's (64 for these heads), and 32 as for 128-dim heads
+def test_paged_attention_tree_mask_matches_sdpa(hq, hkv, d, q_len, prefix_lens, branches, splits, block_n):
     from spec_runtime.engine.forward_batch import tree_step_batch
 
     kv = _pool(hkv, d, seed=3)
@@ -175,7 +187,7 @@ def test_paged_attention_tree_mask_matches_sdpa(hq, hkv, d, q_len, prefix_lens, 
         ref = ref_backend.forward(0, q, k_new, v_new, kv, batch)
         tr = batch.tree
         out = paged_attention(q, kv.k_cache[0], kv.v_cache[0], batch.kv_indptr, batch.kv_indices, q_len=q_len,
-                              num_splits=splits, scale=d**-0.5, tree=(tr.prefix_len, tr.lo, tr.hi))
+                              num_splits=splits, scale=d**-0.5, tree=(tr.prefix_len, tr.lo, tr.hi), block_n=block_n)
         assert _rel_err(out, ref) < 1e-2
         # The mask matters: the causal rule over the same rows gives another answer.
         causal = paged_attention(q, kv.k_cache[0], kv.v_cache[0], batch.kv_indptr, batch.kv_indices,

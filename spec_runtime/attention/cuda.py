@@ -183,7 +183,8 @@ class CudaAttentionBackend(AttentionBackend):
         if self.fits_triton(int(batch.input_ids.shape[0]), r, batch.max_q_len, tree=tree):
             max_kv = int(np.diff(batch.kv_indptr_cpu).max())
             tile_rows = batch.max_q_len * (self.num_heads // self.num_kv_heads)
-            splits = num_splits_for(r, self.num_kv_heads, self.num_sms, max_kv, tile_rows=tile_rows)
+            splits = num_splits_for(r, self.num_kv_heads, self.num_sms, max_kv, tile_rows=tile_rows,
+                                    head_dim=self.head_dim)
             self._active = _Active(batch, num_splits=splits)
             return
         kv_indptr = _host_i32(batch.kv_indptr_cpu)  # [R+1]
@@ -204,7 +205,8 @@ class CudaAttentionBackend(AttentionBackend):
             raise ValueError(f"a tree step of {q_len} branches per request does not fit the Triton kernel")
         if self.fits_triton(batch_size * q_len, batch_size, q_len, tree=tree):
             tile_rows = q_len * (self.num_heads // self.num_kv_heads)
-            splits = num_splits_for(batch_size, self.num_kv_heads, self.num_sms, tile_rows=tile_rows)
+            splits = num_splits_for(batch_size, self.num_kv_heads, self.num_sms, tile_rows=tile_rows,
+                                    head_dim=self.head_dim)
             return CudaGraphAttention(batch_size, q_len, max_kv_rows, wrapper=None, num_splits=splits)
         dev = self.device
         indptr_buf = torch.zeros(batch_size + 1, dtype=torch.int32, device=dev)

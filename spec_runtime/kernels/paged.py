@@ -166,17 +166,31 @@ def _attn_merge_kernel(
     tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
 
 
+def kv_block(head_dim: int) -> int:
+    """K/V rows per step of the split kernel's loop: 64 for heads of up to 64 dims (a
+    block of 32 such rows leaves the loop bound by its loads' latency), else 32
+    (docs/kernels.md, "Split count")."""
+    return 64 if head_dim <= 64 else 32
+
+
 def num_splits_for(num_requests: int, num_kv_heads: int, num_sms: int, max_kv_len: int | None = None,
-                   block_n: int = 32, tile_rows: int = 16) -> int:
+                   tile_rows: int = 16, head_dim: int = 128) -> int:
     """Splits per (request, kv head): as many programs as run on the GPU at once, never
     more, and never so many that a split of `max_kv_len` rows is under one block.
 
-    tile_rows: the queries of one program (q_len x GQA group). Tiles of up to 32 rows run
-    about four programs per SM, larger ones two. A grid just past that count runs a second
-    wave as long as the first on a few SMs, so the count rounds down
-    (docs/kernels.md, "Split count")."""
-    per_sm = 4 if tile_rows <= 32 else 2
+    tile_rows: the queries of one program (q_len x GQA group). With 32-row kv blocks, tiles
+    of up to 32 rows run about four programs per SM, larger ones two. With the 64-row
+    blocks of heads of up to 64 dims (kv_block), tiles of up to 24 rows four, larger ones
+    three, and those at least three splits: their loop, bound by its loads' latency, was
+    fastest over a third of a request's rows at batch 16 and 32 alike. A grid just past
+    the count runs a second wave as long as the first on a few SMs, so the count rounds
+    down (docs/kernels.md, "Split count")."""
+    block_n = kv_block(head_dim)
+    wide = block_n == 64 and tile_rows > 24
+    per_sm = (3 if wide else 4) if block_n == 64 else (4 if tile_rows <= 32 else 2)
     s = max(1, min(32, per_sm * num_sms // (num_requests * num_kv_heads)))
+    if wide:
+        s = max(s, 3)
     if max_kv_len is not None:
         s = max(1, min(s, triton.cdiv(max_kv_len, block_n)))
     return s
@@ -184,13 +198,16 @@ def num_splits_for(num_requests: int, num_kv_heads: int, num_sms: int, max_kv_le
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indptr: torch.Tensor,
                     kv_indices: torch.Tensor, *, q_len: int, num_splits: int, scale: float,
-                    block_n: int = 32, tree=None) -> torch.Tensor:
+                    block_n: int | None = None, tree=None, num_warps: int = 4,
+                    num_stages: int | None = None) -> torch.Tensor:
     """q [R * q_len, Hq, D]; k/v_cache [rows, Hkv, D]; kv_indptr [R+1], kv_indices [nnz]
     int32 on the device. Returns [R * q_len, Hq, D] in q's dtype. No host sync.
 
     tree: (prefix_len [R], lo [T], hi [T]) int32 for a tree step's shared-prefix mask
     (forward_batch.TreeMask), in place of the causal rule. A request's q_len branches
-    share one tile, so each split reads its share of the prefix once for all of them."""
+    share one tile, so each split reads its share of the prefix once for all of them.
+    block_n, num_warps, num_stages: the split kernel's kv block (None: kv_block's) and
+    launch (None: Triton's default stages)."""
     t, hq, d = q.shape
     hkv = k_cache.shape[1]
     if t % q_len:
@@ -201,6 +218,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if tile_m > MAX_TILE_M:
         raise ValueError(f"q_len {q_len} x group {group} exceeds the {MAX_TILE_M}-row tile")
     block_m = max(16, triton.next_power_of_2(tile_m))
+    block_n = block_n or kv_block(d)
     q = q.contiguous()
     o_part = torch.empty(r * hkv * num_splits * block_m * d, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(r * hkv * num_splits * block_m, dtype=torch.float32, device=q.device)
@@ -211,6 +229,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         scale, q_len, num_splits,
         GROUP=group, NUM_KV_HEADS=hkv, HEAD_DIM=d,
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_F32=_INTERPRET, TREE=tree is not None,
+        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
     )
     out = torch.empty_like(q)
     _attn_merge_kernel[(r * hkv, tile_m)](
