@@ -24,6 +24,7 @@ first and counts only the N after them: a policy that starts with its costs meas
 from __future__ import annotations
 
 import argparse
+import gzip
 import random
 import re
 import statistics
@@ -71,8 +72,10 @@ def parse_record(line: str):
 
 
 def step_records(log: Path):
-    """Each step record of the log, in order (parse_record's tuples)."""
-    for line in log.read_text().splitlines():
+    """Each step record of the log (plain text, or gzip when it ends in .gz), in order
+    (parse_record's tuples)."""
+    text = gzip.decompress(log.read_bytes()).decode() if log.suffix == ".gz" else log.read_text()
+    for line in text.splitlines():
         if (record := parse_record(line)) is not None:
             yield record
 

@@ -64,6 +64,7 @@ STEADY_STALL = 1.5  # the same for the other plans, whose steps take about the s
 TOKENS_WINDOW = 32  # steps behind the mean tokens per sequence per round
 MARGIN = 0.03  # the round policy's choice changes only for a prediction this much faster
 PLAIN_PRIOR_SLACK = 1.5  # plain decoding is measured once its floor estimate comes this close to the best
+NONE_FIRST_FROM = 4  # batch sizes from which the largest tree is first measured with backup none
 
 
 class RoundPlan(NamedTuple):
@@ -318,6 +319,19 @@ def model_rate(plan: RoundPlan, batch: int, c: Costs, k: int = 0) -> float | Non
     per_seq = c.tokens_per_sequence(plan, k)
     tokens = batch * (c.tokens if per_seq is None else per_seq)  # the configured backup: as jit
     return tokens / (c.verify(True) + max(0.0, wait + c.extra_s))
+
+
+def first_option(batch: int, opts: list[RoundPlan]) -> RoundPlan:
+    """The option a bucket measures first: opts[0] (the largest tree, jit), or from batch
+    NONE_FIRST_FROM the largest tree with backup none. W[n] and h[n] measure the same under
+    either backup, and at a hit rate near 0.8 most rounds of four sequences or more have a
+    miss, each of which makes the whole batch wait for a jit chain: SSD measured so looks
+    no better than SD, and a cold policy spends its first steps on SD rounds and halves."""
+    if batch >= NONE_FIRST_FROM:
+        for p in opts:
+            if p.kind == "ssd" and p.backup == "none" and p.branches == opts[0].branches:
+                return p
+    return opts[0]
 
 
 def unmeasured_alternative(batch: int, best: RoundPlan, rates: dict, opts: list[RoundPlan], c: Costs,

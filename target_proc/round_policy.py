@@ -14,13 +14,14 @@ Every option yields the target's distribution exactly; they differ only in speed
 policy predicts each one's tokens/s (target_proc/round_model.py; once an option has run,
 its realized rate stands in) and runs the fastest.
 
-How it chooses: the largest tree with jit first, until it is measured; then one probe of
-SD rounds (measures c); till then a step that measures nothing (a filling batch) is plain,
-and until the batch size has stood SETTLE_STEPS steps the bucket runs what the bucket it
-came from chose, unless that was an SSD round (halves as SD rounds where halves are not an
-option): a drain passes each bucket in a few steps, too few for the first measurements to
-pay. A bucket the batch enters as its context doubles (or halves) starts from the costs and
-choice of the one it leaves: they change little with the context, and measuring every option
+How it chooses: the largest tree first, until it is measured (from batch 4 with backup
+none, below with jit: round_model.first_option); then one probe of SD rounds (measures c);
+till then a step that measures nothing (a filling batch) is plain, and until the batch
+size has stood SETTLE_STEPS steps the bucket runs what the bucket it came from chose,
+unless that was an SSD round (halves as SD rounds where halves are not an option): a drain
+passes each bucket in a few steps, too few for the first measurements to pay. A bucket the
+batch enters as its context doubles (or halves) starts from the costs and choice of the
+one it leaves: they change little with the context, and measuring every option
 afresh cost 50-140 ms of speculating steps per bucket at alpha 0.6 (docs/benchmarks.md).
 Then each step runs the best prediction. An option whose inputs are not measured yet is
 probed before it is run: the next smaller tree when the best one overruns the verify;
@@ -67,7 +68,7 @@ from dataclasses import dataclass, field
 
 from target_proc.round_model import (  # noqa: F401 - re-exported
     HALVES, MIN_SAMPLES as _MIN_SAMPLES, MARGIN as _MARGIN, PLAIN, SD, WINDOW, Costs, RoundPlan, chain_tokens,
-    model_rate, predict, running_mean as _mean, short_jit_len, unmeasured_alternative,
+    first_option, model_rate, predict, running_mean as _mean, short_jit_len, unmeasured_alternative,
 )
 from target_proc.spec_policy import batch_bucket
 
@@ -202,7 +203,7 @@ class RoundPolicy:
             b.steps_since_probe += 1
             return b.choice
         b.hold = 0
-        c, first = b.costs, opts[0]
+        c, first = b.costs, first_option(batch, opts)
         if (plan := self._first_measurements(b, first, steady, opts)) is not None:
             return plan
         rates = {p: r for p in opts if (r := predict(p, batch, c, self.k)) is not None}

@@ -446,7 +446,7 @@ def test_costs_are_kept_per_context_length():
 def test_a_doubling_context_starts_from_the_costs_and_choice_it_leaves(caplog):
     """The batch's context grows past 1024 tokens: the next bucket starts from the costs
     and choice of the one it leaves (a copy), with no first measurements (the largest tree
-    with jit would run first); a jump past the next bucket measures afresh."""
+    would run first, at batch 4 with backup none); a jump past the next bucket measures afresh."""
     p = _policy()
     simulate(p, 4, 200, verify_s=0.005, chain_s=0.030, work_s={16: 0.040, 8: 0.035, 4: 0.030},
              hit_rate={16: 0.9, 8: 0.8, 4: 0.7}, tokens=2.0)
@@ -459,7 +459,7 @@ def test_a_doubling_context_starts_from_the_costs_and_choice_it_leaves(caplog):
     for _ in range(2):  # the first step in the bucket measures nothing (the step before was another's)
         p.record(4, PLAIN, context=1500, wait_s=0.0, busy_s=0.006)
     assert list(after.steady["P"])[-1] == 0.006 and list(before.steady["P"])[-1] == 0.005  # its own from here
-    assert p.choose(4, 8192) == RoundPlan("ssd", 16, "jit")  # 2048 -> 8192: not the next bucket
+    assert p.choose(4, 8192) == RoundPlan("ssd", 16, "none")  # 2048 -> 8192: not the next bucket
 
 
 def test_one_slow_step_does_not_set_a_realized_rate():
@@ -775,12 +775,15 @@ def test_a_batch_that_shrinks_keeps_what_the_full_batch_realized():
 def test_a_filling_batch_runs_plain_steps_until_its_bucket_is_measured():
     """Steps of a batch that is still filling (a sequence in its first rounds) measure nothing
     and would wait for the draft's prefill: plain while the bucket lacks its first
-    measurements, then the largest tree once the batch is steady; with plain steps ruled
-    out (--spec-policy always) the largest tree at once."""
+    measurements, then the largest tree once the batch is steady (from batch 4 with backup
+    none, below with jit); with plain steps ruled out (--spec-policy always) the largest
+    tree at once."""
     p = _policy(k=8)
     assert [p.choose(4, steady=False) for _ in range(3)] == [PLAIN] * 3
-    assert p.choose(4) == RoundPlan("ssd", LEVELS[0], "jit")
-    assert _policy(k=8, allow_plain=False).choose(4, steady=False) == RoundPlan("ssd", LEVELS[0], "jit")
+    assert p.choose(4) == RoundPlan("ssd", LEVELS[0], "none")
+    assert _policy(k=8, allow_plain=False).choose(4, steady=False) == RoundPlan("ssd", LEVELS[0], "none")
+    assert [_policy(k=8).choose(b) for b in (1, 2, 3, 16)] == [
+        RoundPlan("ssd", LEVELS[0], backup) for backup in ("jit", "jit", "jit", "none")]
     simulate(p, 4, 40, verify_s=0.010, chain_s=0.004, work_s={16: 0.008, 8: 0.006, 4: 0.005},
              hit_rate={16: 0.9, 8: 0.8, 4: 0.7})
     measured = p.costs(4)

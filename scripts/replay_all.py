@@ -1,0 +1,71 @@
+"""This tree's round policy, simulated on the costs of every recorded run: for each log of
+step records (`LOG_LEVEL=DEBUG`, plain or .gz) and batch size with at least MIN_STEADY
+records past their sequences' first rounds, scripts/replay_round_policy.py's simulation
+(a fresh policy, --steps steps, --repeats seeds) beside the best single option of that
+log, as it realized there (its steady steps' tokens over their time, among options with at
+least MIN_OPTION_STEPS such steps). The ratio says how much of the best fixed choice a
+cold policy gets in a run of that length; run it from two trees to compare policies.
+
+    python scripts/replay_all.py bench/results/round_policy_steps_*alpha08*.log.gz --levels 15,7,3 --k 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from replay_round_policy import read_records, simulate  # noqa: E402
+
+MIN_STEADY = 60  # steady records of a batch size before it is simulated
+MIN_OPTION_STEPS = 8  # steady steps of an option before it counts as the log's best
+
+
+def best_option(records) -> tuple[float, str] | None:
+    """The option of `records` whose steady steps realized the most tokens/s, and its rate."""
+    totals: dict = {}
+    for plan, _, kw, tokens in records:
+        if kw["steady"]:
+            t = totals.setdefault(plan.label(), [0.0, 0.0, 0])
+            t[0], t[1], t[2] = t[0] + tokens, t[1] + kw["wait_s"] + kw["busy_s"], t[2] + 1
+    rated = [(tok / s, label) for label, (tok, s, n) in totals.items() if n >= MIN_OPTION_STEPS and s > 0]
+    return max(rated) if rated else None
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("logs", nargs="+")
+    p.add_argument("--batches", default="1,2,4,8,16,32,64")
+    p.add_argument("--levels", required=True, help="the tree shapes, largest first (every batch size)")
+    p.add_argument("--k", type=int, required=True)
+    p.add_argument("--steps", type=int, default=170, help="simulated steps per run (512 tokens at ~3 per round)")
+    p.add_argument("--repeats", type=int, default=10)
+    args = p.parse_args(argv)
+    levels = [int(x) for x in args.levels.split(",")]
+    ratios = []
+    for log in args.logs:
+        for batch in map(int, args.batches.split(",")):
+            records = read_records(Path(log), batch)
+            best = best_option(records)
+            if sum(1 for r in records if r[2]["steady"]) < MIN_STEADY or best is None:
+                continue
+            try:
+                rates = [simulate(records, batch, levels, args.k, args.steps, seed)[0] for seed in range(args.repeats)]
+            except SystemExit as e:  # an option the log never ran and nothing stands in for
+                print(f"{Path(log).name} batch {batch}: not simulated ({e})")
+                continue
+            mean = statistics.mean(rates)
+            ratios.append(mean / best[0])
+            print(f"{Path(log).name} batch {batch}: simulated {mean:.1f} tok/s, best option {best[1]} {best[0]:.1f} "
+                  f"({mean / best[0]:.3f})")
+    if ratios:
+        print(f"{len(ratios)} runs: simulated / best option {statistics.mean(ratios):.4f} on average "
+              f"(min {min(ratios):.3f})")
+
+
+if __name__ == "__main__":
+    main()
