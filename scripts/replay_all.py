@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--k", type=int, required=True)
     p.add_argument("--steps", type=int, default=170, help="simulated steps per run (512 tokens at ~3 per round)")
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--warm", type=int, default=0, help="simulated steps before the counted ones (a warm policy)")
     args = p.parse_args(argv)
     levels = [int(x) for x in args.levels.split(",")]
     ratios = []
@@ -54,7 +55,8 @@ def main(argv: list[str] | None = None) -> None:
             if sum(1 for r in records if r[2]["steady"]) < MIN_STEADY or best is None:
                 continue
             try:
-                rates = [simulate(records, batch, levels, args.k, args.steps, seed)[0] for seed in range(args.repeats)]
+                rates = [simulate(records, batch, levels, args.k, args.steps, seed, args.warm)[0]
+                         for seed in range(args.repeats)]
             except SystemExit as e:  # an option the log never ran and nothing stands in for
                 print(f"{Path(log).name} batch {batch}: not simulated ({e})")
                 continue

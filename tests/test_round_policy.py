@@ -848,3 +848,37 @@ def test_replay_stands_in_the_nearest_recorded_plan():
     assert replay._nearest(RoundPlan("ssd", 8, "jit:1"), pools) == RoundPlan("ssd", 4, "none")
     with pytest.raises(SystemExit, match="no step of a sd plan"):
         replay._nearest(SD, pools)
+
+
+def test_replay_all_simulates_each_recorded_run_beside_its_best_option(tmp_path, capsys):
+    """scripts/replay_all.py: gzip step records in; per batch size with enough steady
+    records, the simulated policy's rate beside the run's best option (here SSD rounds,
+    28 tokens per 20 ms against SD's 12 per 30 ms); too few records: left out."""
+    import gzip
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "replay_all", Path(__file__).resolve().parents[1] / "scripts" / "replay_all.py")
+    replay_all = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(replay_all)
+    ssd = RoundPlan("ssd", 8, "none")
+    with _step_records() as lines:
+        p = _policy(levels=[16, 8], k=4)
+        for i in range(70):
+            plan = (PLAIN, SD, ssd)[min(2, i // 10)] if i < 30 else (ssd if i % 2 else SD)
+            kw = dict(wait_s=0.0, busy_s=0.006) if plan == PLAIN else dict(
+                wait_s=0.010 if plan == SD else 0.002, busy_s=0.020 if plan == SD else 0.018, num_specs=4,
+                num_hits=4 * (plan == ssd), num_drafted=4, drafted_tokens=12 if plan == SD else 28,
+                draft_work_s=0.015 * (plan == ssd))
+            p.record(4, plan, context=600 + i, **kw)
+        for _ in range(5):  # batch 2: too few records to simulate
+            p.record(2, SD, context=600, wait_s=0.010, busy_s=0.020, num_specs=2, num_drafted=2, drafted_tokens=6)
+    log = tmp_path / "steps.log.gz"
+    log.write_bytes(gzip.compress(("\n".join(ln for ln in lines if ln.startswith("step ")) + "\n").encode()))
+    replay_all.main([str(log), "--levels", "16,8", "--k", "4", "--repeats", "2", "--steps", "50"])
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 and out[0].startswith("steps.log.gz batch 4: simulated ")
+    m = re.search(r"best option (.+) ([\d.]+) \(([\d.]+)\)$", out[0])
+    assert m.group(1) == ssd.label() and float(m.group(2)) == pytest.approx(28 / 0.020)
+    assert out[1].startswith("1 runs: simulated / best option ")
