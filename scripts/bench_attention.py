@@ -99,9 +99,10 @@ def _point(torch, args, shape, bs, q_len, ctx, kv, num_sms, launches):
     dev = k.device
     q = torch.randn(bs * q_len, hq, d, dtype=k.dtype, device=dev)
     tree = _tree_mask(torch, bs, q_len, ctx, dev) if args.tree else None
-    runtime = num_splits_for(bs, hkv, num_sms, rows_per_req, tile_rows=q_len * (hq // hkv), head_dim=d)
-    keys = dict.fromkeys([(runtime, kv_block(d), 4, None)] + [
-        (splits, block_n or kv_block(d), warps or 4, stages)
+    tile = q_len * (hq // hkv)
+    runtime = num_splits_for(bs, hkv, num_sms, rows_per_req, tile_rows=tile, head_dim=d)
+    keys = dict.fromkeys([(runtime, kv_block(d, tile), 4, None)] + [
+        (splits, block_n or kv_block(d, tile), warps or 4, stages)
         for splits in sorted({runtime, *CANDIDATES}) for block_n, warps, stages in launches])
     us = {}
     for key in keys:

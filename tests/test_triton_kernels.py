@@ -104,6 +104,8 @@ def test_num_splits_fills_one_wave_but_not_past_the_rows():
 
 def test_heads_of_64_dims_take_64_row_blocks():
     assert kv_block(64) == 64 and kv_block(32) == 64 and kv_block(128) == 32
+    assert kv_block(64, tile_rows=64) == 64 and kv_block(64, tile_rows=96) == 32  # 128-row tiles: unmeasured
+    assert num_splits_for(16, 8, 132, tile_rows=96, head_dim=64) == 2  # ... and the 32-row rule's count
     assert num_splits_for(16, 8, 132, tile_rows=20, head_dim=64) == 4  # tiles of up to 24 rows: 4 per SM
     assert num_splits_for(16, 8, 132, tile_rows=32, head_dim=64) == 3  # larger ones 3 per SM, 396 // 128
     assert num_splits_for(32, 8, 132, tile_rows=32, head_dim=64) == 3  # ... and at least 3 splits (396 // 256 = 1)

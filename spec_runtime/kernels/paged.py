@@ -166,11 +166,12 @@ def _attn_merge_kernel(
     tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
 
 
-def kv_block(head_dim: int) -> int:
-    """K/V rows per step of the split kernel's loop: 64 for heads of up to 64 dims (a
-    block of 32 such rows leaves the loop bound by its loads' latency), else 32
-    (docs/kernels.md, "Split count")."""
-    return 64 if head_dim <= 64 else 32
+def kv_block(head_dim: int, tile_rows: int = 16) -> int:
+    """K/V rows per step of the split kernel's loop: 64 for heads of up to 64 dims in
+    tiles of up to 64 query rows (a block of 32 such rows leaves the loop bound by its
+    loads' latency), else 32; 128-row tiles keep 32, unmeasured with 64
+    (docs/kernels.md, "KV block")."""
+    return 64 if head_dim <= 64 and tile_rows <= 64 else 32
 
 
 def num_splits_for(num_requests: int, num_kv_heads: int, num_sms: int, max_kv_len: int | None = None,
@@ -185,7 +186,7 @@ def num_splits_for(num_requests: int, num_kv_heads: int, num_sms: int, max_kv_le
     fastest over a third of a request's rows at batch 16 and 32 alike. A grid just past
     the count runs a second wave as long as the first on a few SMs, so the count rounds
     down (docs/kernels.md, "Split count")."""
-    block_n = kv_block(head_dim)
+    block_n = kv_block(head_dim, tile_rows)
     wide = block_n == 64 and tile_rows > 24
     per_sm = (3 if wide else 4) if block_n == 64 else (4 if tile_rows <= 32 else 2)
     s = max(1, min(32, per_sm * num_sms // (num_requests * num_kv_heads)))
@@ -218,7 +219,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if tile_m > MAX_TILE_M:
         raise ValueError(f"q_len {q_len} x group {group} exceeds the {MAX_TILE_M}-row tile")
     block_m = max(16, triton.next_power_of_2(tile_m))
-    block_n = block_n or kv_block(d)
+    block_n = block_n or kv_block(d, tile_m)
     q = q.contiguous()
     o_part = torch.empty(r * hkv * num_splits * block_m * d, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(r * hkv * num_splits * block_m, dtype=torch.float32, device=q.device)
