@@ -1,10 +1,11 @@
 """This tree's round policy, simulated on the costs of every recorded run: for each log of
 step records (`LOG_LEVEL=DEBUG`, plain or .gz) and batch size with at least MIN_STEADY
-records past their sequences' first rounds, scripts/replay_round_policy.py's simulation
-(a fresh policy, --steps steps, --repeats seeds) beside the best single option of that
-log, as it realized there (its steady steps' tokens over their time, among options with at
-least MIN_OPTION_STEPS such steps). The ratio says how much of the best fixed choice a
-cold policy gets in a run of that length; run it from two trees to compare policies.
+records past their sequences' first rounds, scripts/replay_round_policy.py's simulation (a
+fresh policy, --steps steps, --repeats seeds) beside the best single option of that log,
+as it realized there (scripts/summarize_steps.py's rate of a plan: its steps three or more
+after a change of plan, at least ten of them). The ratio says how much of the best fixed
+choice a cold policy gets in a run of that length; run it from two trees to compare
+policies.
 
     python scripts/replay_all.py bench/results/round_policy_steps_*alpha08*.log.gz --levels 15,7,3 --k 4
 """
@@ -20,20 +21,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from replay_round_policy import read_records, simulate  # noqa: E402
+from summarize_steps import Step, plan_rates  # noqa: E402
 
 MIN_STEADY = 60  # steady records of a batch size before it is simulated
-MIN_OPTION_STEPS = 8  # steady steps of an option before it counts as the log's best
 
 
 def best_option(records) -> tuple[float, str] | None:
-    """The option of `records` whose steady steps realized the most tokens/s, and its rate."""
-    totals: dict = {}
-    for plan, _, kw, tokens in records:
-        if kw["steady"]:
-            t = totals.setdefault(plan.label(), [0.0, 0.0, 0])
-            t[0], t[1], t[2] = t[0] + tokens, t[1] + kw["wait_s"] + kw["busy_s"], t[2] + 1
-    rated = [(tok / s, label) for label, (tok, s, n) in totals.items() if n >= MIN_OPTION_STEPS and s > 0]
-    return max(rated) if rated else None
+    """The option of `records` whose steady steps realized the most tokens/s, and its rate,
+    as scripts/summarize_steps.py rates a plan (its steps three or more after a change)."""
+    steps = [Step(0, plan.label(), tokens, kw["wait_s"] + kw["busy_s"]) for plan, _, kw, tokens in records
+             if kw["steady"]]
+    rates, _ = plan_rates(steps)
+    return max((rate, label) for label, rate in rates.items()) if rates else None
 
 
 def main(argv: list[str] | None = None) -> None:

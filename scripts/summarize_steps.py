@@ -67,6 +67,23 @@ def read(path: str) -> list[tuple[str, list[Step], tuple[float, int] | None]]:
     return points
 
 
+def plan_rates(steps: list[Step]) -> tuple[dict[str, float], list[int]]:
+    """Per plan, tokens/s over its steps three or more after a change of plan (at least
+    MIN_STEADY of them), and for each step the steps since the last change."""
+    since, last, n = [], None, 0
+    for s in steps:
+        n = n + 1 if s.plan == last else 0
+        last = s.plan
+        since.append(n)
+    sums = defaultdict(lambda: [0, 0.0, 0])
+    for s, k in zip(steps, since):
+        if k >= 3:
+            sums[s.plan][0] += s.tokens
+            sums[s.plan][1] += s.seconds
+            sums[s.plan][2] += 1
+    return {p: t / sec for p, (t, sec, count) in sums.items() if count >= MIN_STEADY}, since
+
+
 def summarize(steps: list[Step], timed: int = 0) -> dict:
     """The measures of the module doc for one point's steps (its steady ones; the last
     `timed` of them all: the records of the timed run)."""
@@ -75,18 +92,7 @@ def summarize(steps: list[Step], timed: int = 0) -> dict:
     total = sum(s.seconds for s in steps)
     batch = max(s.batch for s in steps)
     full = [s for s in steps if s.batch == batch]
-    since, last, n = [], None, 0
-    for s in full:
-        n = n + 1 if s.plan == last else 0
-        last = s.plan
-        since.append(n)
-    sums = defaultdict(lambda: [0, 0.0, 0])
-    for s, k in zip(full, since):
-        if k >= 3:
-            sums[s.plan][0] += s.tokens
-            sums[s.plan][1] += s.seconds
-            sums[s.plan][2] += 1
-    rates = {p: t / sec for p, (t, sec, count) in sums.items() if count >= MIN_STEADY}
+    rates, since = plan_rates(full)
     counts = Counter(s.plan for s in full)
     out = dict(batch=batch, total_s=total, other_batch=(total - sum(s.seconds for s in full)) / total,
                plans={p: (n, rates.get(p)) for p, n in counts.most_common()})

@@ -866,7 +866,7 @@ def test_replay_all_simulates_each_recorded_run_beside_its_best_option(tmp_path,
     with _step_records() as lines:
         p = _policy(levels=[16, 8], k=4)
         for i in range(70):
-            plan = (PLAIN, SD, ssd)[min(2, i // 10)] if i < 30 else (ssd if i % 2 else SD)
+            plan = PLAIN if i < 15 else SD if i < 40 else ssd
             kw = dict(wait_s=0.0, busy_s=0.006) if plan == PLAIN else dict(
                 wait_s=0.010 if plan == SD else 0.002, busy_s=0.020 if plan == SD else 0.018, num_specs=4,
                 num_hits=4 * (plan == ssd), num_drafted=4, drafted_tokens=12 if plan == SD else 28,
