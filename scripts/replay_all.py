@@ -5,7 +5,8 @@ fresh policy, --steps steps, --repeats seeds) beside the best single option of t
 as it realized there (scripts/summarize_steps.py's rate of a plan: its steps three or more
 after a change of plan, at least ten of them). The ratio says how much of the best fixed
 choice a cold policy gets in a run of that length; run it from two trees to compare
-policies.
+policies. --seeded starts each simulated policy with S, P, c and W[n] taken from the log, as
+a calibration at start-up would measure them (h and a cold).
 
     python scripts/replay_all.py bench/results/round_policy_steps_*alpha08*.log.gz --levels 15,7,3 --k 4
 """
@@ -44,6 +45,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=170, help="simulated steps per run (512 tokens at ~3 per round)")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--warm", type=int, default=0, help="simulated steps before the counted ones (a warm policy)")
+    p.add_argument("--seeded", action="store_true",
+                   help="the policy starts with S, P, c and W[n] taken from the log, as a calibration at start-up "
+                        "would measure them; h and a cold")
     args = p.parse_args(argv)
     levels = [int(x) for x in args.levels.split(",")]
     ratios = []
@@ -54,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
             if sum(1 for r in records if r[2]["steady"]) < MIN_STEADY or best is None:
                 continue
             try:
-                rates = [simulate(records, batch, levels, args.k, args.steps, seed, args.warm)[0]
+                rates = [simulate(records, batch, levels, args.k, args.steps, seed, args.warm, seeded=args.seeded)[0]
                          for seed in range(args.repeats)]
             except SystemExit as e:  # an option the log never ran and nothing stands in for
                 print(f"{Path(log).name} batch {batch}: not simulated ({e})")

@@ -17,6 +17,7 @@ the recorded plan of its kind nearest in tree shape, which it names), --repeats 
 seeds 0, 1, ..., and prints the tokens/s it realizes beside plain steps alone: how a change
 to the policy would have fared against the costs a GPU run measured. --warm W runs W steps
 first and counts only the N after them: a policy that starts with its costs measured.
+seed_costs gives a fresh policy the costs a calibration at start-up could measure.
 
     python scripts/replay_round_policy.py steps.log --batch 1 --levels 15,7,3 --k 4 --simulate 500 --repeats 20
 """
@@ -35,6 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from target_proc.round_model import MIN_SAMPLES  # noqa: E402
 from target_proc.round_policy import HALVES, PLAIN, SD, SHORT_JIT_DIV, RoundPlan, RoundPolicy, predict  # noqa: E402
 
 STEP = re.compile(r"step batch (\d+) context (\d+): (.*?)( \(first rounds\))?, wait ([\d.]+) ms, busy ([\d.]+) ms, "
@@ -86,11 +88,38 @@ def read_records(log: Path, batch: int) -> list[tuple[RoundPlan, int, dict, floa
     return [(plan, context, kw, tokens) for b, context, _, plan, kw, tokens in step_records(log) if b == batch]
 
 
+def seed_costs(policy: RoundPolicy, records, batch: int, context: int, levels: list[int]) -> None:
+    """Fill `policy`'s costs of (`batch`, `context`) from the steady records of `batch`: the
+    best case of a calibration at start-up, which measures the target's verify S (beside a
+    work-ahead and without), a plain step's time P, the chain wait c and the draft's
+    work-ahead W[n] at each tree shape n, but not the hit rates h[n] or the tokens per
+    round a (those depend on the requests' text). S, P and W[n] are medians, c the least
+    wait of the SD steps; what the log never ran stays unmeasured."""
+    steady = [(plan, kw) for plan, _, kw, _ in records if kw["steady"]]
+    ssd = [kw for plan, kw in steady if plan.kind == "ssd"]
+    sd = [kw for plan, kw in steady if plan.kind == "sd"]
+    plain = [kw for plan, kw in steady if plan.kind == "plain"]
+    c = policy.costs(batch, context)
+    if ssd:
+        c.verify_s[True] = statistics.median(kw["busy_s"] for kw in ssd)
+    if sd:
+        c.verify_s[False] = statistics.median(kw["busy_s"] for kw in sd)
+        c.chain_s = min(kw["wait_s"] for kw in sd)
+    if plain:
+        c.plain_s = statistics.median(kw["busy_s"] + kw["wait_s"] for kw in plain)
+    for n in levels:
+        work = [kw["draft_work_s"] for plan, kw in steady
+                if plan.kind == "ssd" and plan.branches == n and kw["draft_work_s"] > 0]
+        if work:
+            c.work_s[n] = statistics.median(work)
+            c.samples[("w", n)] = MIN_SAMPLES
+
+
 def simulate(records, batch: int, levels: list[int], k: int, steps: int, seed: int,
-             warm: int = 0) -> tuple[float, Counter, dict]:
+             warm: int = 0, seeded: bool = False) -> tuple[float, Counter, dict]:
     """A fresh RoundPolicy run for `warm` + `steps` steps on costs drawn from `records` (the
     module doc): (tokens/s of the last `steps`, their steps per plan label, {plan the log
-    lacks: the plan that stood in})."""
+    lacks: the plan that stood in}). seeded: the policy starts with seed_costs's costs."""
     pools: dict = {}
     before: list = [None, None]
     for plan, _, kw, tokens in records:
@@ -100,6 +129,8 @@ def simulate(records, batch: int, levels: list[int], k: int, steps: int, seed: i
         before = [before[1], plan]
     context = int(statistics.median(c for _, c, _, _ in records))
     policy = RoundPolicy(lambda b: levels, k=k, short_jit=k // SHORT_JIT_DIV)
+    if seeded:
+        seed_costs(policy, records, batch, context, levels)
     rng, stand_in = random.Random(seed), {}
     before, seconds, total, ran = [None, None], 0.0, 0.0, Counter()
     for step in range(warm + steps):

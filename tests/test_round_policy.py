@@ -850,11 +850,8 @@ def test_replay_stands_in_the_nearest_recorded_plan():
         replay._nearest(SD, pools)
 
 
-def test_replay_all_simulates_each_recorded_run_beside_its_best_option(tmp_path, capsys):
-    """scripts/replay_all.py: gzip step records in; per batch size with enough steady
-    records, the simulated policy's rate beside the run's best option (here SSD rounds,
-    28 tokens per 20 ms against SD's 12 per 30 ms); too few records: left out."""
-    import gzip
+def _load_replay_all():
+    """scripts/replay_all.py as a module."""
     import importlib.util
     from pathlib import Path
 
@@ -862,6 +859,23 @@ def test_replay_all_simulates_each_recorded_run_beside_its_best_option(tmp_path,
         "replay_all", Path(__file__).resolve().parents[1] / "scripts" / "replay_all.py")
     replay_all = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(replay_all)
+    return replay_all
+
+
+def _write_gz_log(tmp_path, lines):
+    """The step records among `lines`, as a gzip log under tmp_path."""
+    import gzip
+
+    log = tmp_path / "steps.log.gz"
+    log.write_bytes(gzip.compress(("\n".join(ln for ln in lines if ln.startswith("step ")) + "\n").encode()))
+    return log
+
+
+def test_replay_all_simulates_each_recorded_run_beside_its_best_option(tmp_path, capsys):
+    """scripts/replay_all.py: gzip step records in; per batch size with enough steady
+    records, the simulated policy's rate beside the run's best option (here SSD rounds,
+    28 tokens per 20 ms against SD's 12 per 30 ms); too few records: left out."""
+    replay_all = _load_replay_all()
     ssd = RoundPlan("ssd", 8, "none")
     with _step_records() as lines:
         p = _policy(levels=[16, 8], k=4)
@@ -874,11 +888,56 @@ def test_replay_all_simulates_each_recorded_run_beside_its_best_option(tmp_path,
             p.record(4, plan, context=600 + i, **kw)
         for _ in range(5):  # batch 2: too few records to simulate
             p.record(2, SD, context=600, wait_s=0.010, busy_s=0.020, num_specs=2, num_drafted=2, drafted_tokens=6)
-    log = tmp_path / "steps.log.gz"
-    log.write_bytes(gzip.compress(("\n".join(ln for ln in lines if ln.startswith("step ")) + "\n").encode()))
+    log = _write_gz_log(tmp_path, lines)
     replay_all.main([str(log), "--levels", "16,8", "--k", "4", "--repeats", "2", "--steps", "50"])
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 2 and out[0].startswith("steps.log.gz batch 4: simulated ")
     m = re.search(r"best option (.+) ([\d.]+) \(([\d.]+)\)$", out[0])
     assert m.group(1) == ssd.label() and float(m.group(2)) == pytest.approx(28 / 0.020)
     assert out[1].startswith("1 runs: simulated / best option ")
+
+
+def test_replay_all_seeded_starts_the_policy_with_the_calibrated_costs(tmp_path, capsys):
+    """--seeded: the simulated policy starts with what a calibration at start-up measures,
+    taken from the log's steady records (S both ways, P, c, W[n]: medians, c the least SD
+    wait), h and a left cold; records of sequences in their first rounds count for nothing."""
+    from target_proc.round_model import MIN_SAMPLES
+
+    replay, replay_all = _load_replay(), _load_replay_all()
+    big, small = RoundPlan("ssd", 16, "jit"), RoundPlan("ssd", 8, "none")
+    with _step_records() as lines:
+        p = _policy(levels=[16, 8], k=4)
+        spec = dict(num_specs=4, num_drafted=4, drafted_tokens=12)
+        for _ in range(3):  # first rounds: far off every steady value
+            p.record(4, SD, context=600, wait_s=0.001, busy_s=0.100, steady=False, **spec)
+            p.record(4, PLAIN, context=600, wait_s=0.0, busy_s=0.001, steady=False)
+        for i in range(15):  # P: 6, 7 or 8 ms, median 7
+            p.record(4, PLAIN, context=600 + i, wait_s=0.001, busy_s=0.005 + 0.001 * (i % 3))
+        for i in range(25):  # S without a work-ahead: median 20 ms (every fifth 40); c: the least wait, 10 ms
+            p.record(4, SD, context=600 + i, wait_s=0.010 + 0.001 * (i % 3), busy_s=0.040 if i % 5 == 4 else 0.020,
+                     **spec)
+        for i in range(15):
+            p.record(4, big, context=600 + i, wait_s=0.003, busy_s=0.018, num_hits=3, draft_work_s=0.025, **spec)
+        for i in range(16):  # one without a work-ahead report (left out of W[8]), then 7 of 11 ms and 8 of 13
+            work = 0.0 if i == 0 else 0.011 if i <= 7 else 0.013
+            p.record(4, small, context=600 + i, wait_s=0.002, busy_s=0.016, num_hits=4, draft_work_s=work, **spec)
+    log = _write_gz_log(tmp_path, lines)
+    records = replay.read_records(log, 4)
+    seeded = _policy(levels=[16, 8], k=4)
+    replay.seed_costs(seeded, records, 4, 600, [16, 8, 4])
+    c = seeded.costs(4, 600)
+    assert c.verify_s == {True: pytest.approx(0.016), False: pytest.approx(0.020)}  # S beside a work-ahead: 31 steps
+    assert c.chain_s == pytest.approx(0.010) and c.plain_s == pytest.approx(0.007)
+    assert c.work_s == {16: pytest.approx(0.025), 8: pytest.approx(0.013)}
+    assert c.samples == Counter({("w", 16): MIN_SAMPLES, ("w", 8): MIN_SAMPLES})
+    assert c.hit_rate == {} and c.tokens is None and c.halves_s is None and not c.realized
+    assert c.ssd_wait(4, 16, "jit", 4) is None  # h[16] unmeasured
+    c.hit_rate[16] = 0.9  # once measured, W[16] counts: its samples stand in for MIN_SAMPLES steps
+    assert c.ssd_wait(4, 16, "jit", 4) == pytest.approx(0.025 - 0.016 + (1 - 0.9 ** 4) * 0.010)
+    real, passed = replay_all.simulate, []
+    replay_all.simulate = lambda *a, **kw: passed.append(kw["seeded"]) or real(*a, **kw)
+    replay_all.main([str(log), "--levels", "16,8", "--k", "4", "--repeats", "2", "--steps", "50", "--seeded"])
+    out = capsys.readouterr().out.splitlines()
+    assert passed == [True, True], passed
+    assert len(out) == 2 and re.match(r"steps\.log\.gz batch 4: simulated [\d.]+ tok/s, best option ", out[0]), out
+    assert out[1].startswith("1 runs: simulated / best option "), out
