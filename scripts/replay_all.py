@@ -6,7 +6,9 @@ as it realized there (scripts/summarize_steps.py's rate of a plan: its steps thr
 after a change of plan, at least ten of them). The ratio says how much of the best fixed
 choice a cold policy gets in a run of that length; run it from two trees to compare
 policies. --seeded starts each simulated policy with S, P, c and W[n] taken from the log, as
-a calibration at start-up would measure them (h and a cold).
+a calibration at start-up would measure them (h and a cold). --per-point replays each point
+of a log (a prompt length and temperature at a batch size, between bench_e2e's result
+lines) on its own costs, where a log of several points at one batch size would pool them.
 
     python scripts/replay_all.py bench/results/round_policy_steps_*alpha08*.log.gz --levels 15,7,3 --k 4
 """
@@ -21,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from replay_round_policy import read_records, simulate  # noqa: E402
+from replay_round_policy import point_logs, read_records, simulate  # noqa: E402
 from summarize_steps import Step, plan_rates  # noqa: E402
 
 MIN_STEADY = 60  # steady records of a batch size before it is simulated
@@ -48,12 +50,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seeded", action="store_true",
                    help="the policy starts with S, P, c and W[n] taken from the log, as a calibration at start-up "
                         "would measure them; h and a cold")
+    p.add_argument("--per-point", action="store_true",
+                   help="replay each point of a log (its records up to a bench_e2e result line) on its own")
     args = p.parse_args(argv)
     levels = [int(x) for x in args.levels.split(",")]
     ratios = []
+    batches = set(map(int, args.batches.split(",")))
     for log in args.logs:
-        for batch in map(int, args.batches.split(",")):
-            records = read_records(Path(log), batch)
+        for name, batch, source in _runs(Path(log), batches, args.per_point):
+            records = read_records(source, batch)
             best = best_option(records)
             if sum(1 for r in records if r[2]["steady"]) < MIN_STEADY or best is None:
                 continue
@@ -61,15 +66,23 @@ def main(argv: list[str] | None = None) -> None:
                 rates = [simulate(records, batch, levels, args.k, args.steps, seed, args.warm, seeded=args.seeded)[0]
                          for seed in range(args.repeats)]
             except SystemExit as e:  # an option the log never ran and nothing stands in for
-                print(f"{Path(log).name} batch {batch}: not simulated ({e})")
+                print(f"{name} batch {batch}: not simulated ({e})")
                 continue
             mean = statistics.mean(rates)
             ratios.append(mean / best[0])
-            print(f"{Path(log).name} batch {batch}: simulated {mean:.1f} tok/s, best option {best[1]} {best[0]:.1f} "
+            print(f"{name} batch {batch}: simulated {mean:.1f} tok/s, best option {best[1]} {best[0]:.1f} "
                   f"({mean / best[0]:.3f})")
     if ratios:
         print(f"{len(ratios)} runs: simulated / best option {statistics.mean(ratios):.4f} on average "
               f"(min {min(ratios):.3f})")
+
+
+def _runs(log: Path, batches: set[int], per_point: bool):
+    """(name, batch size, records' source for read_records) of each run a log holds: one per
+    batch size, or with per_point one per point whose batch size is in `batches`."""
+    if not per_point:
+        return [(log.name, b, log) for b in sorted(batches)]
+    return [(f"{log.name} {label}", b, text) for label, b, text in point_logs(log) if b in batches]
 
 
 if __name__ == "__main__":

@@ -73,18 +73,41 @@ def parse_record(line: str):
     return batch, int(context), label, plan, kw, ran if not plan.speculate else int(tokens) + ran - int(drafted)
 
 
-def step_records(log: Path):
-    """Each step record of the log (plain text, or gzip when it ends in .gz), in order
-    (parse_record's tuples)."""
-    text = gzip.decompress(log.read_bytes()).decode() if log.suffix == ".gz" else log.read_text()
+def step_records(log: Path | str):
+    """Each step record of the log (plain text, or gzip when it ends in .gz; or the text
+    itself, a str), in order (parse_record's tuples)."""
+    if isinstance(log, str):
+        text = log
+    else:
+        text = gzip.decompress(log.read_bytes()).decode() if log.suffix == ".gz" else log.read_text()
     for line in text.splitlines():
         if (record := parse_record(line)) is not None:
             yield record
 
 
-def read_records(log: Path, batch: int) -> list[tuple[RoundPlan, int, dict, float]]:
+POINT = re.compile(r"^\[(?:ssd|sd|ar)\] P=(\d+) T=([\d.]+) B=(\d+):")
+
+
+def point_logs(log: Path) -> list[tuple[str, int, str]]:
+    """The log cut at each point's result line (scripts/gpu_ssd.sh keeps bench_e2e's
+    "[ssd] P=512 T=0.0 B=16: ..." lines among the records): (label, the point's batch
+    size, the text of its records, warm-ups included), one per point. A log of several
+    points at one batch size (prompt lengths, temperatures) then replays each on its own
+    costs instead of their pool."""
+    text = gzip.decompress(log.read_bytes()).decode() if log.suffix == ".gz" else log.read_text()
+    points, lines = [], []
+    for line in text.splitlines():
+        if (m := POINT.match(line)) is not None:
+            points.append((f"P={m.group(1)} T={m.group(2)}", int(m.group(3)), "\n".join(lines)))
+            lines = []
+        elif STEP.search(line):
+            lines.append(line)
+    return points
+
+
+def read_records(log: Path | str, batch: int) -> list[tuple[RoundPlan, int, dict, float]]:
     """(plan, context, record's keyword arguments for RoundPolicy.record, tokens it yielded)
-    of each step record of `batch` sequences, in order."""
+    of each step record of `batch` sequences, in order (log: as step_records')."""
     return [(plan, context, kw, tokens) for b, context, _, plan, kw, tokens in step_records(log) if b == batch]
 
 

@@ -334,12 +334,25 @@ def first_option(batch: int, opts: list[RoundPlan]) -> RoundPlan:
     return opts[0]
 
 
+def smaller_work(work_s: float, branches: int, smaller: int, chain_s: float | None) -> float:
+    """A lower estimate of the work-ahead of a tree of `smaller` branches per sequence, from
+    one of `branches` that took work_s: along the line from a chain's wait (one branch: the
+    same forwards at one row per sequence, without the tree's host work) to work_s. A tree's
+    work grows less than in proportion to its branches (its forwards read the weights
+    whatever their rows), so the line stays at or below it; 0 while c is unmeasured."""
+    if chain_s is None or branches <= 1:
+        return 0.0
+    base = min(chain_s, work_s)
+    return base + (work_s - base) * (max(smaller, 1) - 1) / (branches - 1)
+
+
 def unmeasured_alternative(batch: int, best: RoundPlan, rates: dict, opts: list[RoundPlan], c: Costs,
                            k: int) -> RoundPlan | None:
     """An option worth measuring before `best` runs: plain decoding while P was never
     measured and its floor estimate (P taken as S) is within PLAIN_PRIOR_SLACK of
     `best`; the next smaller tree below one that overruns the verify, when it would
-    beat `best` if it fit (its hit rate at most the larger one's)."""
+    beat `best` at the larger one's hit rate (its own is at most that) and with the
+    work smaller_work estimates for it."""
     if c.plain_s is None and PLAIN in rates and PLAIN_PRIOR_SLACK * rates[PLAIN] >= rates[best]:
         return PLAIN
     s = c.verify(True)
@@ -349,12 +362,13 @@ def unmeasured_alternative(batch: int, best: RoundPlan, rates: dict, opts: list[
         shapes = [p for p in opts if p.kind == "ssd" and p.branches and p.backup == backup]
         for larger, smaller in zip(shapes, shapes[1:]):
             measured = c.samples[("w", smaller.branches)] >= MIN_SAMPLES
-            if measured or c.samples[("w", larger.branches)] < MIN_SAMPLES:
+            if measured or c.samples[("w", larger.branches)] < MIN_SAMPLES or larger.branches not in c.hit_rate:
                 continue
             if c.work_s[larger.branches] <= s:
                 break  # the larger tree fits: a smaller one cannot be faster
-            # The larger tree's rate as if it fit: its hit rate, the verify's time.
-            fit = Costs(verify_s=c.verify_s, chain_s=c.chain_s, work_s={0: 0.0},
+            # The smaller tree's rate at the larger one's hit rate and at least its work (smaller_work).
+            w = smaller_work(c.work_s[larger.branches], larger.branches, smaller.branches, c.chain_s)
+            fit = Costs(verify_s=c.verify_s, chain_s=c.chain_s, work_s={0: w},
                         hit_rate={0: c.hit_rate[larger.branches]}, tokens=c.tokens, extra_s=c.extra_s,
                         samples=Counter({("w", 0): MIN_SAMPLES}))
             if model_rate(RoundPlan("ssd", 0, backup), batch, fit, k) > (1 + MARGIN) * rates[best]:

@@ -26,6 +26,7 @@ from target_proc.round_policy import (
     predict,
     short_jit_len,
 )
+from target_proc.round_model import smaller_work
 
 LEVELS = [16, 8, 4]
 
@@ -118,6 +119,23 @@ def test_a_smaller_tree_when_the_largest_overruns_and_the_smaller_fits():
     plans = simulate(p, 1, 200, **costs)
     assert p.summary() == {1: RoundPlan("ssd", 8, "jit").label()}
     assert RoundPlan("ssd", 4, "jit") not in plans  # 8 fits: no need to go smaller
+
+
+def test_a_smaller_tree_is_rated_at_no_less_work_than_a_chain():
+    """The next smaller tree below one that overruns is tried only if it could win at the
+    larger tree's hit rate and the work smaller_work puts under it (a line from the chain's
+    wait at one branch to the larger tree's work): at batch 16, alpha 0.6's costs on two
+    H200s, a smaller tree with a jit backup waits for the chain on most rounds and cannot
+    beat plain steps; with backup none it could, and is measured."""
+    assert smaller_work(0.0146, 16, 8, 0.00675) == pytest.approx(0.00675 + 0.00785 * 7 / 15)
+    assert smaller_work(0.0146, 16, 1, 0.00675) == pytest.approx(0.00675)
+    assert smaller_work(0.0146, 16, 8, None) == 0.0  # c unmeasured: no floor
+    assert smaller_work(0.004, 16, 8, 0.00675) == pytest.approx(0.004)  # never above the larger tree's
+    p = _policy(k=4, short_jit=1)
+    plans = simulate(p, 16, 80, verify_s=0.0074, chain_s=0.00675, work_s={16: 0.0146, 8: 0.0127, 4: 0.0094},
+                     hit_rate={16: 0.95, 8: 0.9, 4: 0.8}, tokens=2.35, plain_s=0.005)
+    assert RoundPlan("ssd", 8, "jit") not in plans and RoundPlan("ssd", 8, "jit:1") not in plans
+    assert RoundPlan("ssd", 8, "none") in plans
 
 
 def test_backup_none_at_large_batch_jit_at_small():
@@ -895,6 +913,40 @@ def test_replay_all_simulates_each_recorded_run_beside_its_best_option(tmp_path,
     m = re.search(r"best option (.+) ([\d.]+) \(([\d.]+)\)$", out[0])
     assert m.group(1) == ssd.label() and float(m.group(2)) == pytest.approx(28 / 0.020)
     assert out[1].startswith("1 runs: simulated / best option ")
+
+
+def test_replay_all_per_point_replays_each_point_on_its_own_costs(tmp_path, capsys):
+    """--per-point: a log of two points at one batch size (bench_e2e's result line after
+    each point's records) replays as two runs, each against its own best option (SD in the
+    first, SSD in the second); without it, one run over their pool."""
+    import gzip
+
+    replay_all = _load_replay_all()
+    ssd = RoundPlan("ssd", 8, "none")
+    with _step_records() as lines:
+        p = _policy(levels=[16, 8], k=4)
+        for point in range(2):
+            for i in range(70):
+                plan = PLAIN if i < 10 else SD if i < 40 else ssd
+                fast_ssd = point == 1
+                kw = dict(wait_s=0.0, busy_s=0.006) if plan == PLAIN else dict(
+                    wait_s=0.010 if plan == SD else 0.002, busy_s=0.020 if plan == SD else 0.018 if fast_ssd else 0.080,
+                    num_specs=4, num_hits=4 * (plan == ssd), num_drafted=4, drafted_tokens=12 if plan == SD else 28,
+                    draft_work_s=0.015 * (plan == ssd))
+                p.record(4, plan, context=600 + i, **kw)
+            lines.append(f"[ssd] P={512 * (point + 1)} T=0.0 B=4: 100.0 tok/s")
+    records = [ln for ln in lines if ln.startswith("step ") or ln.startswith("[ssd]")]
+    log = tmp_path / "points.log.gz"
+    log.write_bytes(gzip.compress(("\n".join(records) + "\n").encode()))
+    args = [str(log), "--levels", "16,8", "--k", "4", "--repeats", "2", "--steps", "50"]
+    replay_all.main(args + ["--per-point"])
+    out = capsys.readouterr().out.splitlines()
+    assert [ln.split(": simulated")[0] for ln in out[:2]] == [
+        "points.log.gz P=512 T=0.0 batch 4", "points.log.gz P=1024 T=0.0 batch 4"]
+    assert "best option sd " in out[0] and f"best option {ssd.label()} " in out[1]
+    assert out[2].startswith("2 runs: ")
+    replay_all.main(args)
+    assert capsys.readouterr().out.splitlines()[-1].startswith("1 runs: ")
 
 
 def test_replay_all_seeded_starts_the_policy_with_the_calibrated_costs(tmp_path, capsys):
