@@ -4,7 +4,8 @@ Each mode starts its own runtime (target and draft processes) and decodes the sa
 random prompts at every batch size and temperature. With random-weight models
 (`random:target-32b` ...) pass --synthetic-acceptance so acceptance comes from the
 synthetic acceptance oracle (spec_runtime.bench.oracle; docs/benchmarks.md, "Method"); every
-result row names it.
+result row names it. Several values (0.8,0.6) run the whole matrix at each, one runtime
+per mode and value, so a pair's matrix is one command.
 
     python scripts/bench_e2e.py --target random:target-32b --draft random:draft-0.6b \\
         --target-device cuda:0 --draft-device cuda:1 --k 8 --synthetic-acceptance 0.8 \\
@@ -37,7 +38,9 @@ def _tuple(kind):
     return lambda s: tuple(kind(x) for x in s.split(",") if x)
 
 
-def run_mode(args, mode: str) -> list[dict]:
+def run_mode(args, mode: str, alpha: float | None = None) -> list[dict]:
+    """Every point of the matrix in one runtime of `mode`; alpha: the synthetic oracle's
+    acceptance (None: off)."""
     from protocol.messages import SamplingParams
     from spec_runtime.client import Client
     from spec_runtime.config import ModelConfig, RuntimeConfig, SchedulerConfig, SpeculativeConfig
@@ -50,8 +53,8 @@ def run_mode(args, mode: str) -> list[dict]:
         spec=SpeculativeConfig(mode=mode, k=args.k, fan_out=args.fan_out, fan_out_miss=args.fan_out_miss,
                                backup=args.backup, tree_budget=args.tree_budget, work_ahead=args.work_ahead,
                                tree_shape=args.tree_shape,
-                               synthetic_acceptance=(args.synthetic_acceptance, *args.synthetic_ranks)
-                               if args.synthetic_acceptance is not None else (), draft_timeout_s=30.0),
+                               synthetic_acceptance=(alpha, *args.synthetic_ranks) if alpha is not None else (),
+                               draft_timeout_s=30.0),
         # SD is the synchronous baseline: it speculates every step. SSD runs with the
         # policies a user gets (--spec-policy), which may choose SD rounds or plain steps.
         sched=SchedulerConfig(max_batch_size=max(args.batch_sizes), max_model_len=args.max_model_len,
@@ -84,7 +87,7 @@ def run_mode(args, mode: str) -> list[dict]:
                 decode_wall += w - float(np.mean([r.stats.ttft_s for r in res]))
                 results += res
             after = client.engine_stats()
-            rows.append(_row(mode, temp, bs, wall, decode_wall, results, before, after, args))
+            rows.append(_row(mode, temp, bs, wall, decode_wall, results, before, after, args, alpha))
             r = rows[-1]
             r["prompt_len"] = prompt_len
             r["ssd_rounds"] = after.num_ssd_rounds - before.num_ssd_rounds
@@ -100,7 +103,8 @@ def run_mode(args, mode: str) -> list[dict]:
             # The first repeat's tokens, to compare greedy output across modes.
             r["output_sha1"] = hashlib.sha1(np.array([t for x in results[:bs] for t in x.token_ids],
                                                       dtype=np.int64).tobytes()).hexdigest()
-            print(f"[{mode}] P={prompt_len} T={temp} B={bs}: {r['tokens_per_s']:.1f} tok/s (decode {r['decode_tokens_per_s']:.1f}, "
+            print(f"[{mode}] P={prompt_len} T={temp} B={bs}{_alpha_label(alpha)}: {r['tokens_per_s']:.1f} tok/s "
+                  f"(decode {r['decode_tokens_per_s']:.1f}, "
                   f"steps {r['step_tokens_per_s']:.1f}), "
                   f"{r['mean_tokens_per_round']:.2f} "
                   f"tok/round, hit {r['cache_hit_rate']}, v={r['verify_ms_per_step']:.2f} ms "
@@ -123,7 +127,8 @@ def _greedy_identical(rows) -> bool | None:
     by_point: dict[tuple, set] = {}
     for r in rows:
         if r["temperature"] == 0:
-            by_point.setdefault((r["prompt_len"], r["batch_size"]), set()).add(r["output_sha1"])
+            key = (r["synthetic_acceptance"], r["prompt_len"], r["batch_size"])
+            by_point.setdefault(key, set()).add(r["output_sha1"])
     compared = [v for v in by_point.values()]
     return all(len(v) == 1 for v in compared) if compared else None
 
@@ -142,7 +147,11 @@ def _points(args):
                 yield prompt_len, temp, bs
 
 
-def _row(mode, temp, bs, wall, decode_wall, results, before, after, args) -> dict:
+def _alpha_label(alpha: float | None) -> str:
+    return f" alpha={alpha}" if alpha is not None else ""
+
+
+def _row(mode, temp, bs, wall, decode_wall, results, before, after, args, alpha=None) -> dict:
     gen = sum(r.stats.num_generated_tokens for r in results)
     rounds = sum(r.stats.num_rounds - 1 for r in results)  # verify rounds (prefill excluded)
     drafted = sum(r.stats.num_draft_tokens for r in results)
@@ -159,7 +168,7 @@ def _row(mode, temp, bs, wall, decode_wall, results, before, after, args) -> dic
         "mode": mode, "temperature": temp, "batch_size": bs, "k": k,
         "fan_out": list(args.fan_out) if mode == "ssd" else None,
         "tree_budget": args.tree_budget if mode == "ssd" else None,
-        "synthetic_acceptance": args.synthetic_acceptance, "synthetic_ranks": list(args.synthetic_ranks),
+        "synthetic_acceptance": alpha, "synthetic_ranks": list(args.synthetic_ranks),
         "generated_tokens": gen, "repeats": args.repeats, "wall_s": wall, "tokens_per_s": gen / wall,
         "decode_tokens_per_s": (gen - len(results)) / decode_wall if decode_wall > 0 else None,
         "mean_tokens_per_round": tokens_per_round,
@@ -198,7 +207,7 @@ def _row(mode, temp, bs, wall, decode_wall, results, before, after, args) -> dic
     return row
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True)
     p.add_argument("--draft", required=True)
@@ -231,30 +240,33 @@ def main() -> None:
     p.add_argument("--max-batch-tokens", type=int, default=0,
                    help="leave out points whose batch holds more tokens (prompts and outputs); 0: none left out")
     p.add_argument("--max-model-len", type=int, default=None, help="default: longest prompt + max tokens + 64")
-    p.add_argument("--synthetic-acceptance", type=float, default=None)
+    p.add_argument("--synthetic-acceptance", type=_tuple(float), default=(),
+                   help="the oracle's acceptance alpha; several (0.8,0.6): the matrix at each")
     p.add_argument("--synthetic-ranks", type=_tuple(float), default=())
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--overlap-schedule", default="auto", choices=("auto", "on", "off"),
                    help="plain steps queued before the previous step's tokens reach the host (auto: on CUDA)")
     p.add_argument("--log-level", default="WARNING")
     p.add_argument("--out", required=True, help="JSON file to write")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.max_model_len is None:
         args.max_model_len = max(args.prompt_lens) + args.max_tokens + 64
 
     rows = []
-    for mode in args.modes:
-        rows.extend(run_mode(args, mode))
+    for alpha in args.synthetic_acceptance or (None,):
+        for mode in args.modes:
+            rows.extend(run_mode(args, mode, alpha))
         with open(args.out, "w") as f:  # after every mode: a run cut short keeps what it measured
             json.dump({"args": vars(args), "host": platform.node(), "rows": rows,
                        "greedy_identical": _greedy_identical(rows)}, f, indent=1)
     print(f"greedy output identical across modes at every greedy point: {_greedy_identical(rows)}")
-    print(f"{'mode':5} {'P':>5} {'T':>4} {'B':>3} {'tok/s':>8} {'decode':>8} {'tok/rnd':>7} {'hit':>5} {'v ms':>6} {'wait':>6} "
-          f"{'work':>6} {'ideal':>8}")
+    print(f"{'mode':5} {'alpha':>5} {'P':>5} {'T':>4} {'B':>3} {'tok/s':>8} {'decode':>8} {'tok/rnd':>7} {'hit':>5} "
+          f"{'v ms':>6} {'wait':>6} {'work':>6} {'ideal':>8}")
     for r in rows:
         hit = f"{r['cache_hit_rate']:.2f}" if r["cache_hit_rate"] is not None else "-"
         ideal = f"{r['ideal_tokens_per_s']:.1f}" if r["mode"] == "ssd" and r["ideal_tokens_per_s"] else "-"
-        print(f"{r['mode']:5} {r['prompt_len']:5d} {r['temperature']:4.1f} {r['batch_size']:3d} {r['tokens_per_s']:8.1f} "
+        alpha = "-" if r["synthetic_acceptance"] is None else f"{r['synthetic_acceptance']:.2f}"
+        print(f"{r['mode']:5} {alpha:>5} {r['prompt_len']:5d} {r['temperature']:4.1f} {r['batch_size']:3d} {r['tokens_per_s']:8.1f} "
               f"{r['decode_tokens_per_s']:8.1f} "
               f"{r['mean_tokens_per_round']:7.2f} {hit:>5} {r['verify_ms_per_step']:6.2f} "
               f"{r['draft_wait_ms_per_step']:6.2f} {r['draft_work_ms_per_step']:6.2f} {ideal:>8}")

@@ -8,7 +8,9 @@
 # PART=check: tests/test_gpu.py (tree graphs, attention, the forward) and
 #   scripts/profile_draft.py at 512 to 8192 tokens of context (draft-0.6b, K=8, fan-out 3).
 # PART=e2e:   scripts/bench_e2e.py on one pair (PAIR=32b: target-32b + draft-0.6b, K=8;
-#   PAIR=8b: target-8b + draft-1b, K=${K:-2}); PROMPTS, BATCHES, TEMPS, MAX_TOKENS, ALPHA, MODES,
+#   PAIR=8b: target-8b + draft-1b, K=${K:-2}); PROMPTS, BATCHES, TEMPS, MAX_TOKENS, ALPHA (one value or
+#   several, 0.8,0.6: the matrix at each), SAMPLED_PROMPTS (the prompt lengths at which TEMPS above 0
+#   run; default all), MODES,
 #   FAN_OUT (default 3 at every depth), TREE_BUDGET (0: the default), TREE_SHAPE, WORK_AHEAD (auto,
 #   always or halves), TARGET_MEM (the target's --target-gpu-memory-utilization, 0.85; 0.92 fits
 #   target-32b on an 80 GB GPU),
@@ -68,7 +70,7 @@ case "${PART:-check}" in
     timeout "${RUN_TIMEOUT:-540}" python3 scripts/bench_e2e.py --target "$TARGET" --draft "$DRAFT" \
       --target-device cuda:0 --draft-device "$DRAFT_DEV" --target-gpu-memory-utilization "${TARGET_MEM:-0.85}" --modes "${MODES:-ssd,sd,ar}" --k "$K" \
       --fan-out "${FAN_OUT:-$(python3 -c "print(','.join(['3'] * ($K + 1)))")}" \
-      --prompt-lens "${PROMPTS:-512}" --batch-sizes "${BATCHES:-1,4,16}" --max-batch-tokens "${MAX_BATCH_TOKENS:-0}" --temperatures "${TEMPS:-0}" \
+      --prompt-lens "${PROMPTS:-512}" --batch-sizes "${BATCHES:-1,4,16}" --max-batch-tokens "${MAX_BATCH_TOKENS:-0}" --temperatures "${TEMPS:-0}" --sampled-prompt-lens "${SAMPLED_PROMPTS:-}" \
       --max-tokens "${MAX_TOKENS:-256}" --warmup-tokens "${WARMUP:-64}" --tree-shape "${TREE_SHAPE:-auto}" --tree-budget "${TREE_BUDGET:-0}" --work-ahead "${WORK_AHEAD:-auto}" --synthetic-acceptance "${ALPHA:-0.8}" --synthetic-ranks 0.5,0.2,0.1 \
       --log-level "${LOG_LEVEL:-WARNING}" --overlap-schedule "${OVERLAP:-auto}" \
       --out "$OUT/e2e_${TAG:-$PAIR}.json" 2>&1 | grep -v "^ *$" | tee "/tmp/e2e_${TAG:-$PAIR}_full.log" \

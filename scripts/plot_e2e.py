@@ -26,10 +26,13 @@ def main() -> None:
         with open(path) as f:
             data = json.load(f)
         a = data["args"]
-        for temp in sorted({r["temperature"] for r in data["rows"]}):
-            panels.append((a, temp, [r for r in data["rows"] if r["temperature"] == temp]))
+        # One panel per (synthetic acceptance, temperature): a run may hold several of each.
+        keys = sorted({(r.get("synthetic_acceptance"), r["temperature"]) for r in data["rows"]}, key=str)
+        for alpha, temp in keys:
+            panels.append((a, alpha, temp, [r for r in data["rows"]
+                                            if (r.get("synthetic_acceptance"), r["temperature"]) == (alpha, temp)]))
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
-    for ax, (a, temp, rows) in zip(axes[0], panels):
+    for ax, (a, alpha, temp, rows) in zip(axes[0], panels):
         for mode, style, color in (("ar", "o-", "tab:blue"), ("sd", "s-", "tab:orange"), ("ssd", "^-", "tab:green")):
             pts = sorted((r["batch_size"], r["tokens_per_s"]) for r in rows if r["mode"] == mode)
             if pts:
@@ -41,7 +44,7 @@ def main() -> None:
         ax.set_xlabel("batch size")
         ax.set_ylabel("tokens/s")
         t, d = a["target"].split(":")[-1], a["draft"].split(":")[-1]
-        ax.set_title(f"{t} + {d}, K={a['k']}, T={temp}\nsynthetic alpha {a['synthetic_acceptance']}, "
+        ax.set_title(f"{t} + {d}, K={a['k']}, T={temp}\nsynthetic alpha {alpha}, "
                      f"ranks {','.join(str(x) for x in a['synthetic_ranks'])}", fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

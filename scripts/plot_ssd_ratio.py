@@ -14,12 +14,18 @@ import json
 import os
 
 
-def ratios(paths: list[str], mode: str = "ssd", base: str = "sd") -> dict[tuple[int, int], float]:
-    """(prompt length, batch size) -> decode tokens/s of `mode` over `base`, temperature 0."""
+def ratios(paths: list[str], mode: str = "ssd", base: str = "sd", alpha: float | None = None
+           ) -> dict[tuple[int, int], float]:
+    """(prompt length, batch size) -> decode tokens/s of `mode` over `base`, temperature 0;
+    alpha: the rows of that synthetic acceptance only (needed where a file holds several)."""
     out = {}
     for path in paths:
         with open(path) as f:
-            rows = [r for r in json.load(f)["rows"] if r["temperature"] == 0]
+            rows = [r for r in json.load(f)["rows"] if r["temperature"] == 0
+                    and (alpha is None or r.get("synthetic_acceptance") == alpha)]
+        alphas = {r.get("synthetic_acceptance") for r in rows}
+        if len(alphas) > 1:
+            raise SystemExit(f"{path} holds rows at synthetic acceptance {sorted(alphas)}: name one with --alpha")
         rate = {(r["mode"], r["prompt_len"], r["batch_size"]): r["decode_tokens_per_s"] for r in rows}
         for (m, p, b), v in rate.items():
             if m == mode and (base, p, b) in rate:
@@ -31,6 +37,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("files", nargs="+")
     p.add_argument("--out", required=True)
+    p.add_argument("--alpha", type=float, default=None, help="the synthetic acceptance whose rows to plot")
     args = p.parse_args()
     import matplotlib
 
@@ -38,7 +45,7 @@ def main() -> None:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    r = ratios(args.files)
+    r = ratios(args.files, alpha=args.alpha)
     if not r:
         raise SystemExit("no (prompt, batch) point has both SSD and SD rows")
     prompts, batches = sorted({p for p, _ in r}), sorted({b for _, b in r})

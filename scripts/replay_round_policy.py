@@ -85,7 +85,7 @@ def step_records(log: Path | str):
             yield record
 
 
-POINT = re.compile(r"^\[(?:ssd|sd|ar)\] P=(\d+) T=([\d.]+) B=(\d+):")
+POINT = re.compile(r"^\[(?:ssd|sd|ar)\] P=(\d+) T=([\d.]+) B=(\d+)( alpha=[\d.]+)?:")
 
 
 def point_logs(log: Path) -> list[tuple[str, int, str]]:
@@ -98,7 +98,7 @@ def point_logs(log: Path) -> list[tuple[str, int, str]]:
     points, lines = [], []
     for line in text.splitlines():
         if (m := POINT.match(line)) is not None:
-            points.append((f"P={m.group(1)} T={m.group(2)}", int(m.group(3)), "\n".join(lines)))
+            points.append((f"P={m.group(1)} T={m.group(2)}{m.group(4) or ''}", int(m.group(3)), "\n".join(lines)))
             lines = []
         elif STEP.search(line):
             lines.append(line)

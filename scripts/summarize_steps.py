@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts.replay_round_policy import parse_record  # noqa: E402
 
-POINT = re.compile(r"^\[ssd\] P=(\d+) T=([\d.]+) B=(\d+):(?:.*?decode ([\d.]+))?(?:.*? steps (\d+), )?")
+POINT = re.compile(r"^\[ssd\] P=(\d+) T=([\d.]+) B=(\d+)( alpha=[\d.]+)?:(?:.*?decode ([\d.]+))?(?:.*? steps (\d+), )?")
 MIN_STEADY = 10  # steady steps before a plan's rate is shown
 
 
@@ -61,8 +61,9 @@ def read(path: str) -> list[tuple[str, list[Step], tuple[float, int] | None]]:
                 continue
             p = POINT.match(line)
             if p is not None:
-                engine = (float(p.group(4)), int(p.group(5))) if p.group(4) and p.group(5) else None
-                points.append((f"prompt {p.group(1)}, T {p.group(2)}, batch {p.group(3)}", steps, engine))
+                engine = (float(p.group(5)), int(p.group(6))) if p.group(5) and p.group(6) else None
+                points.append((f"prompt {p.group(1)}, T {p.group(2)}, batch {p.group(3)}{p.group(4) or ''}", steps,
+                               engine))
                 steps = []
     return points
 
