@@ -5,7 +5,7 @@ against its schema, and ar, sd (n-gram draft) and ssd (the draft shipped for Smo
 unmasked, so the grammar rejects some of its tokens) give the same tokens. The SSD
 tree holds two branches per sequence (a rejection of d_1 and a full accept): on two
 CPU cores the draft's work-ahead competes with the target for the cores, and a larger
-tree checks nothing more. The quick test takes a few schemas; the slow one takes 200 per
+tree checks nothing more. The quick test takes a few schemas; the slow one takes 100 per
 mode, among which every kind of value appears at least five times as a top-level property
 and as a nested object's property, every scalar kind five times as an array's items, and
 optional properties and arrays that may be empty as often. Also: the grammar's mask on
@@ -102,9 +102,9 @@ def _features(schema: dict, place: str = "top") -> set[tuple[str, str]]:
 
 
 @pytest.mark.slow
-def test_200_random_schemas_per_mode(smollm2_gguf_path):
+def test_100_random_schemas_per_mode(smollm2_gguf_path):
     rng = random.Random(1)
-    schemas = [random_schema(rng) for _ in range(200)]
+    schemas = [random_schema(rng) for _ in range(100)]
     # Every kind of value the generator makes appears at least five times at the top level
     # and inside nested objects; every scalar kind at least five times as an array's items
     # (schema_util's arrays hold scalars); optional properties at both levels and arrays
