@@ -73,14 +73,15 @@ def parse_record(line: str):
     return batch, int(context), label, plan, kw, ran if not plan.speculate else int(tokens) + ran - int(drafted)
 
 
+def _log_text(log: Path) -> str:
+    """A log's text, plain or gzip (a name ending in .gz)."""
+    return gzip.decompress(log.read_bytes()).decode() if log.suffix == ".gz" else log.read_text()
+
+
 def step_records(log: Path | str):
     """Each step record of the log (plain text, or gzip when it ends in .gz; or the text
     itself, a str), in order (parse_record's tuples)."""
-    if isinstance(log, str):
-        text = log
-    else:
-        text = gzip.decompress(log.read_bytes()).decode() if log.suffix == ".gz" else log.read_text()
-    for line in text.splitlines():
+    for line in (log if isinstance(log, str) else _log_text(log)).splitlines():
         if (record := parse_record(line)) is not None:
             yield record
 
@@ -94,9 +95,8 @@ def point_logs(log: Path) -> list[tuple[str, int, str]]:
     size, the text of its records, warm-ups included), one per point. A log of several
     points at one batch size (prompt lengths, temperatures) then replays each on its own
     costs instead of their pool."""
-    text = gzip.decompress(log.read_bytes()).decode() if log.suffix == ".gz" else log.read_text()
     points, lines = [], []
-    for line in text.splitlines():
+    for line in _log_text(log).splitlines():
         if (m := POINT.match(line)) is not None:
             points.append((f"P={m.group(1)} T={m.group(2)}{m.group(4) or ''}", int(m.group(3)), "\n".join(lines)))
             lines = []

@@ -614,16 +614,19 @@ def test_probes_that_change_nothing_space_out():
     assert sum(pl.kind == "ssd" for pl in plans[-200:]) >= 170
 
 
-def _load_replay():
-    """scripts/replay_round_policy.py as a module."""
+def _load_script(name: str):
+    """scripts/<name>.py as a module."""
     import importlib.util
     from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location(
-        "replay_round_policy", Path(__file__).resolve().parents[1] / "scripts" / "replay_round_policy.py")
-    replay = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(replay)
-    return replay
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _load_replay():
+    return _load_script("replay_round_policy")
 
 
 @contextlib.contextmanager
@@ -869,15 +872,7 @@ def test_replay_stands_in_the_nearest_recorded_plan():
 
 
 def _load_replay_all():
-    """scripts/replay_all.py as a module."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location(
-        "replay_all", Path(__file__).resolve().parents[1] / "scripts" / "replay_all.py")
-    replay_all = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(replay_all)
-    return replay_all
+    return _load_script("replay_all")
 
 
 def _write_gz_log(tmp_path, lines):
