@@ -222,3 +222,65 @@ def test_dense_race_and_uniforms_match_the_torch_sampling_ops():
     index = torch.randint(0, vocab, (b, 7), generator=g)
     assert torch.equal(uniforms(seeds, positions, stream_key(STREAM_TARGET), index),
                        uniform_torch(seeds, positions, STREAM_TARGET, index))
+
+
+class _PagedPrefill:
+    """flashinfer's BatchPrefillWithPagedKVCacheWrapper as documented, for page size 1 and
+    causal=False: each request's queries over its kv rows, with the log-sum-exp."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def plan(self, qo_indptr, kv_indptr, kv_indices, last_page_len, hq, hkv, d, page_size, causal, sm_scale,
+             **kwargs):
+        assert page_size == 1 and not causal and bool((last_page_len == 1).all())
+        self.qo, self.kv_indptr, self.kv_indices = qo_indptr, kv_indptr, kv_indices
+        self.group, self.scale = hq // hkv, sm_scale
+
+    def run(self, q, paged, return_lse=False):
+        k, v = paged[0][:, 0].float(), paged[1][:, 0].float()  # NHD pages of one row
+        out, lse = torch.zeros(q.shape), torch.zeros(q.shape[:2])
+        for r in range(len(self.qo) - 1):
+            rows = self.kv_indices[self.kv_indptr[r]:self.kv_indptr[r + 1]].long()
+            qs = slice(int(self.qo[r]), int(self.qo[r + 1]))
+            s = torch.einsum("thd,nhd->htn", q[qs].float(), k[rows].repeat_interleave(self.group, 1)) * self.scale
+            out[qs] = torch.einsum("htn,nhd->thd", torch.softmax(s, -1), v[rows].repeat_interleave(self.group, 1))
+            lse[qs] = torch.logsumexp(s, -1).T
+        return out.to(q.dtype), lse
+
+
+def _merge_state_in_place(v, s, v_other, s_other):
+    merged = torch.logaddexp(s, s_other)
+    v.copy_(v.float() * torch.exp(s - merged)[..., None] + v_other.float() * torch.exp(s_other - merged)[..., None])
+    s.copy_(merged)
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs,q_len,ctx", [(4, 2, 16, 2, 4, 20), (8, 2, 32, 3, 8, 70)])
+def test_bench_attention_cascade_reads_the_rows_of_the_tree_mask(monkeypatch, hq, hkv, d, bs, q_len, ctx):
+    """scripts/bench_attention.py --cascade: its two levels (each request's prefix for all its
+    branches, each branch's own rows) give the Triton kernel's tree step, flashinfer stood in
+    for by the documented computation; with each branch's rows one further on they do not."""
+    import importlib.util
+    import sys
+    import types
+    from pathlib import Path
+
+    monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(
+        BatchPrefillWithPagedKVCacheWrapper=_PagedPrefill, merge_state_in_place=_merge_state_in_place))
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_attention.py"
+    spec = importlib.util.spec_from_file_location("bench_attention", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    g = torch.Generator().manual_seed(hq + ctx)
+    per_req = ctx + q_len * bench.TREE_WIDTH
+    k = torch.randn(1, bs * per_req, hkv, d, generator=g).bfloat16()
+    v = torch.randn(1, bs * per_req, hkv, d, generator=g).bfloat16()
+    kv = (k, v, torch.arange(0, bs * per_req + 1, per_req, dtype=torch.int32),
+          torch.arange(bs * per_req, dtype=torch.int32), per_req)
+    q = torch.randn(bs * q_len, hq, d, generator=g).bfloat16()
+    cascade = bench._cascade(torch, (hq, hkv, d), bs, q_len, ctx, kv, q)(0)
+    prefix_len, lo, hi = bench._tree_mask(torch, bs, q_len, ctx, "cpu")
+    for shift, close in ((0, True), (1, False)):
+        triton_out = paged_attention(q, k[0], v[0], kv[2], kv[3], q_len=q_len, num_splits=2, scale=d**-0.5,
+                                     tree=(prefix_len, lo + shift, hi + shift))
+        assert (_rel_err(cascade, triton_out) < 1e-2) == close
