@@ -29,26 +29,28 @@ plain decoding once its estimate with P taken as S comes within PLAIN_PRIOR_SLAC
 best. That estimate is a floor: a plain step verifies one token per sequence, a
 speculating one K + 1 (in docs/benchmarks.md's runs a one-token step took 0.57-0.96 of
 an SD round's verify).
-Every `probe_every` steps another option is probed for `probe_len` steps so its measurements
-stay current: first the choice last switched away from (a few slow steps of the host may
-have caused the switch, and its stale rate would keep it), then the one the model predicts
-fastest when that beats the choice's realized rate (a realized rate from a few steps of a
-transition must not rule an option out), else the runner-up (every fourth probe goes to
-the other options in turn). A probe discards the option's earlier realized rate; one that
-loses by less than 10% runs on until it has a full window (8 steps), as a few steps of SSD
-at small batch scatter too widely to decide between options this close. A probe costs its
-steps and two switches, so one after which the choice stands doubles the wait for the
-next (up to 8 x probe_every steps), and a change of choice restores it. A choice that
-stood RANK_EVERY rankings in a row is ranked once in RANK_EVERY steps, then twice as far
-apart at each ranking that keeps it, up to MAX_HOLD steps: ranking every option is most of
-the policy's host time (0.16 ms with the caches cold, as between GPU steps). S, P, H and W
-are medians of their last 8 samples (the least of two); running means clamp each sample to
-within 4x of the mean: one stall does not skew them. A step measures an option only when
-the two requests before it named it (its wait answers the request one back, from the cache
-built after the request two back; a plain step queued ahead may name the next step's plan,
-target_proc/ahead.py), and no sequence of the batch is in its first STEADY_AFTER_ROUNDS
-rounds. A realized rate also needs the request three back: the first chain after SSD rounds
-feeds the draft the last hit's branch (its KV is in the tree's scratch rows), a switch's cost.
+Every `probe_every` steps another option is probed for `probe_len` steps so its
+measurements stay current: first the choice last switched away from (a few slow steps of
+the host may have caused the switch, and its stale rate would keep it), then the one the
+model predicts fastest when that beats the choice's realized rate (a realized rate from a
+few steps of a transition must not rule an option out), else the runner-up (every fourth
+probe goes to the other options in turn), whose turn is skipped every other time while it
+rates more than CLOSE below the choice. A probe discards the option's earlier realized
+rate; one that loses by less than CLOSE runs on until it has a full window (8 steps), as a
+few steps of SSD at small batch scatter too widely to decide between options this close. A
+probe costs its steps and two switches, so one after which the choice stands (or one
+skipped) doubles the wait for the next (up to 8 x probe_every steps), and a change of
+choice restores it. A choice that stood RANK_EVERY rankings in a row is ranked once in
+RANK_EVERY steps, then twice as far apart at each ranking that keeps it, up to MAX_HOLD
+steps: ranking every option is most of the policy's host time (0.16 ms with the caches
+cold, as between GPU steps). S, P, H and W are medians of their last 8 samples (the least
+of two); running means clamp each sample to within 4x of the mean: one stall does not skew
+them. A step measures an option only when the two requests before it named it (its wait
+answers the request one back, from the cache built after the request two back; a plain step
+queued ahead may name the next step's plan, target_proc/ahead.py), and no sequence of the
+batch is in its first STEADY_AFTER_ROUNDS rounds. A realized rate also needs the request
+three back: the first chain after SSD rounds feeds the draft the last hit's branch (its KV
+is in the tree's scratch rows), a switch's cost.
 `jit` is the only backup at batch 1; from 2 one miss holds up the batch: jit:N and none too.
 
 A draft on one of the target's GPUs gets no SSD rounds (unless SD rounds are ruled out):
@@ -99,6 +101,7 @@ class _Bucket:
     stood: int = 0  # rankings in a row that kept the choice (none since a probe)
     hold: int = 0  # steps the choice runs before the options are ranked again
     left: RoundPlan | None = None  # the choice before the last switch, until a periodic probe runs it
+    skipped: bool = False  # the last periodic probe was skipped (_periodic_probe)
 
 
 class RoundPolicy:
@@ -107,12 +110,11 @@ class RoundPolicy:
     def __init__(self, tree_levels, *, allow_ssd: bool = True, allow_sd: bool = True, allow_plain: bool = True,
                  allow_halves: bool = True, backup_auto: bool = True,
                  probe_every: int = 64, probe_len: int = 4, warmup: int = 4, k: int = 0, short_jit: int = 0):
-        """tree_levels(batch) -> the tree shapes SSD may run, largest first (one: pinned;
-        shapes are then left to the draft, as 0). backup_auto: choose the backup per
-        round (jit, and from batch 2 also `jit:short_jit` when short_jit > 0, or none);
-        False keeps the configured backup. k: the speculation length (for the model of a
-        short jit). allow_halves: halves from HALVES_FROM_BATCH (at every batch size when
-        neither SSD nor SD rounds are allowed)."""
+        """tree_levels(batch) -> the tree shapes SSD may run, largest first (one: pinned, left to
+        the draft as 0). backup_auto: choose each round's backup (jit; from batch 2 also none and,
+        when short_jit > 0, `jit:short_jit`), else keep the configured one. k: the speculation
+        length (the short jit's model). allow_halves: from HALVES_FROM_BATCH (at every batch size
+        when neither SSD nor SD rounds are allowed)."""
         if probe_every < 2 or probe_len < 1 or warmup < 1:
             raise ValueError("need probe_every >= 2, probe_len >= 1 and warmup >= 1")
         if short_jit < 0 or (short_jit and not 0 < short_jit < k):
@@ -224,26 +226,31 @@ class RoundPolicy:
         b.stood = b.stood + 1 if best == b.choice else 0
         self._set_choice(key, b, best, rates)
         b.steps_since_probe += 1
-        others = [p for p in ranked if p != best]
-        if others and b.steps_since_probe >= self.probe_every * b.backoff:
-            # The choice last left, an option the model predicts faster, the runner-up, and
-            # every other option in turn once in a while (the module doc says why).
-            hopeful = max(others, key=lambda p: model_rate(p, batch, c, self.k) or 0.0)
-            hope = model_rate(hopeful, batch, c, self.k) or 0.0
-            if b.left in others:
-                target, b.left = b.left, None
-            elif hope > (1 + _MARGIN) * rates[best]:
-                target = hopeful
-            elif (b.num_probes + 1) % 4 or len(others) == 1:
-                target = others[0]
-            else:
-                target = others[1 + ((b.num_probes + 1) // 4) % (len(others) - 1)]
+        if len(ranked) > 1 and b.steps_since_probe >= self.probe_every * b.backoff:
             b.steps_since_probe = 0
-            b.num_probes += 1
-            b.probed, b.extended = target, False
-            return self._start_probe(b, target)
+            if (plan := self._periodic_probe(b, batch, best, ranked, rates)) is not None:
+                return plan
         b.hold = min(MAX_HOLD, RANK_EVERY << min(b.stood - RANK_EVERY, 8)) - 1 if b.stood >= RANK_EVERY else 0
         return best
+
+    def _periodic_probe(self, b: _Bucket, batch: int, best: RoundPlan, ranked: list, rates: dict) -> RoundPlan | None:
+        """A periodic probe's first step (the module doc says of which option), or None: a turn skipped."""
+        c, others = b.costs, [p for p in ranked if p != best]
+        hopeful = max(others, key=lambda p: model_rate(p, batch, c, self.k) or 0.0)
+        if b.left in others:
+            target, b.left = b.left, None
+        elif (model_rate(hopeful, batch, c, self.k) or 0.0) > (1 + _MARGIN) * rates[best]:
+            target = hopeful
+        else:
+            turn = (b.num_probes + 1) % 4 == 0 and len(others) > 1
+            target = others[1 + ((b.num_probes + 1) // 4) % (len(others) - 1)] if turn else others[0]
+            b.skipped = not b.skipped and rates[target] < (1 - CLOSE) * rates[best]
+            if b.skipped:
+                b.backoff = min(MAX_PROBE_BACKOFF, 2 * b.backoff)  # as after a probe that changed nothing
+                return None
+        b.num_probes += 1
+        b.probed, b.extended = target, False
+        return self._start_probe(b, target)
 
     def _first_measurements(self, b: _Bucket, first: RoundPlan, steady: bool, opts: list) -> RoundPlan | None:
         """What the bucket lacks (the largest tree, then c) is measured first, or None. A step of a
@@ -263,10 +270,8 @@ class RoundPolicy:
         return first if unmeasured else self._start_probe(b, SD)
 
     def _extend_probe(self, b: _Bucket, batch: int, best: RoundPlan, rates: dict) -> bool:
-        """Whether the periodic probe that has just ended runs on: once, when it lost to the
-        choice by less than CLOSE, until its realized window is full. A few steps of SSD at
-        small batch scatter widely (one miss makes the whole batch wait), too widely to
-        decide between options this close."""
+        """Whether the periodic probe that has just ended runs on, once, until its realized window
+        is full: when it lost to the choice by less than CLOSE (the module doc says why)."""
         p = b.probed
         if b.extended or p == best or p not in rates or rates[p] < (1 - CLOSE) * rates[best]:
             return False
@@ -355,9 +360,8 @@ class RoundPolicy:
     def record_step(self, plan: RoundPlan, specs: dict, num_draft: list[int], num_accepted: list[int],
                     wait_s: float, busy_s: float, draft_work_s: float, steady: bool = True, context: int = 0,
                     batch: int = 0, sent: RoundPlan | None = None) -> None:
-        """`record` from the worker's view of a step: the speculations that arrived (each with
-        .cache_hit), per sequence of the step its drafts and accepted tokens. steady, sent: as
-        `record`'s. batch: the running sequences, when the step ran fewer (a halves step)."""
+        """`record` from the worker's view of a step: the speculations that arrived (.cache_hit), per sequence
+        its drafts and accepted tokens; steady, sent as `record`'s; batch: the running sequences (a halves step)."""
         t0 = time.perf_counter()
         drafted = [j + 1 for j, m in zip(num_accepted, num_draft) if m]
         self.record(batch or len(num_draft), plan, context=context, wait_s=wait_s, busy_s=busy_s,
@@ -392,9 +396,5 @@ class RoundPolicy:
 
     def summary(self) -> dict[int, str]:
         """The choice per batch-size bucket (at the context of its last step), for stats and logs."""
-        out = {}
-        for batch_key, key in sorted(self._current.items()):
-            b = self._buckets.get(key)
-            if b is not None and b.choice is not None:
-                out[batch_key] = b.choice.label()
-        return out
+        buckets = ((batch_key, self._buckets.get(key)) for batch_key, key in sorted(self._current.items()))
+        return {batch_key: b.choice.label() for batch_key, b in buckets if b is not None and b.choice is not None}

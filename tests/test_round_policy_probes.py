@@ -1,7 +1,8 @@
 """The SSD round policy's measurements under noise: a probe that comes close to the choice
 runs until its realized rate rests on a full window, a few stalled steps in a row do
 not rule out a plan whose steps otherwise take the same time each, one stalled plain
-step does not hold up P, and the choice last left is probed first; and its host time: a
+step does not hold up P, the choice last left is probed first, and a runner-up far behind
+every other turn; and its host time: a
 standing choice is ranked once in a few steps. Costs are injected (tests/test_round_policy.py's
 simulated draft and target)."""
 
@@ -126,6 +127,21 @@ def test_the_choice_last_switched_away_from_is_probed_first():
         p.record(8, PLAIN, wait_s=0.0, busy_s=0.020)
     assert predict(PLAIN, 8, p.costs(8), 4) < predict(SD, 8, p.costs(8), 4)
     assert simulate(p, 8, 150, **costs).count(PLAIN) >= 130
+
+
+@pytest.mark.parametrize("plain_s,choice,waits", [(0.0074, SD, 16), (0.0050, PLAIN, 16), (0.0070, SD, 8)])
+def test_a_far_slower_runner_up_is_probed_every_other_turn(plain_s, choice, waits):
+    """Batch 4, SD rounds of 10.8 ms verify and 10.6 ms chain at 3.33 tokens a sequence (622
+    tok/s) against plain steps of 7.4 ms (541 tok/s, 13% slower), 5.0 ms (800 tok/s: SD, the
+    runner-up, is 22% slower) or 7.0 ms (571 tok/s, 8% slower). Once the waits have grown to
+    8 x probe_every, a runner-up more than 10% slower is probed every other turn, 16 x
+    probe_every steps apart; a closer one at every turn."""
+    p = _policy(allow_ssd=False, allow_halves=False, k=4, probe_every=8)
+    plans = simulate(p, 4, 1500, **dict(SLOW_TREES, plain_s=plain_s))
+    assert p.summary() == {4: choice.kind}
+    starts = [i for i in range(1, len(plans)) if plans[i] != choice and plans[i - 1] == choice]
+    gaps = [b - a for a, b in zip(starts, starts[1:])][-3:]
+    assert len(gaps) == 3 and all(waits * 8 <= g <= waits * 8 + 12 for g in gaps), starts
 
 
 def test_the_policys_host_time_is_counted_and_exported():
