@@ -84,14 +84,16 @@ def hash32(seeds: torch.Tensor, positions: torch.Tensor, stream: int, index: tor
     index: [*R, M] or [M] int64. Returns [*R, M] int64.
     The row key and the index are mixed separately (index [M] costs [M], not [*R, M]),
     then one mix per element: for a row, distinct indices give distinct values.
+    NumPy int64 arrays give the same bits in NumPy (the benchmark oracle hashes on the host).
     """
-    seeds, positions, index = seeds.long(), positions.long(), index.long()
+    if isinstance(seeds, torch.Tensor):
+        seeds, positions, index = seeds.long(), positions.long(), index.long()
     # Few ops on purpose: on CUDA these small kernels are launch-bound.
     key = _mix32((seeds & _M32) ^ stream_key(stream))  # [*R] low word (two's complement)
     # High word and position share one step: (hi + pos * W) mod 2**32.
     key = _mix32(key ^ ((((seeds >> 32) & _M32) + (positions & _M32) * _WEYL) & _M32))
     index_mixed = _mix32(((index & _M32) * _WEYL + 0x68E31DA4) & _M32)  # [*R, M] or [M]
-    return _mix32(index_mixed ^ key.unsqueeze(-1))  # [*R, M]
+    return _mix32(index_mixed ^ key[..., None])  # [*R, M]
 
 
 def uniform(seeds: torch.Tensor, positions: torch.Tensor, stream: int, index: torch.Tensor) -> torch.Tensor:

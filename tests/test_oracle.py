@@ -14,6 +14,7 @@ from spec_runtime.bench.oracle import (
     draft_oracle,
     draft_oracle_logits,
     draft_oracle_rank,
+    draft_oracle_slots,
     oracle_token,
     target_oracle,
     target_oracle_logits,
@@ -143,3 +144,19 @@ def test_config_field_builds_each_half_or_none():
     assert (tf.alpha, tf.ranks) == (0.7, (0.2,)) and target_oracle((0.7,)) is not None
     with pytest.raises(ValueError, match="ranks"):
         OracleConfig(0.5, (0.8, 0.4))
+
+
+def test_the_oracle_streams_are_fixed():
+    """o_t, the draft's rank of it and its slots at a few (seed, t), as the torch CPU
+    ops that computed them before the host hashing moved to NumPy gave them: a benchmark
+    of any commit puts the same tokens in the same places."""
+    seeds = torch.tensor([0, -1, 2**62, 12345, -987654321, 42])
+    pos = torch.tensor([0, 1, 7, 513, 2**31 - 1, 100000])
+    assert oracle_token(seeds, pos, 151936).tolist() == [143945, 30966, 81772, 24068, 92999, 127315]
+    assert draft_oracle_rank(seeds, pos, 0.8, (0.5, 0.2, 0.1)).tolist() == [0, 0, 0, 0, 1, 1]
+    tokens, logits = draft_oracle_slots(seeds, pos, 1000, 0.8, (0.5, 0.2, 0.1))
+    assert tokens.tolist() == [[809, 547, 548, 549, 550], [334, 68, 69, 70, 71], [164, 129, 130, 131, 132],
+                               [244, 988, 989, 990, 991], [228, 855, 229, 230, 231], [691, 579, 692, 693, 694]]
+    assert logits.tolist() == [10.0, 9.0, 8.0, 7.0, 6.0]
+    # NumPy arrays and torch tensors give the same values.
+    assert torch.equal(oracle_token(seeds.numpy(), pos.numpy(), 151936), oracle_token(seeds, pos, 151936))

@@ -19,9 +19,11 @@ acceptance follows configured rates through the real machinery:
              slots o_t does not take are pseudo-random: consecutive ids (mod vocab) after
              a hashed offset, all distinct from o_t and from each other.
 
-Performance: seeds and positions may live on the CPU while the logits live on the GPU.
-The per-row hashing then runs on the host over a few tiny tensors (on the GPU it would
-be ~75 kernel launches a call), and only one copy and one scatter touch the device.
+Performance: seeds and positions are host values while the logits live on the GPU. The
+per-row hashing runs on the host in NumPy over a few tiny arrays (in torch CPU ops it took
+three times as long, on the GPU it would be ~75 kernel launches a call), and only one copy
+and one scatter touch the device: the oracle is not part of what a benchmark measures, so
+it keeps off the draft's critical path as far as it can.
 
 Every choice is a pure function of (request seed, t), through the counter-based hash of
 `spec_runtime.sampling` on streams of its own, so every SSD branch that shares the true
@@ -43,7 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from spec_runtime.sampling import hash32, to_device, uniform
+from spec_runtime.sampling import hash32, to_device
 
 STREAM_ORACLE_TOKEN = 101
 STREAM_ORACLE_RANK = 102
@@ -52,23 +54,29 @@ STREAM_ORACLE_FILL = 103
 MASKED_LOGIT = -1e4
 # The draft always shows at least this many top slots, so forks have candidates.
 MIN_DRAFT_SLOTS = 4
+TOP_LOGIT, GAP = 10.0, 1.0  # the draft's top slot logit, and the step down to each next slot
 
 
-def _index0(like: torch.Tensor) -> torch.Tensor:
-    return torch.zeros(1, dtype=torch.int64, device=like.device)  # [1]
+_INDEX0 = np.zeros(1, dtype=np.int64)
 
 
-def oracle_token(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """o_t: [*N] seeds, [*N] positions -> [*N] int64 in [0, vocab)."""
+def _host(x) -> np.ndarray:
+    """int64 NumPy values of a tensor or array (seeds and positions: host values)."""
+    return (x.cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)).astype(np.int64, copy=False)
+
+
+def _token(seeds: np.ndarray, positions: np.ndarray, vocab: int) -> np.ndarray:
     if vocab < 1:
         raise ValueError(f"vocab must be >= 1, got {vocab}")
-    h = hash32(seeds, positions, STREAM_ORACLE_TOKEN, _index0(seeds)).squeeze(-1)  # [*N]
-    return h % vocab
+    return hash32(seeds, positions, STREAM_ORACLE_TOKEN, _INDEX0)[..., 0] % vocab  # [*N]
 
 
-def target_oracle_logits(
-    logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, peak_mass: float = 1.0
-) -> torch.Tensor:
+def oracle_token(seeds, positions, vocab: int) -> torch.Tensor:
+    """o_t: [*N] seeds, [*N] positions -> [*N] int64 in [0, vocab) (a CPU tensor)."""
+    return torch.from_numpy(_token(_host(seeds), _host(positions), vocab))
+
+
+def target_oracle_logits(logits: torch.Tensor, seeds, positions, peak_mass: float = 1.0) -> torch.Tensor:
     """Target logits [*N, V] -> logits of the same shape and dtype peaked on o_t.
 
     peak_mass 1.0 (default): 0 on o_t, -1e4 elsewhere, one-hot after any temperature;
@@ -88,52 +96,50 @@ def target_oracle_logits(
     return out.scatter_(-1, o.unsqueeze(-1), 0.0)
 
 
-def draft_oracle_rank(
-    seeds: torch.Tensor, positions: torch.Tensor, alpha: float, ranks: tuple[float, ...]
-) -> torch.Tensor:
-    """0-based rank of o_t in the draft at (seed, t): [*N] -> [*N] int64.
+def _rank(seeds: np.ndarray, positions: np.ndarray, alpha: float, ranks: tuple[float, ...]) -> np.ndarray:
+    if not 0.0 <= alpha <= 1.0 or any(r < 0 for r in ranks) or sum(ranks) > 1.0 + 1e-9:
+        raise ValueError(f"need alpha in [0, 1], ranks >= 0, sum(ranks) <= 1; got {alpha}, {ranks}")
+    # uniform()'s bits: (h + 0.5) / 2**32 in float64.
+    u = (hash32(seeds, positions, STREAM_ORACLE_RANK, _INDEX0) + 0.5) * (1.0 / 4294967296.0)  # [*N, 1]
+    bounds = np.array([alpha + (1.0 - alpha) * sum(ranks[:i]) for i in range(len(ranks) + 1)])  # cumulative
+    return (u >= bounds).sum(-1)  # [*N]
+
+
+def draft_oracle_rank(seeds, positions, alpha: float, ranks: tuple[float, ...]) -> torch.Tensor:
+    """0-based rank of o_t in the draft at (seed, t): [*N] -> [*N] int64 (a CPU tensor).
 
     0 with probability alpha, r - 1 with probability (1 - alpha) * ranks[r - 2], and
     1 + len(ranks) ("absent") with the remaining probability.
     """
-    if not 0.0 <= alpha <= 1.0 or any(r < 0 for r in ranks) or sum(ranks) > 1.0 + 1e-9:
-        raise ValueError(f"need alpha in [0, 1], ranks >= 0, sum(ranks) <= 1; got {alpha}, {ranks}")
-    u = uniform(seeds, positions, STREAM_ORACLE_RANK, _index0(seeds)).squeeze(-1)  # [*N]
-    bounds = torch.tensor(
-        [alpha + (1.0 - alpha) * sum(ranks[:i]) for i in range(len(ranks) + 1)],
-        dtype=torch.float64, device=seeds.device,
-    )  # [R] cumulative: alpha, alpha + (1 - alpha) ranks[0], ...
-    return (u.unsqueeze(-1) >= bounds).sum(-1)  # [*N]
+    return torch.from_numpy(_rank(_host(seeds), _host(positions), alpha, ranks))
 
 
-def draft_oracle_slots(
-    seeds: torch.Tensor,
-    positions: torch.Tensor,
-    vocab: int,
-    alpha: float,
-    ranks: tuple[float, ...] = (),
-    top_logit: float = 10.0,
-    gap: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The draft oracle's top slots at (seed, t): token ids [*N, S] int64 on seeds' device
-    and their logits [S] float32 (module docstring). Everything else gets MASKED_LOGIT."""
+def _slots(seeds: np.ndarray, positions: np.ndarray, vocab: int, alpha: float, ranks: tuple[float, ...],
+           top_logit: float, gap: float) -> tuple[np.ndarray, np.ndarray]:
     num_slots = min(max(MIN_DRAFT_SLOTS, len(ranks) + 2), vocab - 1)
     if num_slots < len(ranks) + 1:
         raise ValueError(f"vocab {vocab} too small for {len(ranks) + 1} ranks")
     if not gap > 0.0:
         raise ValueError(f"gap must be > 0, got {gap}")
-    o = oracle_token(seeds, positions, vocab).unsqueeze(-1)  # [*N, 1]
-    r0 = draft_oracle_rank(seeds, positions, alpha, ranks).unsqueeze(-1)  # [*N, 1]
-    r0 = torch.where(r0 > len(ranks), num_slots, r0)  # absent: past every slot
-    slot = torch.arange(num_slots, device=seeds.device)  # [S]
+    o = _token(seeds, positions, vocab)[..., None]  # [*N, 1]
+    r0 = _rank(seeds, positions, alpha, ranks)[..., None]  # [*N, 1]
+    r0 = np.where(r0 > len(ranks), num_slots, r0)  # absent: past every slot
+    slot = np.arange(num_slots)  # [S]
     # Fillers: vocab - 1 ids other than o_t, walked from a hashed offset, so the first
     # num_slots of them are distinct.
-    offset = hash32(seeds, positions, STREAM_ORACLE_FILL, _index0(seeds)) % (vocab - 1)  # [*N, 1]
-    fill_idx = torch.where(slot < r0, slot, slot - 1).clamp(min=0)  # [*N, S]
+    offset = hash32(seeds, positions, STREAM_ORACLE_FILL, _INDEX0) % (vocab - 1)  # [*N, 1]
+    fill_idx = np.maximum(np.where(slot < r0, slot, slot - 1), 0)  # [*N, S]
     fillers = (o + 1 + (offset + fill_idx) % (vocab - 1)) % vocab  # [*N, S]
-    slot_tokens = torch.where(slot == r0, o, fillers)  # [*N, S]
-    slot_logits = top_logit - gap * torch.arange(num_slots, dtype=torch.float32)  # [S]
-    return slot_tokens, slot_logits
+    slot_tokens = np.where(slot == r0, o, fillers)  # [*N, S]
+    return slot_tokens, top_logit - gap * np.arange(num_slots, dtype=np.float32)  # [S]
+
+
+def draft_oracle_slots(seeds, positions, vocab: int, alpha: float, ranks: tuple[float, ...] = (),
+                       top_logit: float = TOP_LOGIT, gap: float = GAP) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft oracle's top slots at (seed, t): token ids [*N, S] int64 and their logits
+    [S] float32, CPU tensors (module docstring). Everything else gets MASKED_LOGIT."""
+    tokens, logits = _slots(_host(seeds), _host(positions), vocab, alpha, ranks, top_logit, gap)
+    return torch.from_numpy(tokens), torch.from_numpy(logits)
 
 
 def scatter_slots(logits: torch.Tensor, slot_tokens: torch.Tensor, slot_logits: torch.Tensor) -> torch.Tensor:
@@ -143,15 +149,8 @@ def scatter_slots(logits: torch.Tensor, slot_tokens: torch.Tensor, slot_logits: 
     return out.scatter_(-1, slot_tokens, slot_logits.to(logits.dtype).expand(slot_tokens.shape).contiguous())
 
 
-def draft_oracle_logits(
-    logits: torch.Tensor,
-    seeds: torch.Tensor,
-    positions: torch.Tensor,
-    alpha: float,
-    ranks: tuple[float, ...] = (),
-    top_logit: float = 10.0,
-    gap: float = 1.0,
-) -> torch.Tensor:
+def draft_oracle_logits(logits: torch.Tensor, seeds, positions, alpha: float, ranks: tuple[float, ...] = (),
+                        top_logit: float = TOP_LOGIT, gap: float = GAP) -> torch.Tensor:
     """Draft logits [*N, V] -> logits of the same shape and dtype (module docstring)."""
     tokens, slot_logits = draft_oracle_slots(seeds, positions, logits.shape[-1], alpha, ranks, top_logit, gap)
     return scatter_slots(logits, to_device(tokens, logits.device), to_device(slot_logits, logits.device))
@@ -177,10 +176,9 @@ class OracleConfig:
         return cls(values[0], tuple(values[1:])) if values else None
 
 
-def _seeds_positions(seqs, positions) -> tuple[torch.Tensor, torch.Tensor]:
-    # Host tensors: the oracle hashes on the CPU and scatters once on the device.
-    seeds = torch.tensor([s.seed for s in seqs], dtype=torch.int64)
-    return seeds, torch.from_numpy(np.asarray(positions, dtype=np.int64))
+def _seeds_positions(seqs, positions) -> tuple[np.ndarray, np.ndarray]:
+    # Host arrays: the oracle hashes on the CPU and scatters once on the device.
+    return np.array([s.seed for s in seqs], dtype=np.int64), np.asarray(positions, dtype=np.int64)
 
 
 class TargetOracle:
@@ -208,10 +206,10 @@ class DraftOracle:
         """Per-step transforms for steps 0..num_steps-1 of a chain whose step i predicts
         positions + i ([R]): a list of functions logits [R, V] -> logits."""
         seeds, pos = _seeds_positions(seqs, positions)
-        seeds = seeds[None, :].expand(num_steps, -1)
-        pos = pos[None, :] + torch.arange(num_steps)[:, None]
-        tokens, slot_logits = draft_oracle_slots(seeds, pos, vocab, self.alpha, self.ranks)  # [S_steps, R, slots]
-        tokens, slot_logits = to_device(tokens, device), to_device(slot_logits, device)
+        pos = pos[None, :] + np.arange(num_steps)[:, None]  # [steps, R]
+        tokens, slot_logits = _slots(seeds[None, :], pos, vocab, self.alpha, self.ranks, TOP_LOGIT, GAP)
+        tokens = to_device(torch.from_numpy(tokens), device)  # [steps, R, slots]
+        slot_logits = to_device(torch.from_numpy(slot_logits), device)
         return [lambda logits, t=tokens[i]: scatter_slots(logits, t, slot_logits) for i in range(num_steps)]
 
 
