@@ -147,9 +147,9 @@ def test_config_field_builds_each_half_or_none():
 
 
 def test_the_oracle_streams_are_fixed():
-    """o_t, the draft's rank of it and its slots at a few (seed, t), as the torch CPU
-    ops that computed them before the host hashing moved to NumPy gave them: a benchmark
-    of any commit puts the same tokens in the same places."""
+    """o_t, the draft's rank of it and its slots at a few (seed, t) are fixed values, so
+    benchmarks of different commits put the same tokens in the same places; torch tensors
+    and NumPy arrays give the same."""
     seeds = torch.tensor([0, -1, 2**62, 12345, -987654321, 42])
     pos = torch.tensor([0, 1, 7, 513, 2**31 - 1, 100000])
     assert oracle_token(seeds, pos, 151936).tolist() == [143945, 30966, 81772, 24068, 92999, 127315]
