@@ -256,9 +256,9 @@ def main(argv: list[str] | None = None) -> None:
     for alpha in args.synthetic_acceptance or (None,):
         for mode in args.modes:
             rows.extend(run_mode(args, mode, alpha))
-        with open(args.out, "w") as f:  # after every mode: a run cut short keeps what it measured
-            json.dump({"args": vars(args), "host": platform.node(), "rows": rows,
-                       "greedy_identical": _greedy_identical(rows)}, f, indent=1)
+            with open(args.out, "w") as f:  # after every mode: a run cut short keeps what it measured
+                json.dump({"args": vars(args), "host": platform.node(), "rows": rows,
+                           "greedy_identical": _greedy_identical(rows)}, f, indent=1)
     print(f"greedy output identical across modes at every greedy point: {_greedy_identical(rows)}")
     print(f"{'mode':5} {'alpha':>5} {'P':>5} {'T':>4} {'B':>3} {'tok/s':>8} {'decode':>8} {'tok/rnd':>7} {'hit':>5} "
           f"{'v ms':>6} {'wait':>6} {'work':>6} {'ideal':>8}")
