@@ -1,0 +1,123 @@
+"""A work-ahead's forks chosen on the device, so the first tree step queues behind the glue.
+
+Chosen on the host (tree_cache.select_forks_groups), the forks wait for the glue's ranking
+to be read back: the GPU idles from the end of the glue's forward until the host has
+chosen them and launched the first tree step. Here the same choice runs as device array
+operations (`select_forks_device`, select_forks_batch's arithmetic in float64 and its
+stable orders), the first step is patched with the forks' depths and tokens on the device
+(TreeLayout.batch_on_device), and the host reads the forks back while that step runs
+(`DeviceForks.host`): the sampling positions, the benchmark oracle and the cache keys need
+them only after step 0 is queued.
+
+This needs the number of forks of each sequence before they are chosen, which a ranking
+of at least F_j + 1 tokens at every depth j fixes (tree_layout.fork_count): `fits` checks it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from draft_proc.tree_cache import Forks
+from draft_proc.tree_layout import TreeLayout, fork_count
+from protocol.messages import PLACEHOLDER_TOKEN_ID
+from spec_runtime.engine.forward_batch import upload_arrays
+from spec_runtime.sampling import to_device
+
+
+def ranking_width_needed(m: int, fan: tuple[int, ...]) -> int:
+    """Ranked tokens per depth that give a sequence with m drafts fork_count forks: F_j + 1
+    at a depth j < m (one may be d_{j+1}, which is excluded), F_m at depth m."""
+    need = [fan[j] + (j < m) for j in range(min(m + 1, len(fan))) if fan[j] > 0]
+    return max(need, default=0)
+
+
+def fits(groups: dict[tuple[int, tuple[int, ...]], list[int]], ranking_width: int) -> bool:
+    """Whether every group's forks come as many per sequence as fork_count says."""
+    return all(ranking_width >= ranking_width_needed(m, fan) for m, fan in groups)
+
+
+def select_forks_device(ids: torch.Tensor, probs: torch.Tensor, drafts: torch.Tensor, fan_out: tuple[int, ...],
+                        max_branches: int, accept_rate: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """select_forks_batch on device tensors: ids, probs [B, m + 1, R], drafts [B, m].
+    Returns the forks' depths and tokens [B, W] in branch order, the same values in the
+    same order (row b's first fork_count entries are its branches)."""
+    b, rows, width = ids.shape
+    m = drafts.shape[1]
+    device = ids.device
+    probs = probs.to(torch.float64)
+    a = min(max(accept_rate, 1e-3), 1 - 1e-3)
+    # Host constants go up through pinned memory: a pageable copy would wait for the glue.
+    powers = to_device(torch.tensor([a**j for j in range(m + 1)], dtype=torch.float64), device)
+    excluded = torch.full((b, rows), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=device)
+    excluded[:, :m] = drafts
+    match = ids == excluded[:, :, None]
+    first = probs.gather(2, match.to(torch.uint8).argmax(dim=2, keepdim=True))[:, :, 0]
+    q_excluded = torch.where(match.any(dim=2), first, 0.0)
+    scale = torch.empty((b, rows), dtype=torch.float64, device=device)
+    scale[:, :m] = powers[:m] * (1 - a) / torch.clamp(1.0 - q_excluded[:, :m], min=1e-6)
+    scale[:, m] = powers[m]
+    want = to_device(torch.tensor([fan_out[j] if j < len(fan_out) else 0 for j in range(rows)]), device)
+    usable = ~match & (ids >= 0)
+    taken = usable & (torch.cumsum(usable, dim=2) <= want[None, :, None])
+    est = torch.where(taken, scale[:, :, None] * probs, -torch.inf).reshape(b, -1)
+    order = torch.sort(-est, dim=1, stable=True).indices[:, :max_branches]
+    est_c = est.gather(1, order)
+    depth_key = torch.where(torch.isfinite(est_c), order // width, m + 1)
+    # numpy's lexsort((-est_c, depth_key)) as two stable sorts, the minor key first.
+    by_est = torch.sort(-est_c, dim=1, stable=True).indices
+    by_depth = torch.sort(depth_key.gather(1, by_est), dim=1, stable=True).indices
+    order = order.gather(1, by_est.gather(1, by_depth))
+    return order // width, ids.reshape(b, -1).gather(1, order)
+
+
+class DeviceForks:
+    """The forks of one work-ahead in `layout`'s order (sequence by sequence, each one's in
+    branch order): depth and token [F] on the device, their host copy on its way.
+
+    groups: (m, fan-out) -> sequence indices (SSDEngine._fork_groups), `fits` the ranking;
+    ranked: the glue's ranking (ids, probs [sum(m + 1), R] on the device, each sequence's
+    first row [B]); seqs: DraftSeq, their draft_token_ids."""
+
+    def __init__(self, groups, seqs, ranked, layout: TreeLayout, per_seq: int, accept_rate: float):
+        ids, probs, starts = ranked
+        device = ids.device
+        counts = np.bincount(layout.seq, minlength=len(seqs))
+        offsets = np.cumsum(counts) - counts
+        plan, parts = [], []
+        for (m, fan), idx in groups.items():
+            c = fork_count(m, fan, per_seq)
+            if c == 0:
+                continue
+            idx = np.asarray(idx, dtype=np.int64)
+            drafts = np.array([seqs[i].draft_token_ids for i in idx], dtype=np.int64).reshape(-1)
+            rows = (starts[idx][:, None] + np.arange(m + 1)).ravel()  # their rows of the ranking
+            parts += [rows, drafts, (offsets[idx][:, None] + np.arange(c)).ravel()]
+            plan.append((len(idx), m, fan, c))
+        uploaded = upload_arrays(parts, device) if parts else []
+        out = torch.empty((2, len(layout.seq)), dtype=torch.int64, device=device)  # depths, tokens
+        for i, (g, m, fan, c) in enumerate(plan):
+            rows, drafts, dst = uploaded[3 * i : 3 * i + 3]
+            d, t = select_forks_device(ids[rows].view(g, m + 1, -1), probs[rows].view(g, m + 1, -1),
+                                       drafts.view(g, m), fan, per_seq, accept_rate)
+            out[0].index_copy_(0, dst, d[:, :c].reshape(-1))
+            out[1].index_copy_(0, dst, t[:, :c].reshape(-1))
+        self.depth, self.token = out[0], out[1]
+        self._layout, self._forks, self._event = layout, None, None
+        if device.type == "cuda":
+            self._host = torch.empty(out.shape, dtype=torch.int64, pin_memory=True)
+            self._host.copy_(out, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = out
+
+    def host(self) -> Forks:
+        """The forks on the host; waits for their copy, not for the work queued after it."""
+        if self._forks is None:
+            if self._event is not None:
+                self._event.synchronize()  # sync: the forks' copy only
+            h = self._host.numpy()
+            self._forks = Forks(seq=self._layout.seq, depth=h[0].copy(), token_id=h[1].copy(),
+                                branch=self._layout.branch)
+        return self._forks
