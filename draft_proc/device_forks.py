@@ -3,8 +3,8 @@
 Chosen on the host (tree_cache.select_forks_groups), the forks wait for the glue's ranking
 to be read back: the GPU idles from the end of the glue's forward until the host has
 chosen them and launched the first tree step. Here the same choice runs as device array
-operations (`select_forks_device`, select_forks_batch's arithmetic in float64 and its
-stable orders), the first step is patched with the forks' depths and tokens on the device
+operations (`select_forks_device`: select_forks_batch's arithmetic in float64 and its
+stable orders, for every sequence of the work-ahead at once), the first step is patched with the forks' depths and tokens on the device
 (TreeLayout.batch_on_device), and the host reads the forks back while that step runs
 (`DeviceForks.host`): the sampling positions, the benchmark oracle and the cache keys need
 them only after step 0 is queued.
@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from draft_proc.tree_cache import Forks
-from draft_proc.tree_layout import TreeLayout, fork_count
+from draft_proc.tree_layout import TreeLayout
 from protocol.messages import PLACEHOLDER_TOKEN_ID
 from spec_runtime.engine.forward_batch import upload_arrays
 from spec_runtime.sampling import to_device
@@ -37,33 +37,34 @@ def fits(groups: dict[tuple[int, tuple[int, ...]], list[int]], ranking_width: in
     return all(ranking_width >= ranking_width_needed(m, fan) for m, fan in groups)
 
 
-def select_forks_device(ids: torch.Tensor, probs: torch.Tensor, drafts: torch.Tensor, fan_out: tuple[int, ...],
-                        max_branches: int, accept_rate: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """select_forks_batch on device tensors: ids, probs [B, m + 1, R], drafts [B, m].
-    Returns the forks' depths and tokens [B, W] in branch order, the same values in the
-    same order (row b's first fork_count entries are its branches)."""
+def select_forks_device(ids: torch.Tensor, probs: torch.Tensor, drafts: torch.Tensor, m: torch.Tensor,
+                        want: torch.Tensor, max_branches: int, accept_rate: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """select_forks_batch on device tensors, for sequences of any drafts counts at once:
+    ids, probs [B, M + 1, R] each sequence's ranking at depths 0..M, drafts [B, M] (-1
+    past its own count), m [B] its drafts count, want [B, M + 1] its fan-out F_j (0 past
+    depth m[b], where its ranking rows are not read). Returns the forks' depths and tokens
+    [B, W] in branch order: row b's first fork_count entries are select_forks_batch's for
+    that sequence alone, the same values in the same order."""
     b, rows, width = ids.shape
-    m = drafts.shape[1]
     device = ids.device
     probs = probs.to(torch.float64)
     a = min(max(accept_rate, 1e-3), 1 - 1e-3)
     # Host constants go up through pinned memory: a pageable copy would wait for the glue.
-    powers = to_device(torch.tensor([a**j for j in range(m + 1)], dtype=torch.float64), device)
+    powers = to_device(torch.tensor([a**j for j in range(rows)], dtype=torch.float64), device)
     excluded = torch.full((b, rows), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=device)
-    excluded[:, :m] = drafts
+    excluded[:, : rows - 1] = drafts
     match = ids == excluded[:, :, None]
     first = probs.gather(2, match.to(torch.uint8).argmax(dim=2, keepdim=True))[:, :, 0]
     q_excluded = torch.where(match.any(dim=2), first, 0.0)
-    scale = torch.empty((b, rows), dtype=torch.float64, device=device)
-    scale[:, :m] = powers[:m] * (1 - a) / torch.clamp(1.0 - q_excluded[:, :m], min=1e-6)
-    scale[:, m] = powers[m]
-    want = to_device(torch.tensor([fan_out[j] if j < len(fan_out) else 0 for j in range(rows)]), device)
+    # Depth j < m excludes d_{j+1} and weighs by 1 - q_j(d_{j+1}); depth m is a^m.
+    rejected = powers * (1 - a) / torch.clamp(1.0 - q_excluded, min=1e-6)
+    scale = torch.where(torch.arange(rows, device=device)[None, :] < m[:, None], rejected, powers)
     usable = ~match & (ids >= 0)
-    taken = usable & (torch.cumsum(usable, dim=2) <= want[None, :, None])
+    taken = usable & (torch.cumsum(usable, dim=2) <= want[:, :, None])
     est = torch.where(taken, scale[:, :, None] * probs, -torch.inf).reshape(b, -1)
     order = torch.sort(-est, dim=1, stable=True).indices[:, :max_branches]
     est_c = est.gather(1, order)
-    depth_key = torch.where(torch.isfinite(est_c), order // width, m + 1)
+    depth_key = torch.where(torch.isfinite(est_c), order // width, rows)
     # numpy's lexsort((-est_c, depth_key)) as two stable sorts, the minor key first.
     by_est = torch.sort(-est_c, dim=1, stable=True).indices
     by_depth = torch.sort(depth_key.gather(1, by_est), dim=1, stable=True).indices
@@ -82,26 +83,23 @@ class DeviceForks:
     def __init__(self, groups, seqs, ranked, layout: TreeLayout, per_seq: int, accept_rate: float):
         ids, probs, starts = ranked
         device = ids.device
-        counts = np.bincount(layout.seq, minlength=len(seqs))
-        offsets = np.cumsum(counts) - counts
-        plan, parts = [], []
-        for (m, fan), idx in groups.items():
-            c = fork_count(m, fan, per_seq)
-            if c == 0:
-                continue
-            idx = np.asarray(idx, dtype=np.int64)
-            drafts = np.array([seqs[i].draft_token_ids for i in idx], dtype=np.int64).reshape(-1)
-            rows = (starts[idx][:, None] + np.arange(m + 1)).ravel()  # their rows of the ranking
-            parts += [rows, drafts, (offsets[idx][:, None] + np.arange(c)).ravel()]
-            plan.append((len(idx), m, fan, c))
-        uploaded = upload_arrays(parts, device) if parts else []
-        out = torch.empty((2, len(layout.seq)), dtype=torch.int64, device=device)  # depths, tokens
-        for i, (g, m, fan, c) in enumerate(plan):
-            rows, drafts, dst = uploaded[3 * i : 3 * i + 3]
-            d, t = select_forks_device(ids[rows].view(g, m + 1, -1), probs[rows].view(g, m + 1, -1),
-                                       drafts.view(g, m), fan, per_seq, accept_rate)
-            out[0].index_copy_(0, dst, d[:, :c].reshape(-1))
-            out[1].index_copy_(0, dst, t[:, :c].reshape(-1))
+        b, width = len(seqs), ids.shape[1]
+        m = np.array([len(s.draft_token_ids) for s in seqs], dtype=np.int64)
+        depths = int(m.max()) + 1
+        drafts = np.full((b, depths - 1), PLACEHOLDER_TOKEN_ID, dtype=np.int64)
+        want = np.zeros((b, depths), dtype=np.int64)
+        for (mg, fan), idx in groups.items():
+            f = np.array(fan[: mg + 1], dtype=np.int64)
+            want[np.asarray(idx)[:, None], np.arange(len(f))] = f
+            if mg:
+                drafts[idx, :mg] = [seqs[i].draft_token_ids for i in idx]
+        rows = starts[:, None] + np.minimum(np.arange(depths)[None, :], m[:, None])  # [B, depths] of the ranking
+        w = min(per_seq, depths * width)  # select_forks_device's columns
+        rows, drafts, m, want, src = upload_arrays((rows.ravel(), drafts.ravel(), m, want.ravel(),
+                                                    layout.seq * w + layout.branch), device)
+        d, t = select_forks_device(ids[rows].view(b, depths, width), probs[rows].view(b, depths, width),
+                                   drafts.view(b, depths - 1), m, want.view(b, depths), per_seq, accept_rate)
+        out = torch.stack((d.reshape(-1)[src], t.reshape(-1)[src]))  # [2, F]: depths, tokens
         self.depth, self.token = out[0], out[1]
         self._layout, self._forks, self._event = layout, None, None
         if device.type == "cuda":

@@ -1,7 +1,8 @@
 """Forks chosen on the device (draft_proc/device_forks.py) are the host's forks.
 
   - select_forks_device gives select_forks_batch's depths and tokens, entry for entry,
-    with repeated ids, -1 padding and tied probabilities;
+    with repeated ids, -1 padding and tied probabilities, and sequences of different
+    drafts counts in one call;
   - DeviceForks lays a work-ahead's groups out sequence by sequence as
     select_forks_groups does, and `fits` says when a ranking fixes their number;
   - TreeLayout.batch_on_device patches the uploaded layout into `batch`'s step, and
@@ -32,8 +33,10 @@ DUMMY = 9999
 def test_device_selection_is_select_forks_batch(ties):
     for ids, probs, drafts, fan, budget, rate in random_rankings(13 if ties else 14, ties):
         depth, token, _ = select_forks_batch(ids, probs, drafts, fan, budget, rate)
-        d, t = select_forks_device(torch.from_numpy(ids), torch.from_numpy(probs), torch.from_numpy(drafts), fan,
-                                   budget, rate)
+        b, m = drafts.shape
+        want = np.tile([fan[j] if j < len(fan) else 0 for j in range(m + 1)], (b, 1))
+        d, t = select_forks_device(torch.from_numpy(ids), torch.from_numpy(probs), torch.from_numpy(drafts),
+                                   torch.full((b,), m), torch.from_numpy(want), budget, rate)
         np.testing.assert_array_equal(d.numpy(), depth)
         np.testing.assert_array_equal(t.numpy(), token)
 
@@ -89,7 +92,8 @@ def _layout(counts, rng):
 
 def test_device_forks_are_the_host_forks_sequence_by_sequence():
     """Groups of several drafts counts and two fan-outs, a fresh sequence (m = 0, the
-    whole budget at depth 0), groups of one sequence and of several."""
+    whole budget at depth 0), groups of one sequence and of several: one selection for
+    all of them."""
     rng = np.random.default_rng(16)
     for _ in range(40):
         per_seq = int(rng.integers(2, 9))
