@@ -21,7 +21,7 @@ import torch
 from draft_proc.tree_cache import Forks
 from draft_proc.tree_layout import TreeLayout
 from protocol.messages import PLACEHOLDER_TOKEN_ID
-from spec_runtime.engine.forward_batch import upload_arrays
+from spec_runtime.engine.forward_batch import to_host, upload_arrays
 from spec_runtime.sampling import to_device
 
 
@@ -101,21 +101,17 @@ class DeviceForks:
                                    drafts.view(b, depths - 1), m, want.view(b, depths), per_seq, accept_rate)
         out = torch.stack((d.reshape(-1)[src], t.reshape(-1)[src]))  # [2, F]: depths, tokens
         self.depth, self.token = out[0], out[1]
-        self._layout, self._forks, self._event = layout, None, None
-        if device.type == "cuda":
-            self._host = torch.empty(out.shape, dtype=torch.int64, pin_memory=True)
-            self._host.copy_(out, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-        else:
-            self._host = out
+        (self._host,), self._copied = to_host(out)
+        self._layout, self._forks = layout, None
 
     def host(self) -> Forks:
-        """The forks on the host; waits for their copy, not for the work queued after it."""
+        """The forks on the host, also written into the layout's host arrays (TreeLayout.fill_host);
+        waits for their copy, not for the work queued after it."""
         if self._forks is None:
-            if self._event is not None:
-                self._event.synchronize()  # sync: the forks' copy only
+            if self._copied is not None:
+                self._copied.synchronize()  # sync: the forks' copy only
             h = self._host.numpy()
             self._forks = Forks(seq=self._layout.seq, depth=h[0].copy(), token_id=h[1].copy(),
                                 branch=self._layout.branch)
+            self._layout.fill_host(self._forks)
         return self._forks

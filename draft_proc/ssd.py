@@ -277,10 +277,9 @@ class SSDEngine:
         forks = DeviceForks(groups, seqs, ranked, layout, self._branches_per_seq(len(seqs)), self.accept_rate)
         first = layout.batch_on_device(forks.depth, forks.token, self.runner.device)
         if self.runner.device.type != "cuda":
-            layout.fill_host(forks.host())  # the CPU attention reads the windows from the host
+            forks.host()  # the CPU attention reads the windows from the layout's host arrays
 
         def positions() -> np.ndarray:  # once step 0 is queued
-            layout.fill_host(forks.host())
             return layout.n + forks.host().depth + 1
 
         tokens, q_ids, q_probs, sampled = self._outputs(seqs, len(layout.seq), k)

@@ -151,6 +151,19 @@ def upload_arrays(parts: Sequence[np.ndarray], device: torch.device | str) -> li
     return views
 
 
+def to_host(*tensors):
+    """(host copies, event): the copies (None stays None), into pinned memory, are queued
+    right behind the work queued so far, so the event completes with them, not with the
+    work queued after (a plain `.cpu()` would wait for that too). On the CPU: the tensors
+    themselves and no event."""
+    if tensors[0].device.type != "cuda":
+        return tensors, None
+    host = tuple(None if t is None else t.to("cpu", non_blocking=True) for t in tensors)  # pinned
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
+
+
 def build_forward_batch(items: Sequence[ForwardItem], device: torch.device | str) -> ForwardBatch:
     """Flatten items into one ForwardBatch; one host-to-device copy per array."""
     if not items:
