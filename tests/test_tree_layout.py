@@ -18,10 +18,10 @@ import torch
 from conftest import save_tiny_model
 from draft_proc.drafter import ModelDrafter
 from draft_proc.ssd import SSDEngine
-from draft_proc.tree_sizes import scratch_rows_needed
 from draft_proc.state import DraftSeq
 from draft_proc.tree_cache import Forks, select_forks_batch
 from draft_proc.tree_layout import TreeLayout, fork_count
+from draft_proc.tree_sizes import scratch_rows_needed
 from spec_runtime.bench.oracle import draft_oracle
 from spec_runtime.config import ModelConfig, SpeculativeConfig
 from spec_runtime.engine.forward_batch import tree_arrays
