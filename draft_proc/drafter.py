@@ -91,9 +91,7 @@ class ModelDrafter(Speculator):
         """The loop under decode_chain and the SSD tree decode. make_batch(i, prev) is
         step i's ForwardBatch, prev the [T] device tokens of step i - 1 (None at step 0).
         select: [R] device indices of the logits rows that belong to `rows` (a tree step
-        carries padding tokens); None: every row. positions: as decode_chain's, or a
-        function that gives them once step 0 is queued (forks chosen on the device:
-        device_forks.py). Returns what decode_chain returns.
+        carries padding tokens); None: every row. Returns what decode_chain returns.
 
         The host builds step i + 1 while the GPU runs step i and syncs once per
         speculation instead of once per token (with flashinfer graphs, the backend's plan
@@ -108,8 +106,6 @@ class ModelDrafter(Speculator):
         for i in range(num_steps):
             batch = make_batch(i, prev)
             logits = self.runner.forward(batch, rows=select)  # [R, V]: `rows`' logits (every row without select)
-            if i == 0 and callable(positions):
-                positions = positions()
             if i == 0 and chain is not None:
                 # Benchmark oracle for every step at once, while step 0 runs on the GPU.
                 steps_tf = chain(rows, positions, num_steps, self.runner.vocab_size, device)

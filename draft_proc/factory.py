@@ -72,7 +72,7 @@ def _draft_runner(cfg, num_slots: int, max_len: int):
     spec = cfg.spec
     scratch, shapes, local_rows = 0, (), 0
     if spec.mode == "ssd":
-        from draft_proc.tree_sizes import scratch_rows_needed, tree_local_rows, tree_shapes
+        from draft_proc.ssd import scratch_rows_needed, tree_local_rows, tree_shapes
 
         scratch = scratch_rows_needed(spec, num_slots)
         shapes, local_rows = tree_shapes(spec, num_slots), tree_local_rows(spec)

@@ -8,8 +8,6 @@ Then, while the target verifies what it was just sent, the draft works ahead:
   glue:        one forward over [x_n, d_1..d_m] per sequence: writes their KV to the
                sequence's rows and yields the draft's distribution at every depth 0..m;
   fork:        the top-F_j tokens at depth j (excluding d_{j+1}), see tree_cache.py;
-               chosen on the device where the ranking fixes their number per sequence
-               (device_forks.py), so the first tree step queues behind the glue;
   tree decode: K steps over all branches of all sequences in one batch; a branch
                attends to its sequence's rows [0, n + j) and its own scratch rows. The
                branches of a sequence are the tokens of one request under a
@@ -39,7 +37,6 @@ import time
 import numpy as np
 import torch
 
-from draft_proc.device_forks import DeviceForks, fits
 from draft_proc.speculator import Speculator
 from draft_proc.state import DraftSeq
 from draft_proc.tree_budget import TreeBudget
@@ -53,6 +50,39 @@ from spec_runtime.sampling import to_device
 logger = logging.getLogger(__name__)
 
 
+def max_branches(spec_cfg) -> int:
+    return spec_cfg.max_branches()
+
+
+def scratch_rows_needed(spec_cfg, num_slots: int) -> int:
+    return num_slots * max_branches(spec_cfg) * spec_cfg.k
+
+
+def branches_per_seq(spec_cfg, num_seqs: int) -> int:
+    """Branches each sequence gets when `num_seqs` work ahead together (SpeculativeConfig.branches_per_seq)."""
+    return spec_cfg.branches_per_seq(num_seqs)
+
+
+def tree_shapes(spec_cfg, max_seqs: int) -> list[tuple[int, int]]:
+    """(sequences, branches per sequence) of the tree-step CUDA graphs: one per power of
+    two up to max_seqs (and max_seqs), branches padded to a power of two; unless the
+    tree is pinned, also every smaller level of the ladder the round policy picks from."""
+    sizes, b = [], 1
+    while b < max_seqs:
+        sizes.append(b)
+        b *= 2
+    sizes.append(max_seqs)
+    shapes = []
+    for s in sizes:
+        shapes += [(s, pow2_at_least(q)) for q in spec_cfg.tree_levels(s)]
+    return sorted(set(shapes))
+
+
+def tree_local_rows(spec_cfg) -> int:
+    """Rows a branch sees beyond its sequence's prefix: up to K accepted drafts, then K scratch rows."""
+    return 2 * spec_cfg.k
+
+
 class SSDEngine:
     def __init__(self, drafter, backup: Speculator | None, spec_cfg):
         self.drafter = drafter
@@ -62,7 +92,7 @@ class SSDEngine:
         self.backup = backup
         self.cfg = spec_cfg
         self.k = spec_cfg.k
-        self.cache = TreeCache(spec_cfg.max_branches(), spec_cfg.k, self.layout.scratch_base)
+        self.cache = TreeCache(max_branches(spec_cfg), spec_cfg.k, self.layout.scratch_base)
         self.budget = TreeBudget(spec_cfg.branches_per_seq, "fixed" if spec_cfg.tree_pinned else "auto")
         self._requested_branches = 0  # this work-ahead's branches per sequence, as the request named (0: none)
         self._pending: dict[int, DraftTokens | None] = {}
@@ -139,12 +169,10 @@ class SSDEngine:
         if seqs:
             ranked = self._glue(seqs)
             groups = self._fork_groups(seqs)
-            # The first tree step is laid out while the glue's forward runs.
-            counts = fork_counts(groups, len(seqs), self._branches_per_seq(len(seqs)))
-            layout = self._layout(seqs, counts, k)
-            if self._forks_on_device(seqs, ranked, groups, layout, counts, k):
-                self._tree_decode_device(seqs, ranked, groups, layout, k)
-            elif forks := self._fork(seqs, ranked, groups):  # waits for the glue
+            # The first tree step is laid out while the glue's forward runs; _fork waits for it.
+            layout = self._layout(seqs, fork_counts(groups, len(seqs), self._branches_per_seq(len(seqs))), k)
+            forks = self._fork(seqs, ranked, groups)
+            if forks:
                 self._tree_decode(seqs, forks, k, layout)
             else:
                 for s in seqs:
@@ -261,40 +289,6 @@ class SSDEngine:
         host = (ranked[0].cpu().numpy(), ranked[1].cpu().numpy(), ranked[2])  # sync: forks chosen on the host
         return select_forks_groups(groups, seqs, host, self._branches_per_seq(len(seqs)), self.accept_rate)
 
-    def _forks_on_device(self, seqs: list[DraftSeq], ranked, groups, layout: TreeLayout | None, counts,
-                         k: int) -> bool:
-        """Whether the forks can be chosen on the device (device_forks.py): the ranking fixes
-        their number per sequence (`counts`), the layout holds that many, and every branch
-        drafts k tokens."""
-        if layout is None or not np.array_equal(np.bincount(layout.seq, minlength=len(seqs)), counts):
-            return False
-        room = min(self.layout.max_model_len - s.num_tokens - len(s.draft_token_ids) - 1 for s in seqs)
-        return 0 < k <= room and fits(groups, ranked[0].shape[1])
-
-    def _tree_decode_device(self, seqs: list[DraftSeq], ranked, groups, layout: TreeLayout, k: int) -> None:
-        """The tree decode with the forks chosen on the device: the first step queues behind
-        the glue, and the host reads the forks back while it runs."""
-        forks = DeviceForks(groups, seqs, ranked, layout, self._branches_per_seq(len(seqs)), self.accept_rate)
-        first = layout.batch_on_device(forks.depth, forks.token, self.runner.device)
-        if self.runner.device.type != "cuda":
-            forks.host()  # the CPU attention reads the windows from the layout's host arrays
-
-        def positions() -> np.ndarray:  # once step 0 is queued
-            return layout.n + forks.host().depth + 1
-
-        tokens, q_ids, q_probs, sampled = self._outputs(seqs, len(layout.seq), k)
-        self._run_tree(seqs, first, layout, positions, k, tokens, q_ids, q_probs, sampled)
-        self._store(seqs, forks.host(), np.full(len(layout.seq), k), tokens, q_ids, q_probs, sampled)
-
-    def _outputs(self, seqs: list[DraftSeq], num_forks: int, k: int):
-        """tokens [F, k] (-1: none), q_ids and q_probs [F, k, top] (None if all are greedy), sampled."""
-        sampled = any(s.temperature > 0 for s in seqs)
-        top = self.cfg.draft_top_k
-        tokens = np.full((num_forks, k), -1, dtype=np.int64)
-        q_ids = np.zeros((num_forks, k, top), dtype=np.int64) if sampled else None
-        q_probs = np.zeros((num_forks, k, top), dtype=np.float32) if sampled else None
-        return tokens, q_ids, q_probs, sampled
-
     def _tree_decode(self, seqs: list[DraftSeq], forks: Forks, k: int, layout: TreeLayout | None = None) -> None:
         """layout: the first step laid out for the forks expected (_layout); the shared-prefix
         step uses it if the forks match it, a layout of their own if not."""
@@ -302,13 +296,16 @@ class SSDEngine:
         # Outcome (j, t) leaves the sequence with n + j + 1 tokens; its speculation is
         # capped like the chain drafter's, at max_model_len - (n + j + 1).
         lens = np.clip(np.minimum(k, self.layout.max_model_len - (n + forks.depth + 1)), 0, None)
-        tokens, q_ids, q_probs, sampled = self._outputs(seqs, len(forks), k)
+        sampled = any(s.temperature > 0 for s in seqs)
+        top = self.cfg.draft_top_k
+        tokens = np.full((len(forks), k), -1, dtype=np.int64)
+        q_ids = np.zeros((len(forks), k, top), dtype=np.int64) if sampled else None
+        q_probs = np.zeros((len(forks), k, top), dtype=np.float32) if sampled else None
         if k > 0 and (lens == k).all():
             if layout is None or not layout.matches(forks):
                 layout = self._layout(seqs, np.bincount(forks.seq, minlength=len(seqs)), k)
             if layout is not None:
-                first = layout.batch(forks, self.runner.device)
-                self._run_tree(seqs, first, layout, n + forks.depth + 1, k, tokens, q_ids, q_probs, sampled)
+                self._tree_decode_shared(seqs, forks, layout, n, k, tokens, q_ids, q_probs, sampled)
                 self._store(seqs, forks, lens, tokens, q_ids, q_probs, sampled)
                 return
         # All branches of all sequences step together (one batch per step); branches near
@@ -363,18 +360,19 @@ class SSDEngine:
         scratch = self.cache.scratch_base + slot * self.cache.max_branches * self.cache.k  # branch 0's rows
         return TreeLayout(prefixes, counts, n, accepted, scratch, self.cache.k, k, q_len, self.runner.dummy_row)
 
-    def _run_tree(self, seqs, first, layout: TreeLayout, positions, k, tokens, q_ids, q_probs, sampled) -> None:
-        """K tree steps from `first` (the layout's first step) with one request per sequence
-        and its branches as the request's tokens; the prefix [0, n) is shared, each branch
-        sees its accepted drafts [n, n + j) and its scratch rows. positions: [F] each
-        branch's first sampled position, or a function that gives them once step 0 is queued."""
+    def _tree_decode_shared(self, seqs, forks: Forks, layout: TreeLayout, n, k, tokens, q_ids, q_probs,
+                            sampled) -> None:
+        """K tree steps with one request per sequence and its branches as the request's
+        tokens; the prefix [0, n) is shared (n [F]: each fork's sequence length), each
+        branch sees its accepted drafts [n, n + j) and its scratch rows."""
+        first = layout.batch(forks, self.runner.device)
         select_d = to_device(torch.from_numpy(layout.arrays.token), self.runner.device)
 
         def make_batch(i, prev):
             return first if i == 0 else tree_step_batch(first, i, prev)
 
-        rows = [seqs[i] for i in layout.seq.tolist()]
-        toks, qi, qp = self.drafter.run_chain(make_batch, rows, positions, k, select=select_d)
+        rows = [seqs[i] for i in forks.seq.tolist()]
+        toks, qi, qp = self.drafter.run_chain(make_batch, rows, n + forks.depth + 1, k, select=select_d)
         tokens[:] = toks
         if sampled:  # greedy branches in a sampled batch get a one-hot q
             put_q(q_ids, q_probs, (slice(None), slice(None)), toks, qi, qp)

@@ -8,17 +8,15 @@ fan-out and budget fix (`fork_count`), provided every branch gets the same numbe
 rows: its accepted drafts, its K scratch rows, then the dummy row, which its window never
 reaches. So the engine lays the step out while the glue's forward runs (`TreeLayout`) and,
 once the forks are chosen, writes in what their depths and tokens decide (`batch`): each
-branch's token, position, window and the order of its own rows; or, with the forks chosen
-on the device (device_forks.py), patches the uploaded layout there (`batch_on_device`).
+branch's token, position, window and the order of its own rows.
 """
 
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from draft_proc.tree_cache import Forks
-from spec_runtime.engine.forward_batch import ForwardBatch, tree_arrays, upload_arrays
+from spec_runtime.engine.forward_batch import ForwardBatch, tree_arrays
 
 
 def fork_count(m: int, fan: tuple[int, ...], per_seq: int) -> int:
@@ -66,40 +64,15 @@ class TreeLayout:
         """Whether `forks` come as many per sequence as this layout holds."""
         return len(forks) == len(self.seq) and bool((forks.seq == self.seq).all())
 
-    def fill_host(self, forks: Forks) -> None:
-        """Write what the forks' depths and tokens decide into the host arrays (not the
-        kv indices: `batch` writes those, `batch_on_device` patches them on the device)."""
+    def batch(self, forks: Forks, device) -> ForwardBatch:
+        """The first tree step of `forks` (matches: True), on `device`. Once per layout."""
         a, d = self.arrays, forks.depth
         tok = a.token
         a.input_ids[tok] = forks.token_id
         a.positions[tok] = self.n + d
         a.hi[tok] = a.lo[tok] + d + 1
-
-    def batch(self, forks: Forks, device) -> ForwardBatch:
-        """The first tree step of `forks` (matches: True), on `device`. Once per layout."""
-        self.fill_host(forks)
-        d = forks.depth
         col = np.arange(self.width)[None, :]
         rows = np.where(col < d[:, None], self.accepted,
                         np.where(col < d[:, None] + self.k, self.scratch[:, None] + col - d[:, None], self.dummy_row))
-        self.arrays.kv_indices[self.own[:, None] + col] = rows
-        return self.arrays.upload(device)
-
-    def batch_on_device(self, depth: torch.Tensor, token: torch.Tensor, device) -> ForwardBatch:
-        """`batch` for forks whose depths and tokens [F] are on `device` (device_forks.py):
-        the layout goes up as laid out and is patched there. Its host copies of positions
-        and windows (`ForwardBatch.logits_positions_cpu`, `TreeMask.hi_cpu`) hold the
-        forks' values once `fill_host` has written them."""
-        b = self.arrays.upload(device)
-        f = len(self.seq)
-        tok, n, own, scratch, accepted = upload_arrays(
-            (self.arrays.token, self.n, self.own, self.scratch, self.accepted.ravel()), device)
-        b.input_ids[tok] = token
-        b.positions[tok] = n + depth
-        b.tree.hi[tok] = (b.tree.lo[tok] + depth + 1).to(torch.int32)
-        col = torch.arange(self.width, device=depth.device)[None, :]
-        d = depth[:, None]
-        rows = torch.where(col < d, accepted.view(f, self.width),
-                           torch.where(col < d + self.k, scratch[:, None] + col - d, self.dummy_row))
-        b.kv_indices[(own[:, None] + col).reshape(-1)] = rows.reshape(-1).to(torch.int32)
-        return b
+        a.kv_indices[self.own[:, None] + col] = rows
+        return a.upload(device)

@@ -3,7 +3,6 @@
 points), so the host time that leaves the GPU idle shows as such.
 
     python scripts/work_ahead_phases.py BATCH BRANCHES CONTEXT [nooracle] [--timeline] [--layouts early,late]
-        [--forks device,host]
 
 draft-1b, K=4, fan-out 3 per depth, BRANCHES the tree budget (per work-ahead), CONTEXT
 tokens of random prompt per sequence, the synthetic oracle unless `nooracle`, one CUDA
@@ -12,17 +11,14 @@ after five untimed ones, the median host time of each phase:
   - glue prep: the glue's entry to its forward's (items, page table, upload);
   - glue after forward: the forward's return to the glue's (oracle, ranking);
   - layout: the first tree step laid out while the glue's forward runs (tree_layout.py);
-  - fork (forks chosen on the host: the ranking read back, a sync), tree prep (the tree
-    decode's entry to its steps'; with the forks chosen on the device, their choice and
-    the first step's patch), steps, store;
+  - fork (the ranking read back: a sync), tree prep (the tree decode's entry to its
+    steps'), steps, store;
   - work-ahead: the whole, and forwards GPU: the five forwards' GPU time (entry to exit
     event of each, the GPU's own time where it was busy before the entry).
 With --timeline, the last work-ahead's marks: host and GPU ms since the start; where the
 GPU's time equals the host's, the GPU waited for the host. --layouts: in turn, twice
 each, in one process: `early` as SSDEngine does it, `late` with the step laid out only
-once the forks are chosen (the layout made before the forks is dropped). --forks: in
-turn, under each layout, `device` as SSDEngine does it where it can (device_forks.py),
-`host` with the forks chosen on the host after the ranking is read back.
+once the forks are chosen (the layout made before the forks is dropped).
 """
 
 from __future__ import annotations
@@ -41,8 +37,7 @@ SPANS = (("glue prep", "glue>", "fwd>"), ("glue after forward", "fwd<", "glue<")
 
 def build(batch: int, budget: int, ctx: int, oracle: bool):
     from draft_proc.drafter import ModelDrafter
-    from draft_proc.ssd import SSDEngine
-    from draft_proc.tree_sizes import scratch_rows_needed, tree_local_rows, tree_shapes
+    from draft_proc.ssd import SSDEngine, scratch_rows_needed, tree_local_rows, tree_shapes
     from draft_proc.state import DraftSeq
     from spec_runtime.bench.oracle import draft_oracle
     from spec_runtime.config import ModelConfig, SpeculativeConfig
@@ -80,7 +75,7 @@ def instrument(ssd, drafter, runner, marks: list):
             return out
         setattr(obj, attr, run)
 
-    for attr in ("_glue", "_layout", "_fork", "_tree_decode", "_tree_decode_device", "_store"):
+    for attr in ("_glue", "_layout", "_fork", "_tree_decode", "_store"):
         wrap(ssd, attr, attr.strip("_"))
     wrap(drafter, "run_chain", "steps")
     wrap(runner, "forward", "fwd")
@@ -112,10 +107,8 @@ def measure(ssd, seqs, marks: list, mark) -> tuple[dict[str, list[float]], list]
         first: dict[str, float] = {}
         for n, h, _ in rows:
             first.setdefault(n, h)
-        if "tree_decode>" not in first:  # forks chosen on the device
-            first["tree_decode>"] = first.get("tree_decode_device>", np.nan)
-        for name, a, b in SPANS:  # a phase's first run (the layout's: before the forks); nan: not run
-            got[name].append(first.get(b, np.nan) - first.get(a, np.nan))
+        for name, a, b in SPANS:
+            got[name].append(first[b] - first[a])  # a phase's first run (the layout's: before the forks)
         got["forwards GPU"].append(sum(rows[i + 1][2] - rows[i][2] for i in range(len(rows) - 1)
                                        if rows[i][0] == "fwd>"))
     return got, rows
@@ -129,7 +122,6 @@ def main() -> None:
     p.add_argument("oracle", nargs="?", default="oracle", choices=("oracle", "nooracle"))
     p.add_argument("--timeline", action="store_true")
     p.add_argument("--layouts", default="early,late")
-    p.add_argument("--forks", default="device,host")
     args = p.parse_args()
     torch.set_num_threads(1)
     runner, drafter, ssd, seqs = build(args.batch, args.branches, args.context, args.oracle == "oracle")
@@ -147,15 +139,12 @@ def main() -> None:
         calls.append(1)
         return None if len(calls) % 2 else early(seqs, counts, k)
 
-    on_device = ssd._forks_on_device
-    for order, forks in [(o, f) for o in args.layouts.split(",") for f in args.forks.split(",")] * 2:
+    for order in args.layouts.split(",") * 2:
         calls.clear()
         ssd._layout = early if order == "early" else late
-        ssd._forks_on_device = on_device if forks == "device" else (lambda *a: False)
         got, rows = measure(ssd, seqs, marks, mark)
         print(f"batch {args.batch}, {args.branches} branches, context {args.context}, {args.oracle}, layout {order}, "
-              f"forks {forks}, medians of 15 work-aheads (host ms): "
-              + ", ".join(f"{n} {np.median(v):.3f}" for n, v in got.items()))
+              "medians of 15 work-aheads (host ms): " + ", ".join(f"{n} {np.median(v):.3f}" for n, v in got.items()))
         if args.timeline:
             print(f"{'mark':<16}{'host ms':>9}{'gpu ms':>9}")
             for n, h, g in rows:

@@ -74,6 +74,18 @@ def request_plan(landed: RoundPlan, upcoming: RoundPlan | None) -> RoundPlan:
     return landed
 
 
+def to_host(*tensors):
+    """(host copies, event): the copies (None stays None) are queued right behind the
+    step's sampling, so the event completes with the step, not with the steps queued after
+    it (a plain `.cpu()` at landing would wait for those too)."""
+    if tensors[0].device.type != "cuda":
+        return tensors, None
+    host = tuple(None if t is None else t.to("cpu", non_blocking=True) for t in tensors)  # pinned
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
+
+
 def allows_ahead(seqs: list[Sequence]) -> bool:
     """Whether a plain step over `seqs` may run ahead of the step before it lands (module doc)."""
     return all(s.grammar is None and not needs_processing(s.sampling) for s in seqs)

@@ -27,11 +27,12 @@ from protocol.messages import (PLACEHOLDER_TOKEN_ID, EngineStats, RequestOutput,
                                add_totals)
 from protocol.sparse_q import DraftTokens
 from spec_runtime.config import RuntimeConfig, step_token_budget
-from spec_runtime.engine.forward_batch import ForwardItem, to_host
+from spec_runtime.engine.forward_batch import ForwardItem
 from spec_runtime.engine.kv_blocks import KVBlocks
 from spec_runtime.rejection import rejection_sample
 from spec_runtime.structured import Grammars
-from target_proc.ahead import Launched, ahead_of, allows_ahead, ends_by_length, fill_tokens, request_plan
+from target_proc.ahead import (Launched, ahead_of, allows_ahead, ends_by_length, fill_tokens, request_plan,
+                               to_host)
 from target_proc.draft_link import DraftLink
 from target_proc.halves import Halves
 from target_proc.kv_schedule import KVScheduler

@@ -212,15 +212,15 @@ def test_failed_prefetch_is_logged_and_the_sequence_misses_exactly(model_dir, ca
     ssd = h.worker.ssd
 
     def broken(*args):
-        raise RuntimeError("storing the tree broke")
+        raise RuntimeError("tree decode broke")
 
-    ssd._store = broken  # fails after the glue has written the prompt's KV and the tree is decoded
+    ssd._tree_decode = broken  # fails after the glue has written the prompt's KV
     h.add(1)
     h.drain()
     h.worker.run_once()
-    assert "prefetch for 1 new sequences failed" in caplog.text and "storing the tree broke" in caplog.text
+    assert "prefetch for 1 new sequences failed" in caplog.text and "tree decode broke" in caplog.text
     assert ssd.num_entries() == 0 and h.worker.seqs[1].num_cached == 0 and not h.worker.fresh
-    del ssd._store
+    del ssd._tree_decode
     h.request([(1, 0, h.chain(1, PROMPTS[1])[0][0])])
     h.drain()
     resp = h.response()

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from draft_proc.tree_sizes import branches_per_seq, tree_shapes
+from draft_proc.ssd import branches_per_seq, tree_shapes
 from draft_proc.tree_budget import _PAUSE, TreeBudget, bucket_of, ladder
 from spec_runtime.config import SpeculativeConfig
 

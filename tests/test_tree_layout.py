@@ -5,8 +5,8 @@ forward_batch.build_tree_batch's layout in where rows sit, not in what a token s
 branch's token, position and write row, and the rows its window shows, in order, must be
 build_tree_batch's. And a work-ahead through it must leave the same cache as the per-branch
 layout, over rounds that hit and miss, with sequences of different drafts counts, greedy
-and sampled, with the benchmark oracle, with the forks chosen on the device, and chosen on
-the host when they do not match the layout laid out for them.
+and sampled, with the benchmark oracle, whether the forks match the layout laid out for
+them or not.
 """
 
 from __future__ import annotations
@@ -17,11 +17,10 @@ import torch
 
 from conftest import save_tiny_model
 from draft_proc.drafter import ModelDrafter
-from draft_proc.ssd import SSDEngine
+from draft_proc.ssd import SSDEngine, scratch_rows_needed
 from draft_proc.state import DraftSeq
 from draft_proc.tree_cache import Forks, select_forks_batch
 from draft_proc.tree_layout import TreeLayout, fork_count
-from draft_proc.tree_sizes import scratch_rows_needed
 from spec_runtime.bench.oracle import draft_oracle
 from spec_runtime.config import ModelConfig, SpeculativeConfig
 from spec_runtime.engine.forward_batch import tree_arrays
@@ -155,8 +154,6 @@ def test_the_laid_out_tree_leaves_the_per_branch_layouts_cache(model_dir, temper
         return layout
 
     engines[1]._layout = recorded
-    on_device, decode_device = [], engines[1]._tree_decode_device
-    engines[1]._tree_decode_device = lambda *a: on_device.append(1) or decode_device(*a)
     for a, b in _rounds(engines, temperature):
         assert [[key for key, _ in row] for row in a] == [[key for key, _ in row] for row in b]
         for row_a, row_b in zip(a, b):
@@ -164,10 +161,8 @@ def test_the_laid_out_tree_leaves_the_per_branch_layouts_cache(model_dir, temper
                 assert ea.draft_token_ids.tolist() == eb.draft_token_ids.tolist()
                 if temperature > 0:  # the same q (near-equal probabilities may swap ranks)
                     np.testing.assert_allclose(_dense(ea), _dense(eb), atol=1e-5)
-    # One layout per work-ahead, and with mismatch a second one for the forks chosen on the
-    # host; without, the forks are chosen on the device (device_forks.py).
+    # One layout per work-ahead, and with mismatch a second one for the forks.
     assert len(laid_out) == (12 if mismatch else 6) and all(x is not None for x in laid_out)
-    assert len(on_device) == (0 if mismatch else 6)
 
 
 @pytest.mark.gpu
@@ -178,7 +173,7 @@ def test_on_the_gpu_the_laid_out_tree_drafts_the_per_branch_layouts_tokens(tmp_p
     graph (Triton attention) against the per-branch layout run eagerly: the same forks,
     and the same tokens but where bf16 arithmetic over the two layouts tips an argmax
     or a draw."""
-    from draft_proc.tree_sizes import tree_local_rows, tree_shapes
+    from draft_proc.ssd import tree_local_rows, tree_shapes
 
     path = save_tiny_model(tmp_path / "m", "llama", hidden_size=1024, num_attention_heads=8, num_key_value_heads=2,
                            intermediate_size=2048, num_hidden_layers=4, initializer_range=0.02)

@@ -136,7 +136,7 @@ class ForwardBatch:
         return self.max_q_len == 1
 
 
-def upload_arrays(parts: Sequence[np.ndarray], device: torch.device | str) -> list[torch.Tensor]:
+def _upload(parts: Sequence[np.ndarray], device: torch.device | str) -> list[torch.Tensor]:
     """One host-to-device copy for all arrays (each copy costs a launch and, from pageable
     memory, a wait): int64 device views of one buffer, in order. input_ids, positions and
     kv_write_rows go first and back to back, so the graph runner refills all three with
@@ -149,19 +149,6 @@ def upload_arrays(parts: Sequence[np.ndarray], device: torch.device | str) -> li
         views.append(packed[start : start + len(a)])
         start += len(a)
     return views
-
-
-def to_host(*tensors):
-    """(host copies, event): the copies (None stays None), into pinned memory, are queued
-    right behind the work queued so far, so the event completes with them, not with the
-    work queued after (a plain `.cpu()` would wait for that too). On the CPU: the tensors
-    themselves and no event."""
-    if tensors[0].device.type != "cuda":
-        return tensors, None
-    host = tuple(None if t is None else t.to("cpu", non_blocking=True) for t in tensors)  # pinned
-    done = torch.cuda.Event()
-    done.record()
-    return host, done
 
 
 def build_forward_batch(items: Sequence[ForwardItem], device: torch.device | str) -> ForwardBatch:
@@ -196,7 +183,7 @@ def build_forward_batch(items: Sequence[ForwardItem], device: torch.device | str
             raise ValueError(f"logits must be last, all or none, got {it.logits!r}")
     logits_indices = np.concatenate(logit_idx) if logit_idx else np.zeros(0, dtype=np.int64)
 
-    ids_d, pos_d, write_d, qo_d, kv_d, kvi_d, logit_d = upload_arrays(
+    ids_d, pos_d, write_d, qo_d, kv_d, kvi_d, logit_d = _upload(
         (input_ids, positions, write_rows, qo_indptr, kv_indptr, kv_indices, logits_indices), device)
 
     return ForwardBatch(
@@ -268,7 +255,7 @@ class TreeArrays:
     q_len: int
 
     def upload(self, device: torch.device | str) -> ForwardBatch:
-        ids_d, pos_d, write_d, adv_d, qo_d, kv_d, kvi_d, lo_d, hi_d, plen_d = upload_arrays(
+        ids_d, pos_d, write_d, adv_d, qo_d, kv_d, kvi_d, lo_d, hi_d, plen_d = _upload(
             (self.input_ids, self.positions, self.write_rows, self.advance, self.qo_indptr, self.kv_indptr,
              self.kv_indices, self.lo, self.hi, self.prefix_len), device)
         return ForwardBatch(
