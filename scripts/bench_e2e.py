@@ -38,9 +38,9 @@ def _tuple(kind):
     return lambda s: tuple(kind(x) for x in s.split(",") if x)
 
 
-def run_mode(args, mode: str, alpha: float | None = None) -> list[dict]:
-    """Every point of the matrix in one runtime of `mode`; alpha: the synthetic oracle's
-    acceptance (None: off)."""
+def run_mode(args, mode: str, alpha: float | None = None):
+    """Every point of the matrix in one runtime of `mode`, each point's row yielded as it is
+    measured; alpha: the synthetic oracle's acceptance (None: off)."""
     from protocol.messages import SamplingParams
     from spec_runtime.client import Client
     from spec_runtime.config import ModelConfig, RuntimeConfig, SchedulerConfig, SpeculativeConfig
@@ -63,7 +63,6 @@ def run_mode(args, mode: str, alpha: float | None = None) -> list[dict]:
         startup_timeout_s=900.0,
         log_level=args.log_level,
     )
-    rows = []
     t_start = time.perf_counter()
     with Client(cfg) as client:
         print(f"[{mode}] runtime up in {time.perf_counter() - t_start:.1f} s", file=sys.stderr, flush=True)
@@ -87,8 +86,7 @@ def run_mode(args, mode: str, alpha: float | None = None) -> list[dict]:
                 decode_wall += w - float(np.mean([r.stats.ttft_s for r in res]))
                 results += res
             after = client.engine_stats()
-            rows.append(_row(mode, temp, bs, wall, decode_wall, results, before, after, args, alpha))
-            r = rows[-1]
+            r = _row(mode, temp, bs, wall, decode_wall, results, before, after, args, alpha)
             r["prompt_len"] = prompt_len
             r["ssd_rounds"] = after.num_ssd_rounds - before.num_ssd_rounds
             r["sd_rounds"] = after.num_sd_rounds - before.num_sd_rounds
@@ -119,7 +117,7 @@ def run_mode(args, mode: str, alpha: float | None = None) -> list[dict]:
                   f"tree shrinks/grows {r['tree_shrinks']}/{r['tree_grows']}, "
                   f"draft answer {r['draft_answer_ms'] or 0:.2f} ms",
                   file=sys.stderr, flush=True)
-    return rows
+            yield r
 
 
 def _greedy_identical(rows) -> bool | None:
@@ -255,10 +253,11 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for alpha in args.synthetic_acceptance or (None,):
         for mode in args.modes:
-            rows.extend(run_mode(args, mode, alpha))
-            with open(args.out, "w") as f:  # after every mode: a run cut short keeps what it measured
-                json.dump({"args": vars(args), "host": platform.node(), "rows": rows,
-                           "greedy_identical": _greedy_identical(rows)}, f, indent=1)
+            for row in run_mode(args, mode, alpha):
+                rows.append(row)
+                with open(args.out, "w") as f:  # after every point: a run cut short keeps what it measured
+                    json.dump({"args": vars(args), "host": platform.node(), "rows": rows,
+                               "greedy_identical": _greedy_identical(rows)}, f, indent=1)
     print(f"greedy output identical across modes at every greedy point: {_greedy_identical(rows)}")
     print(f"{'mode':5} {'alpha':>5} {'P':>5} {'T':>4} {'B':>3} {'tok/s':>8} {'decode':>8} {'tok/rnd':>7} {'hit':>5} "
           f"{'v ms':>6} {'wait':>6} {'work':>6} {'ideal':>8}")

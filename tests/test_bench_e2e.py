@@ -1,6 +1,7 @@
 """scripts/bench_e2e.py on a tiny pair on the CPU: a matrix at two synthetic acceptances in
 one command, each row naming its own, the oracle's acceptance following it, greedy output
-compared per acceptance, and scripts/plot_ssd_ratio.py picking one of them."""
+compared per acceptance, scripts/plot_ssd_ratio.py picking one of them, and a run cut short
+keeping the points it measured."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import bench_e2e  # scripts/ is on sys.path (conftest)
 import plot_ssd_ratio
 import pytest
 
-pytestmark = pytest.mark.slow  # four runtimes one after another
+pytestmark = pytest.mark.slow  # runtimes one after another
 
 
 def test_a_matrix_at_two_acceptances_in_one_run(tiny_pair, tmp_path, capsys, monkeypatch):
@@ -36,3 +37,23 @@ def test_a_matrix_at_two_acceptances_in_one_run(tiny_pair, tmp_path, capsys, mon
     plot_ssd_ratio.main()
     assert png.stat().st_size > 0
     assert set(plot_ssd_ratio.ratios([str(out)], alpha=0.3)) == {(8, 2)}
+
+
+def test_a_run_cut_short_keeps_the_points_it_measured(tiny_pair, tmp_path, monkeypatch):
+    out, measured = tmp_path / "e2e.json", []
+    real_row = bench_e2e._row
+
+    def row_then_stop(*args, **kwargs):  # the second point is cut short (as a time limit would)
+        if measured:
+            raise RuntimeError("cut short")
+        measured.append(real_row(*args, **kwargs))
+        return measured[-1]
+
+    monkeypatch.setattr(bench_e2e, "_row", row_then_stop)
+    with pytest.raises(RuntimeError, match="cut short"):
+        bench_e2e.main(["--target", tiny_pair.target, "--draft", tiny_pair.draft, "--target-device", "cpu",
+                        "--draft-device", "cpu", "--modes", "sd", "--k", "2", "--prompt-lens", "8",
+                        "--batch-sizes", "1,2", "--temperatures", "0", "--max-tokens", "8", "--warmup-tokens", "0",
+                        "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["mode"], r["batch_size"]) for r in rows] == [("sd", 1)]
