@@ -13,7 +13,8 @@ and prints the mean host time of that call (the recorded plan is still the one f
 --simulate N runs a fresh policy for N steps at --batch instead, each step costing a record
 drawn from those the chosen plan made in the log (the two steps after a change of plan
 from that plan's records after a change, as a switch costs; a plan the log never ran from
-the recorded plan of its kind nearest in tree shape, which it names), --repeats times with
+the recorded plan of its kind nearest in tree shape, which it names; a one-off stall never:
+_pools), --repeats times with
 seeds 0, 1, ..., and prints the tokens/s it realizes beside plain steps alone: how a change
 to the policy would have fared against the costs a GPU run measured. --warm W runs W steps
 first and counts only the N after them: a policy that starts with its costs measured.
@@ -36,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from target_proc.round_model import MIN_SAMPLES  # noqa: E402
+from target_proc.round_model import MIN_SAMPLES, OUTLIER  # noqa: E402
 from target_proc.round_policy import HALVES, PLAIN, SD, SHORT_JIT_DIV, RoundPlan, RoundPolicy, predict  # noqa: E402
 
 STEP = re.compile(r"step batch (\d+) context (\d+): (.*?)( \(first rounds\))?, wait ([\d.]+) ms, busy ([\d.]+) ms, "
@@ -143,13 +144,7 @@ def simulate(records, batch: int, levels: list[int], k: int, steps: int, seed: i
     """A fresh RoundPolicy run for `warm` + `steps` steps on costs drawn from `records` (the
     module doc): (tokens/s of the last `steps`, their steps per plan label, {plan the log
     lacks: the plan that stood in}). seeded: the policy starts with seed_costs's costs."""
-    pools: dict = {}
-    before: list = [None, None]
-    for plan, _, kw, tokens in records:
-        if kw["steady"]:
-            kind = "steady" if before == [plan, plan] else "entry"
-            pools.setdefault(plan, {"steady": [], "entry": []})[kind].append((kw, tokens))
-        before = [before[1], plan]
+    pools = _pools(records)
     context = int(statistics.median(c for _, c, _, _ in records))
     policy = RoundPolicy(lambda b: levels, k=k, short_jit=k // SHORT_JIT_DIV)
     if seeded:
@@ -167,6 +162,29 @@ def simulate(records, batch: int, levels: list[int], k: int, steps: int, seed: i
             seconds, total = seconds + kw["wait_s"] + kw["busy_s"], total + tokens
             ran[plan.label()] += 1
     return total / seconds, ran, stand_in
+
+
+def _pools(records) -> dict:
+    """{plan: {"steady": [(kw, tokens)], "entry": [...]}} of the steady records: "steady" the
+    steps whose two before ran the same plan, "entry" the rest (a switch's cost). A stall,
+    a step more than OUTLIER times its plan's median step time (the first SSD step of an
+    engine waited 1.36 s for its kernels on an H200, against about 12 ms), is left out: the
+    run paid it once, and drawn at random it would be paid again at every draw."""
+    steady, before = [], [None, None]
+    for plan, _, kw, tokens in records:
+        if kw["steady"]:
+            steady.append((plan, "steady" if before == [plan, plan] else "entry", kw, tokens))
+        before = [before[1], plan]
+    times: dict = {}
+    for plan, _, kw, _ in steady:
+        times.setdefault(plan, []).append(kw["wait_s"] + kw["busy_s"])
+    median = {plan: statistics.median(t) for plan, t in times.items()}
+    pools: dict = {}
+    for plan, kind, kw, tokens in steady:
+        pool = pools.setdefault(plan, {"steady": [], "entry": []})
+        if kw["wait_s"] + kw["busy_s"] <= OUTLIER * median[plan]:
+            pool[kind].append((kw, tokens))
+    return pools
 
 
 def _nearest(plan: RoundPlan, pools: dict) -> RoundPlan:

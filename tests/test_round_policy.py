@@ -871,6 +871,22 @@ def test_replay_stands_in_the_nearest_recorded_plan():
         replay._nearest(SD, pools)
 
 
+def test_replay_leaves_a_one_off_stall_out_of_its_draws():
+    """A stall (the first SSD step of an engine waited 1.36 s for its kernels) is paid once
+    in a run; drawn at random it would be paid at every draw and sink the simulated rate."""
+    replay = _load_replay()
+    ssd = RoundPlan("ssd", 15, "jit")
+    step = lambda wait_s, busy_s: dict(wait_s=wait_s, busy_s=busy_s, steady=True)  # noqa: E731
+    records = [(ssd, 600, step(1.362, 0.052), 1)]
+    records += [(ssd, 600, step(0.004 + 0.001 * (i % 5), 0.006), 3) for i in range(40)]
+    pools = replay._pools(records)
+    drawn = pools[ssd]["steady"] + pools[ssd]["entry"]
+    assert len(drawn) == 40 and max(kw["wait_s"] for kw, _ in drawn) < 0.01
+    # Within OUTLIER of the median a slow step stays: it is part of the plan's cost.
+    pools = replay._pools(records + [(ssd, 600, step(0.030, 0.006), 3)])
+    assert len(pools[ssd]["steady"] + pools[ssd]["entry"]) == 41
+
+
 def _load_replay_all():
     return _load_script("replay_all")
 
