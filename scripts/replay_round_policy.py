@@ -167,9 +167,9 @@ def simulate(records, batch: int, levels: list[int], k: int, steps: int, seed: i
 def _pools(records) -> dict:
     """{plan: {"steady": [(kw, tokens)], "entry": [...]}} of the steady records: "steady" the
     steps whose two before ran the same plan, "entry" the rest (a switch's cost). A stall,
-    a step more than OUTLIER times its plan's median step time (the first SSD step of an
-    engine waited 1.36 s for its kernels on an H200, against about 12 ms), is left out: the
-    run paid it once, and drawn at random it would be paid again at every draw."""
+    a step more than OUTLIER times its plan's median step time (an engine's first SSD step
+    waited 1.36 s on an H200, against about 12 ms), is left out: the run paid it once, and
+    drawn at random it would be paid again at every draw."""
     steady, before = [], [None, None]
     for plan, _, kw, tokens in records:
         if kw["steady"]:

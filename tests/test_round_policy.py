@@ -872,7 +872,7 @@ def test_replay_stands_in_the_nearest_recorded_plan():
 
 
 def test_replay_leaves_a_one_off_stall_out_of_its_draws():
-    """A stall (the first SSD step of an engine waited 1.36 s for its kernels) is paid once
+    """A stall (an engine's first SSD step waited 1.36 s on an H200) is paid once
     in a run; drawn at random it would be paid at every draw and sink the simulated rate."""
     replay = _load_replay()
     ssd = RoundPlan("ssd", 15, "jit")
