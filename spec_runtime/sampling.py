@@ -122,9 +122,15 @@ def warm_up_kernels(device: torch.device, vocab_size: int, top_k_q: int) -> floa
 
 def uniform_torch(seeds: torch.Tensor, positions: torch.Tensor, stream: int, index: torch.Tensor) -> torch.Tensor:
     """`uniform` in torch ops, on any device."""
-    h = hash32(seeds, positions, stream, index)
+    return hash_to_unit(hash32(seeds, positions, stream, index))
+
+
+def hash_to_unit(h):
+    """hash32's values -> the open interval (0, 1) in float64; a NumPy array gives the same
+    bits as a tensor (the benchmark oracle hashes on the host)."""
+    h = h.to(torch.float64) if isinstance(h, torch.Tensor) else h.astype(float)
     # float64 holds (2**32 - 0.5) / 2**32 exactly, so u < 1 and -log(u) > 0.
-    return (h.to(torch.float64) + 0.5) * (1.0 / 4294967296.0)
+    return (h + 0.5) * (1.0 / 4294967296.0)
 
 
 def _exponential(seeds, positions, stream: int, index: torch.Tensor) -> torch.Tensor:

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from spec_runtime.sampling import hash32, to_device
+from spec_runtime.sampling import hash32, hash_to_unit, to_device
 
 STREAM_ORACLE_TOKEN = 101
 STREAM_ORACLE_RANK = 102
@@ -99,8 +99,7 @@ def target_oracle_logits(logits: torch.Tensor, seeds, positions, peak_mass: floa
 def _rank(seeds: np.ndarray, positions: np.ndarray, alpha: float, ranks: tuple[float, ...]) -> np.ndarray:
     if not 0.0 <= alpha <= 1.0 or any(r < 0 for r in ranks) or sum(ranks) > 1.0 + 1e-9:
         raise ValueError(f"need alpha in [0, 1], ranks >= 0, sum(ranks) <= 1; got {alpha}, {ranks}")
-    # uniform()'s bits: (h + 0.5) / 2**32 in float64.
-    u = (hash32(seeds, positions, STREAM_ORACLE_RANK, _INDEX0) + 0.5) * (1.0 / 4294967296.0)  # [*N, 1]
+    u = hash_to_unit(hash32(seeds, positions, STREAM_ORACLE_RANK, _INDEX0))  # [*N, 1]: uniform()'s bits
     bounds = np.array([alpha + (1.0 - alpha) * sum(ranks[:i]) for i in range(len(ranks) + 1)])  # cumulative
     return (u >= bounds).sum(-1)  # [*N]
 
