@@ -38,9 +38,10 @@ probe goes to the other options in turn), whose turn is skipped every other time
 rates more than CLOSE below the choice. A probe discards the option's earlier realized
 rate; one that loses by less than CLOSE runs on until it has a full window (8 steps), as a
 few steps of SSD at small batch scatter too widely to decide between options this close. A
-probe costs its steps and two switches, so one after which the choice stands (or one
-skipped) doubles the wait for the next (up to 8 x probe_every steps), and a change of
-choice restores it. A choice that stood RANK_EVERY rankings in a row is ranked once in
+probe's steps wait for steps that can measure (the choice runs meanwhile), and a probe
+whose bucket the batch left is dropped: its first three steps back measure nothing. A probe costs
+its steps and two switches, so one after which the choice stands (or one skipped) doubles
+the wait for the next (up to 8 x probe_every steps); a change of choice restores it. A choice that stood RANK_EVERY rankings in a row is ranked once in
 RANK_EVERY steps, then twice as far apart at each ranking that keeps it, up to MAX_HOLD
 steps: ranking every option is most of the policy's host time (0.16 ms with the caches
 cold, as between GPU steps). S, P, H and W are medians of their last 8 samples (the least
@@ -110,11 +111,10 @@ class RoundPolicy:
     def __init__(self, tree_levels, *, allow_ssd: bool = True, allow_sd: bool = True, allow_plain: bool = True,
                  allow_halves: bool = True, backup_auto: bool = True,
                  probe_every: int = 64, probe_len: int = 4, warmup: int = 4, k: int = 0, short_jit: int = 0):
-        """tree_levels(batch) -> the tree shapes SSD may run, largest first (one: pinned, left to
-        the draft as 0). backup_auto: choose each round's backup (jit; from batch 2 also none and,
-        when short_jit > 0, `jit:short_jit`), else keep the configured one. k: the speculation
-        length (the short jit's model). allow_halves: from HALVES_FROM_BATCH (at every batch size
-        when neither SSD nor SD rounds are allowed)."""
+        """tree_levels(batch) -> the tree shapes SSD may run, largest first (one: pinned, left to the
+        draft as 0). backup_auto: choose each round's backup (jit; from batch 2 also none and, when
+        short_jit > 0, `jit:short_jit`), else keep the configured one. k: the speculation length (the
+        short jit's model). allow_halves: from HALVES_FROM_BATCH (always without SSD and SD rounds)."""
         if probe_every < 2 or probe_len < 1 or warmup < 1:
             raise ValueError("need probe_every >= 2, probe_len >= 1 and warmup >= 1")
         if short_jit < 0 or (short_jit and not 0 < short_jit < k):
@@ -196,10 +196,13 @@ class RoundPolicy:
         prev = self._buckets.get(last)
         # A bucket left before it chose passes on what the one before it chose.
         came = came if key == last or prev is None or prev.choice is None else prev.choice
-        self._visit = (key, batch, steps + 1 if batch == last_batch else 0, came)
+        self._visit, opts = (key, batch, steps + 1 if batch == last_batch else 0, came), self.options(batch)
+        if b.probe and key != last:  # its bucket was left (module doc): drop it
+            b.probe.clear()
+            b.probed = None
         if b.probe:
-            return b.probe.popleft()
-        opts = self.options(batch)
+            stand_in = b.choice if b.choice in opts else PLAIN if self.allow_plain else None
+            return b.probe.popleft() if steady or stand_in is None else stand_in
         if b.hold and b.choice in opts:  # (a batch that shrank may not offer it)
             b.hold -= 1
             b.steps_since_probe += 1
@@ -301,13 +304,11 @@ class RoundPolicy:
     def record(self, batch: int, plan: RoundPlan, *, context: int = 0, wait_s: float, busy_s: float, num_specs: int = 0,
                num_hits: int = 0, num_drafted: int = 0, drafted_tokens: int = 0, draft_work_s: float = 0.0,
                steady: bool = True, stepped: int = 0, sent: RoundPlan | None = None) -> None:
-        """One step over `batch` sequences ran `plan`: it waited wait_s for speculations and
-        spent busy_s on the verify and host work. num_specs speculations arrived, num_hits of
-        them from the tree cache; num_drafted sequences had drafts and produced drafted_tokens
-        tokens; draft_work_s: the work-ahead the draft reported with them. steady False (a
-        sequence is in its first rounds, the draft still prefilling it): it measures nothing.
-        stepped: the sequences it ran, if fewer than `batch` (a halves step; the counts are of
-        them). sent: the plan its outcomes' request named, if not `plan` (target_proc/ahead.py)."""
+        """One step over `batch` sequences ran `plan`: waited wait_s for speculations (num_specs,
+        num_hits from the tree cache), spent busy_s on the verify and host work; num_drafted
+        sequences had drafts, yielding drafted_tokens; draft_work_s: the draft's work-ahead. Not
+        steady (a sequence in its first rounds): measures nothing. stepped: the sequences run,
+        if fewer (halves). sent: its outcomes' request's plan, if not `plan` (target_proc/ahead.py)."""
         key = self.key(batch, context)
         c = self._bucket(key).costs
         if logger.isEnabledFor(logging.DEBUG):  # the step record (scripts/replay_round_policy.py reads it)
@@ -338,8 +339,7 @@ class RoundPolicy:
             return
         if not num_specs:
             return
-        if num_drafted:  # answers without drafts (after a plain step) verify one token
-            # The work-ahead after the last request ran beside this step's verify.
+        if num_drafted:  # beside the work-ahead after the last request (no drafts: one token verified)
             c.add_verify(p1.work_ahead, busy_s)
         if k2 != key or p2 is None:
             return

@@ -1,5 +1,6 @@
 """The SSD round policy's measurements under noise: a probe that comes close to the choice
-runs until its realized rate rests on a full window, a few stalled steps in a row do
+runs until its realized rate rests on a full window, waits for steps that measure and
+ends when the batch leaves its bucket, a few stalled steps in a row do
 not rule out a plan whose steps otherwise take the same time each, one stalled plain
 step does not hold up P, the choice last left is probed first, and a runner-up far behind
 every other turn; and its host time: a
@@ -143,6 +144,26 @@ def test_a_far_slower_runner_up_is_probed_every_other_turn(plain_s, choice, wait
     gaps = [b - a for a, b in zip(starts, starts[1:])][-3:]
     assert len(gaps) == 3 and all(waits * 8 <= g <= waits * 8 + 12 for g in gaps), starts
 
+
+def test_a_probe_waits_for_steps_that_measure_and_ends_when_its_bucket_is_left():
+    """Batch 16 at low acceptance: plain steps win. A periodic probe's steps do not run on
+    steps that measure nothing (a sequence in its first rounds): plain steps run then, and
+    the probe resumes once the batch is steady. A probe cut short by a drain to batch 2 is
+    dropped: back at batch 16 (a new batch) its rest would realize nothing."""
+    p = _policy(k=4)
+    simulate(p, 16, 300, verify_s=0.010, chain_s=0.015, work_s={16: 0.030, 8: 0.025, 4: 0.020},
+             hit_rate={16: 0.5, 8: 0.4, 4: 0.3}, tokens=1.5, plain_s=0.009)
+    assert p.summary() == {16: "plain"}
+    b = p._bucket(p.key(16, 0))
+    b.probe.clear()
+    b.hold, b.steps_since_probe, b.backoff, b.skipped = 0, 10**6, 1, True  # a periodic probe is due
+    probed = p.choose(16)
+    left = len(b.probe)
+    assert probed != PLAIN and left >= 3
+    assert [p.choose(16, steady=False) for _ in range(3)] == [PLAIN] * 3 and len(b.probe) == left
+    assert p.choose(16) == probed and len(b.probe) == left - 1
+    assert [p.choose(2) for _ in range(3)] == [PLAIN] * 3
+    assert p.choose(16) == PLAIN and not b.probe and b.probed is None
 
 def test_the_policys_host_time_is_counted_and_exported():
     """choose and record_step (the worker's calls) add their own time to host_s, which
