@@ -13,6 +13,9 @@ Per point (the records up to its "[ssd] P=... B=..." line):
     taken for the same tokens, as a share of all step time (probes, switches and choices
     other than the best), and the part of it in the first three steps after each change
     of plan;
+  - with --timed, the timed run's records alone: their time beyond what the point's best plan
+    would have taken for the same tokens, per plan, split into the first three steps after
+    each change and steps at a smaller batch size (the batch filling up and emptying);
   - the timed run's records (the last `steps N` of the point's line) against the engine:
     their tokens over their time beside its decode tok/s. The records time each step from
     the landing before it, so the two differ by the time before the first step and after
@@ -107,9 +110,25 @@ def summarize(steps: list[Step], timed: int = 0) -> dict:
     return out
 
 
+def timed_losses(steps: list[Step], timed: int, rate: float) -> tuple[float, dict[str, tuple[int, float]]]:
+    """The last `timed` steps' time, and per plan (", switch": one of the first three steps after a
+    change; ", smaller batch": below the point's batch size) their steps and their time beyond
+    `rate` (tokens/s) for the same tokens."""
+    steps = steps[-timed:]
+    batch, out, last, n = max(s.batch for s in steps), defaultdict(lambda: [0, 0.0]), None, 0
+    for s in steps:
+        n = n + 1 if s.plan == last else 0
+        last = s.plan
+        label = s.plan + (", switch" if n < 3 else "") + (", smaller batch" if s.batch < batch else "")
+        out[label][0] += 1
+        out[label][1] += s.seconds - s.tokens / rate
+    return sum(s.seconds for s in steps), {k: (c, sec) for k, (c, sec) in out.items()}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("log")
+    p.add_argument("--timed", action="store_true", help="break the timed run's loss down by plan")
     args = p.parse_args(argv)
     for point, steps, engine in read(args.log):
         if not any(s.steady for s in steps):
@@ -123,6 +142,10 @@ def main(argv: list[str] | None = None) -> None:
                  f"{engine[0]:.1f} ({engine[0] / r['records_rate']:.3f}x)" if engine else "")
         print(f"{point}: {r['total_s']:.2f} s of steps, {100 * r['other_batch']:.0f}% at other batch sizes; {loss}; "
               f"{plans}{timed}")
+        if args.timed and engine and "best" in r:
+            total, losses = timed_losses(steps, engine[1], r["plans"][r["best"]][1])
+            for label, (n, extra) in sorted(losses.items(), key=lambda kv: -kv[1][1]):
+                print(f"  timed run, {label}: {n} steps, {1e3 * extra:+.1f} ms ({100 * extra / total:+.1f}%)")
 
 
 if __name__ == "__main__":

@@ -66,3 +66,23 @@ def test_a_pinned_trees_records_are_read():
     (plan, stepped, sent) = parse_plan("ssd configured tree, backup jit:1")
     assert (plan.kind, plan.branches, plan.backup, stepped, sent) == ("ssd", 0, "jit:1", 0, None)
     assert plan.label() == "ssd configured tree, backup jit:1"
+
+
+def test_the_timed_runs_loss_is_broken_down_by_plan(tmp_path, capsys):
+    """--timed: the timed run's records (the last `steps N`) against the point's best plan, per
+    plan, with the first three steps after a change and the steps at a smaller batch apart."""
+    lines = [_step(4, "sd", 10, 10, 12, 4)] * 14  # 600 tok/s, the best plan
+    lines += [_step(4, "plain", 0, 10, 0, 0)] * 2 + [_step(2, "sd", 10, 10, 6, 2)]
+    lines += ["[ssd] P=512 T=0.0 B=4: 500.0 tok/s (decode 510.0, steps 511.0), steps 3, "]
+    log = tmp_path / "steps.log"
+    log.write_text("\n".join(lines) + "\n")
+    mod = _module()
+    ((_, steps, engine),) = mod.read(str(log))
+    total, losses = mod.timed_losses(steps, engine[1], 600.0)
+    assert total == pytest.approx(0.040)
+    assert losses == {"plain, switch": (2, pytest.approx(2 * (0.010 - 4 / 600))),
+                      "sd, switch, smaller batch": (1, pytest.approx(0.020 - 6 / 600))}
+    mod.main([str(log), "--timed"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[1:] == ["  timed run, sd, switch, smaller batch: 1 steps, +10.0 ms (+25.0%)",
+                       "  timed run, plain, switch: 2 steps, +6.7 ms (+16.7%)"]
