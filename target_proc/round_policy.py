@@ -39,10 +39,11 @@ rates more than CLOSE below the choice. A probe discards the option's earlier re
 rate; one that loses by less than CLOSE runs on until it has a full window (8 steps), as a
 few steps of SSD at small batch scatter too widely to decide between options this close. A
 probe's steps wait for steps that can measure (the choice runs meanwhile), and a probe
-whose bucket the batch left is dropped: its first three steps back measure nothing. A probe costs
-its steps and two switches, so one after which the choice stands (or one skipped) doubles
-the wait for the next (up to 8 x probe_every steps); a change of choice restores it. A choice that stood RANK_EVERY rankings in a row is ranked once in
-RANK_EVERY steps, then twice as far apart at each ranking that keeps it, up to MAX_HOLD
+whose bucket the batch left is dropped: its first three steps back measure nothing. A
+probe costs its steps and two switches, so one after which the choice stands (or one
+skipped) doubles the wait for the next (up to 8 x probe_every steps); a change of choice
+restores it. A choice that stood RANK_EVERY rankings in a row is ranked once in RANK_EVERY
+steps, then twice as far apart at each ranking that keeps it, up to MAX_HOLD
 steps: ranking every option is most of the policy's host time (0.16 ms with the caches
 cold, as between GPU steps). S, P, H and W are medians of their last 8 samples (the least
 of two); running means clamp each sample to within 4x of the mean: one stall does not skew
@@ -127,8 +128,7 @@ class RoundPolicy:
         self._current: dict[int, tuple[int, int]] = {}  # batch bucket -> the key of its last step
         self._history: deque = deque([(0, None)] * 3, maxlen=3)  # (bucket, plan) of the last three steps
         self._visit: tuple = ((0, 0), 0, 0, None)  # the last step's bucket and batch, steps at it, what came before
-        self.steps = Counter()  # steps per plan kind
-        self.num_switches = 0
+        self.steps, self.num_switches = Counter(), 0  # steps per plan kind, changes of a bucket's choice
         self.host_s = 0.0  # time spent in choose and record_step (the worker's calls)
 
     @classmethod

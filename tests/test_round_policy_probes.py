@@ -165,6 +165,7 @@ def test_a_probe_waits_for_steps_that_measure_and_ends_when_its_bucket_is_left()
     assert [p.choose(2) for _ in range(3)] == [PLAIN] * 3
     assert p.choose(16) == PLAIN and not b.probe and b.probed is None
 
+
 def test_the_policys_host_time_is_counted_and_exported():
     """choose and record_step (the worker's calls) add their own time to host_s, which
     EngineStats carries as round_policy_s (bench_e2e.py's policy_ms_per_step)."""
