@@ -115,10 +115,8 @@ def timed_losses(steps: list[Step], timed: int, rate: float) -> tuple[float, dic
     change; ", smaller batch": below the point's batch size) their steps and their time beyond
     `rate` (tokens/s) for the same tokens."""
     steps = steps[-timed:]
-    batch, out, last, n = max(s.batch for s in steps), defaultdict(lambda: [0, 0.0]), None, 0
-    for s in steps:
-        n = n + 1 if s.plan == last else 0
-        last = s.plan
+    batch, out = max(s.batch for s in steps), defaultdict(lambda: [0, 0.0])
+    for s, n in zip(steps, plan_rates(steps)[1]):
         label = s.plan + (", switch" if n < 3 else "") + (", smaller batch" if s.batch < batch else "")
         out[label][0] += 1
         out[label][1] += s.seconds - s.tokens / rate
