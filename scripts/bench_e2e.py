@@ -1,7 +1,7 @@
 """AR, SD and SSD side by side: tokens/s against batch size, same prompts, same run.
 
 Each mode starts its own runtime (target and draft processes) and decodes the same
-random prompts at every batch size and temperature. With random-weight models
+random prompts at each point (point_prompts: drawn from the prompt length and batch size). With random-weight models
 (`random:target-32b` ...) pass --synthetic-acceptance so acceptance comes from the
 synthetic acceptance oracle (spec_runtime.bench.oracle; docs/benchmarks.md, "Method"); every
 result row names it. Several values (0.8,0.6) run the whole matrix at each, one runtime
@@ -67,9 +67,8 @@ def run_mode(args, mode: str, alpha: float | None = None):
     with Client(cfg) as client:
         print(f"[{mode}] runtime up in {time.perf_counter() - t_start:.1f} s", file=sys.stderr, flush=True)
         vocab = client.ready.vocab_size
-        rng = np.random.default_rng(0)
         for prompt_len, temp, bs in _points(args):
-            prompts = [rng.integers(10, vocab, size=prompt_len).tolist() for _ in range(bs)]
+            prompts = point_prompts(vocab, prompt_len, bs)
             sp = SamplingParams(max_tokens=args.max_tokens, temperature=temp, ignore_eos=True, seed=None)
             # Untimed, twice: the second run meets the prefix cache as the timed runs do, so
             # the kernels of both prefill paths are built before timing, whichever mode runs first.
@@ -129,6 +128,14 @@ def _greedy_identical(rows) -> bool | None:
             by_point.setdefault(key, set()).add(r["output_sha1"])
     compared = [v for v in by_point.values()]
     return all(len(v) == 1 for v in compared) if compared else None
+
+
+def point_prompts(vocab: int, prompt_len: int, batch: int) -> list[list[int]]:
+    """The random prompts of one point, drawn from its prompt length and batch size alone: a
+    point run in another command, alone or in another matrix, decodes the same prompts, and
+    its output can be compared across the commands (output_sha1)."""
+    rng = np.random.default_rng([prompt_len, batch])
+    return [rng.integers(10, vocab, size=prompt_len).tolist() for _ in range(batch)]
 
 
 def _points(args):

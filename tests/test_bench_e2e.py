@@ -1,7 +1,7 @@
 """scripts/bench_e2e.py on a tiny pair on the CPU: a matrix at two synthetic acceptances in
 one command, each row naming its own, the oracle's acceptance following it, greedy output
-compared per acceptance, scripts/plot_ssd_ratio.py picking one of them, and a run cut short
-keeping the points it measured."""
+compared per acceptance, scripts/plot_ssd_ratio.py picking one of them, a run cut short
+keeping the points it measured, and each point's prompts its own."""
 
 from __future__ import annotations
 
@@ -11,9 +11,15 @@ import bench_e2e  # scripts/ is on sys.path (conftest)
 import plot_ssd_ratio
 import pytest
 
-pytestmark = pytest.mark.slow  # runtimes one after another
+def test_a_points_prompts_depend_on_nothing_but_the_point():
+    prompts = bench_e2e.point_prompts(1000, 8, 4)
+    assert len(prompts) == 4 and all(len(p) == 8 and all(10 <= t < 1000 for t in p) for p in prompts)
+    assert bench_e2e.point_prompts(1000, 8, 4) == prompts  # whichever points ran before it
+    assert bench_e2e.point_prompts(1000, 8, 2) != prompts[:2]  # another point draws its own
+    assert len({tuple(p) for p in prompts}) == 4
 
 
+@pytest.mark.slow  # runtimes one after another
 def test_a_matrix_at_two_acceptances_in_one_run(tiny_pair, tmp_path, capsys, monkeypatch):
     out = tmp_path / "e2e.json"
     bench_e2e.main(["--target", tiny_pair.target, "--draft", tiny_pair.draft, "--target-device", "cpu",
@@ -39,6 +45,7 @@ def test_a_matrix_at_two_acceptances_in_one_run(tiny_pair, tmp_path, capsys, mon
     assert set(plot_ssd_ratio.ratios([str(out)], alpha=0.3)) == {(8, 2)}
 
 
+@pytest.mark.slow
 def test_a_run_cut_short_keeps_the_points_it_measured(tiny_pair, tmp_path, monkeypatch):
     out, measured = tmp_path / "e2e.json", []
     real_row = bench_e2e._row
