@@ -1,11 +1,12 @@
 """AR, SD and SSD side by side: tokens/s against batch size, same prompts, same run.
 
 Each mode starts its own runtime (target and draft processes) and decodes the same
-random prompts at each point (point_prompts: drawn from the prompt length and batch size). With random-weight models
-(`random:target-32b` ...) pass --synthetic-acceptance so acceptance comes from the
-synthetic acceptance oracle (spec_runtime.bench.oracle; docs/benchmarks.md, "Method"); every
-result row names it. Several values (0.8,0.6) run the whole matrix at each, one runtime
-per mode and value, so a pair's matrix is one command.
+random prompts at each point (point_prompts: drawn from the prompt length and batch
+size). With random-weight models (`random:target-32b` ...) pass --synthetic-acceptance so
+acceptance comes from the synthetic acceptance oracle (spec_runtime.bench.oracle;
+docs/benchmarks.md, "Method"); every result row names it. Several values (0.8,0.6) run
+the whole matrix at each, one runtime per mode and value, so a pair's matrix is one
+command.
 
     python scripts/bench_e2e.py --target random:target-32b --draft random:draft-0.6b \\
         --target-device cuda:0 --draft-device cuda:1 --k 8 --synthetic-acceptance 0.8 \\

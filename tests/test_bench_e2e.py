@@ -11,6 +11,7 @@ import bench_e2e  # scripts/ is on sys.path (conftest)
 import plot_ssd_ratio
 import pytest
 
+
 def test_a_points_prompts_depend_on_nothing_but_the_point():
     prompts = bench_e2e.point_prompts(1000, 8, 4)
     assert len(prompts) == 4 and all(len(p) == 8 and all(10 <= t < 1000 for t in p) for p in prompts)
