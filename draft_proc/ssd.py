@@ -379,7 +379,7 @@ class SSDEngine:
 
     def _store(self, seqs, forks: Forks, lens, tokens, q_ids, q_probs, sampled) -> None:
         """Each branch's row of this work-ahead's arrays under its outcome."""
-        table = BranchTable(tokens, q_ids if sampled else None, q_probs if sampled else None, lens)
+        table = BranchTable(tokens, q_ids if sampled else None, q_probs if sampled else None, lens, forks.rank)
         keys: list[dict[tuple[int, int], int]] = [{} for _ in seqs]
         for b, (i, j, t) in enumerate(zip(forks.seq.tolist(), forks.depth.tolist(), forks.token_id.tolist())):
             keys[i][(j, t)] = b

@@ -34,18 +34,22 @@ class Fork:
     depth: int  # j: draft tokens accepted before the outcome token
     token_id: int  # t: the recovery (j < m) or bonus (j == m) token
     branch: int  # index among the sequence's branches (scratch rows)
+    rank: int = 0  # by estimated probability among the sequence's forks, 0 the likeliest
 
 
 @dataclass(frozen=True)
 class Forks:
     """The branches of one work-ahead as arrays [F], sequence by sequence, each
     sequence's in branch order: its sequence (an index into the work-ahead's list),
-    depth, token and index among its sequence's branches (Fork's fields)."""
+    depth, token, index among its sequence's branches and rank (Fork's fields). A budget
+    of n branches per sequence forks exactly those of rank < n: a look-up's rank tells
+    whether every smaller tree would have hit too (None: not known)."""
 
     seq: np.ndarray
     depth: np.ndarray
     token_id: np.ndarray
     branch: np.ndarray
+    rank: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.seq)
@@ -73,7 +77,8 @@ def select_forks(
     with a the running per-token acceptance rate and q_j the draft's distribution at
     depth j. When max_branches (the budget that keeps shapes fixed) binds, the forks
     of highest estimated probability win, whatever their depth (ties: the shallower,
-    then the higher ranked). The chosen forks come in order of depth, then estimate.
+    then the higher ranked). The chosen forks come in order of depth, then estimate, each
+    with its rank by estimate (a smaller budget takes those of lower rank).
     """
     m = len(draft_token_ids)
     if ranked_token_ids.shape[0] != m + 1 or ranked_probs.shape != ranked_token_ids.shape:
@@ -100,17 +105,18 @@ def select_forks(
             candidates.append((scale * p, j, int(t)))
             taken += 1
     candidates.sort(key=lambda c: (-c[0], c[1]))
-    chosen = sorted(candidates[:max_branches], key=lambda c: (c[1], -c[0]))
-    return [Fork(seq_id, j, t, i) for i, (_, j, t) in enumerate(chosen)]
+    chosen = sorted(((*c, r) for r, c in enumerate(candidates[:max_branches])), key=lambda c: (c[1], -c[0]))
+    return [Fork(seq_id, j, t, i, r) for i, (_, j, t, r) in enumerate(chosen)]
 
 
 def select_forks_batch(ranked_token_ids: np.ndarray, ranked_probs: np.ndarray, draft_token_ids: np.ndarray,
                        fan_out: tuple[int, ...], max_branches: int,
-                       accept_rate: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                       accept_rate: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """select_forks for B sequences with the same number of drafts m, in a few array
     operations (from two sequences on, less host time than a select_forks call each):
     ranked_* [B, m + 1, R], draft_token_ids [B, m]. Returns the forks' depths and tokens
-    [B, W] in branch order (row b's first count[b] entries are its branches) and count [B]."""
+    [B, W] in branch order (row b's first count[b] entries are its branches), count [B]
+    and the forks' ranks by estimate [B, W]."""
     ids = np.asarray(ranked_token_ids)
     b, rows, width = ids.shape
     m = draft_token_ids.shape[1]
@@ -137,9 +143,10 @@ def select_forks_batch(ranked_token_ids: np.ndarray, ranked_probs: np.ndarray, d
     r = np.arange(b)[:, None]
     order = np.argsort(-est, axis=1, kind="stable")[:, :max_branches]
     est_c = est[r, order]
-    order = order[r, np.lexsort((-est_c, np.where(np.isfinite(est_c), order // width, m + 1)), axis=-1)]
+    rank = np.lexsort((-est_c, np.where(np.isfinite(est_c), order // width, m + 1)), axis=-1)
+    order = order[r, rank]
     count = np.minimum(taken.sum(axis=(1, 2)), max_branches)
-    return order // width, ids.reshape(b, -1)[r, order], count
+    return order // width, ids.reshape(b, -1)[r, order], count, rank
 
 
 # Groups of up to this many sequences choose their forks one sequence at a time (fewer host
@@ -152,7 +159,7 @@ def select_forks_groups(groups: dict[tuple[int, tuple[int, ...]], list[int]], se
     """The forks of a work-ahead's sequences `seqs` (DraftSeq: their draft_token_ids).
     groups: (m, fan-out) -> the indices of the sequences with m drafts that fork with that
     fan-out; ranked: (ids, probs [sum(m + 1), R], each sequence's first row [B])."""
-    parts = []  # (sequence, depth, token, branch) of each group's forks, sequence by sequence
+    parts = []  # (sequence, depth, token, branch, rank) of each group's forks, sequence by sequence
     for (m, fan), idx in groups.items():
         if len(idx) <= FORK_LOOP_SEQS:
             for i in idx:
@@ -160,32 +167,35 @@ def select_forks_groups(groups: dict[tuple[int, tuple[int, ...]], list[int]], se
                 fs = select_forks(i, ranked[0][a : a + m + 1], ranked[1][a : a + m + 1],
                                   np.asarray(seqs[i].draft_token_ids, dtype=np.int64), fan, max_branches, accept_rate)
                 parts.append((np.full(len(fs), i, dtype=np.int64), np.array([f.depth for f in fs], dtype=np.int64),
-                              np.array([f.token_id for f in fs], dtype=np.int64), np.arange(len(fs))))
+                              np.array([f.token_id for f in fs], dtype=np.int64), np.arange(len(fs)),
+                              np.array([f.rank for f in fs], dtype=np.int64)))
             continue
         drafts = np.array([seqs[i].draft_token_ids for i in idx], dtype=np.int64).reshape(len(idx), m)
         rows = ranked[2][idx][:, None] + np.arange(m + 1)  # [G, m + 1]
-        d, t, c = select_forks_batch(ranked[0][rows], ranked[1][rows], drafts, fan, max_branches, accept_rate)
+        d, t, c, r = select_forks_batch(ranked[0][rows], ranked[1][rows], drafts, fan, max_branches, accept_rate)
         g, branch = np.nonzero(np.arange(d.shape[1])[None, :] < c[:, None])  # each fork's row and column
-        parts.append((np.asarray(idx, dtype=np.int64)[g], d[g, branch], t[g, branch], branch))
+        parts.append((np.asarray(idx, dtype=np.int64)[g], d[g, branch], t[g, branch], branch, r[g, branch]))
     if len(parts) == 1:
         return Forks(*parts[0])
-    seq, depth, token, branch = (np.concatenate(x) for x in zip(*parts))
+    seq, depth, token, branch, rank = (np.concatenate(x) for x in zip(*parts))
     order = np.argsort(seq, kind="stable")  # each sequence's forks stay together and in order
-    return Forks(seq=seq[order], depth=depth[order], token_id=token[order], branch=branch[order])
+    return Forks(seq=seq[order], depth=depth[order], token_id=token[order], branch=branch[order], rank=rank[order])
 
 
 class BranchTable:
     """One work-ahead's speculations, as its arrays hold them: branch b's tokens[b, :lens[b]]
-    and their q (None: greedy). A branch's DraftTokens are made when a look-up asks for it."""
+    and their q (None: greedy), and its fork's rank (Forks.rank; None: unknown). A branch's
+    DraftTokens are made when a look-up asks for it."""
 
-    def __init__(self, tokens: np.ndarray, q_ids: np.ndarray | None, q_probs: np.ndarray | None, lens: np.ndarray):
-        self.tokens, self.q_ids, self.q_probs, self.lens = tokens, q_ids, q_probs, lens
+    def __init__(self, tokens: np.ndarray, q_ids: np.ndarray | None, q_probs: np.ndarray | None, lens: np.ndarray,
+                 ranks: np.ndarray | None = None):
+        self.tokens, self.q_ids, self.q_probs, self.lens, self.ranks = tokens, q_ids, q_probs, lens, ranks
 
     def __getitem__(self, b: int) -> DraftTokens:
-        m = int(self.lens[b])
+        m, rank = int(self.lens[b]), -1 if self.ranks is None else int(self.ranks[b])
         if self.q_ids is None:
-            return DraftTokens(self.tokens[b, :m])
-        return DraftTokens(self.tokens[b, :m], self.q_ids[b, :m], self.q_probs[b, :m])
+            return DraftTokens(self.tokens[b, :m], hit_rank=rank)
+        return DraftTokens(self.tokens[b, :m], self.q_ids[b, :m], self.q_probs[b, :m], hit_rank=rank)
 
 
 class TreeCache:

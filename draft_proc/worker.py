@@ -363,6 +363,7 @@ class DraftWorker:
             draft_token_ids=draft_ids,
             num_draft_tokens=num_draft,
             cache_hit=np.fromiter((s.cache_hit for s in specs), bool, len(specs)),
+            hit_rank=np.fromiter((s.hit_rank for s in specs), np.int32, len(specs)),
             q_token_ids=q_ids,
             q_probs=q_probs,
             draft_work_s=self.ssd.last_work_s if self.ssd is not None else 0.0,

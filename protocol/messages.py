@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import msgspec
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 # Placeholder for "no token" in fixed-shape arrays.
 PLACEHOLDER_TOKEN_ID = -1
@@ -353,9 +353,9 @@ class SpecResponse(_Hot, tag="resp"):
     # Absent (empty) when every sequence is greedy.
     q_token_ids: np.ndarray | None = None  # [B, K, top_k] int64
     q_probs: np.ndarray | None = None  # [B, K, top_k] float32
-    # Seconds the draft spent working ahead since the previous request (SSD).
-    draft_work_s: float = 0.0
+    draft_work_s: float = 0.0  # seconds the draft spent working ahead since the previous request (SSD)
     hits_by_depth: list[int] = []
+    hit_rank: np.ndarray | None = None  # [B] int32: the rank of a hit's branch (DraftTokens.hit_rank), -1 else
 
 
 class Release(_Hot, tag="rel"):

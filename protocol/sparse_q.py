@@ -28,6 +28,7 @@ class DraftTokens:
     q_token_ids: np.ndarray | None = None  # [m, top_k] int64; None: greedy (one-hot q)
     q_probs: np.ndarray | None = None  # [m, top_k] float32
     cache_hit: bool = False  # SSD: answered from the tree cache
+    hit_rank: int = -1  # SSD: the rank of the branch that answered (draft_proc.tree_cache.Forks; -1: unknown)
 
     @property
     def num_draft_tokens(self) -> int:

@@ -96,7 +96,7 @@ def time_accept(batch: int, k: int, steps: int, seed: int, between: Between) -> 
 def time_policy(batch: int, k: int, steps: int, between: Between, warmup: int = 400) -> float:
     """us per step of choose + record_step once plain steps have won (see the module doc)."""
     policy = RoundPolicy(lambda b: [15, 7, 3], k=k, short_jit=k // 4)
-    hit = SimpleNamespace(cache_hit=True)
+    hit = SimpleNamespace(cache_hit=True, hit_rank=0)
 
     def step() -> None:
         plan = policy.choose(batch, PROMPT, True)

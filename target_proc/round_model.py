@@ -12,7 +12,7 @@ halves probe yields one sample of H); h and e running means):
   c      the wait for a chain drafted on request (SD rounds: the draft's chain step,
          transfer included), the least of its last 8;
   W[n]   the draft's work-ahead at shape n (glue + K tree steps), as it reports it;
-  h[n]   the share of look-ups that hit a tree of shape n;
+  h[n]   the share of look-ups that hit a tree of shape n (smaller n also in larger trees);
   a      tokens per sequence per round with a full speculation (accepted + 1), the
          mean over the last 32 rounds;
   e      what SSD rounds wait beyond the model below (transfer, answer time).
@@ -20,8 +20,9 @@ The prediction for B sequences:
   plain          B / P
   SD             B a / (S + c)
   halves         B a / H, H a halves step's time as its share of the whole batch's
-                 (2x for an even split); until measured, the ceiling B a / max(S, c)
-                 (a half's verify and chain take at least half of the whole batch's)
+                 (2x for an even split); until measured, B a / max(S, c, 0.85 x 2 max(S', c'))
+                 with S' and c' those of the bucket of half the batch, where measured
+                 (halves_estimate)
   SSD n, jit     B a / (S + max(0, W[n] - S) + (1 - h[n]^B) c + e)
   SSD n, jit:N   B (h a + (1 - h) a_N) / (S + max(0, W[n] - S) + (1 - h[n]^B) c (N+1)/(K+1) + e)
   SSD n, none    B (h a + 1 - h) / (S + max(0, W[n] - S) + e)
@@ -64,6 +65,7 @@ STEADY_STALL = 1.5  # the same for the other plans, whose steps take about the s
 TOKENS_WINDOW = 32  # steps behind the mean tokens per sequence per round
 MARGIN = 0.03  # the round policy's choice changes only for a prediction this much faster
 PLAIN_PRIOR_SLACK = 1.5  # plain decoding is measured once its floor estimate comes this close to the best
+HALVES_SLACK = 0.85  # an unmeasured halves step is estimated at this share of two half-batch steps
 NONE_FIRST_FROM = 4  # batch sizes from which the largest tree is first measured with backup none
 
 
@@ -118,6 +120,7 @@ class Costs:
     verify_s: dict[bool, float | None] = field(default_factory=lambda: {True: None, False: None})
     plain_s: float | None = None
     halves_s: float | None = None  # a halves step, as its share of the whole batch's time
+    halves_est_s: float | None = None  # H estimated from half the batch's bucket until measured (halves_estimate)
     chain_s: float | None = None
     chain_window: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     work_s: dict[int, float] = field(default_factory=dict)
@@ -158,6 +161,14 @@ class Costs:
         """One work-ahead at tree shape `branches`, as the draft reported it (W[n])."""
         self.work_s[branches] = self._steady(("W", branches), seconds)
         self.samples[("w", branches)] += 1
+
+    def add_hits(self, branches: int, hits: int, looked_up: int, ranks=None, shapes=()) -> None:
+        """One SSD round's look-ups in a tree of `branches` (h[branches]); where each hit's rank
+        came (DraftTokens.hit_rank), also h of the smaller `shapes`: a tree of n holds ranks < n."""
+        self.hit_rate[branches] = running_mean(self.hit_rate.get(branches), hits / looked_up)
+        for n in shapes if ranks is not None and min(ranks, default=0) >= 0 else ():
+            if 0 < n < branches:
+                self.hit_rate[n] = running_mean(self.hit_rate.get(n), sum(r < n for r in ranks) / looked_up)
 
     def add_chain(self, wait_s: float) -> None:
         """One wait for a chain drafted on request. c is the least of the last WINDOW: a
@@ -310,15 +321,26 @@ def model_rate(plan: RoundPlan, batch: int, c: Costs, k: int = 0) -> float | Non
         s = c.verify(False)
         if s is None or c.chain_s is None:
             return None
-        # Halves, unmeasured: a ceiling. Each half's verify and chain take at least half of
-        # the whole batch's (S/2, c/2), and a half's chain overlaps the other half's verify.
-        return batch * c.tokens / (max(s, c.chain_s) if plan.kind == "halves" else s + c.chain_s)
+        # Halves, unmeasured: each half's verify and chain take at least half of the whole
+        # batch's (S/2, c/2), a half's chain overlaps the other half's verify; and where the
+        # bucket of half the batch is measured, about two of its verifies or chains.
+        halves = max(s, c.chain_s, c.halves_est_s or 0.0)
+        return batch * c.tokens / (halves if plan.kind == "halves" else s + c.chain_s)
     wait = c.ssd_wait(batch, plan.branches, plan.backup, k)
     if wait is None:
         return None
     per_seq = c.tokens_per_sequence(plan, k)
     tokens = batch * (c.tokens if per_seq is None else per_seq)  # the configured backup: as jit
     return tokens / (c.verify(True) + max(0.0, wait + c.extra_s))
+
+
+def halves_estimate(half: Costs | None) -> float | None:
+    """H, unmeasured, from the bucket of half the batch (None: its S or c unmeasured): a halves
+    step verifies one half while the draft chains the other, two step the whole batch. H was 0.90x
+    or more of 2 max(S, c) in docs/benchmarks.md's runs: HALVES_SLACK of it, on the fast side."""
+    if half is None or half.chain_s is None or (s := half.verify(False)) is None:
+        return None
+    return HALVES_SLACK * 2.0 * max(s, half.chain_s)
 
 
 def first_option(batch: int, opts: list[RoundPlan]) -> RoundPlan:
@@ -351,8 +373,8 @@ def unmeasured_alternative(batch: int, best: RoundPlan, rates: dict, opts: list[
     """An option worth measuring before `best` runs: plain decoding while P was never
     measured and its floor estimate (P taken as S) is within PLAIN_PRIOR_SLACK of
     `best`; the next smaller tree below one that overruns the verify, when it would
-    beat `best` at the larger one's hit rate (its own is at most that) and with the
-    work smaller_work estimates for it."""
+    beat `best` at its hit rate (Costs.add_hits; else the larger one's, at most that)
+    and with the work smaller_work estimates for it."""
     if c.plain_s is None and PLAIN in rates and PLAIN_PRIOR_SLACK * rates[PLAIN] >= rates[best]:
         return PLAIN
     s = c.verify(True)
@@ -366,10 +388,10 @@ def unmeasured_alternative(batch: int, best: RoundPlan, rates: dict, opts: list[
                 continue
             if c.work_s[larger.branches] <= s:
                 break  # the larger tree fits: a smaller one cannot be faster
-            # The smaller tree's rate at the larger one's hit rate and at least its work (smaller_work).
+            # The smaller tree's rate at its hit rate and at least its work (smaller_work).
             w = smaller_work(c.work_s[larger.branches], larger.branches, smaller.branches, c.chain_s)
-            fit = Costs(verify_s=c.verify_s, chain_s=c.chain_s, work_s={0: w},
-                        hit_rate={0: c.hit_rate[larger.branches]}, tokens=c.tokens, extra_s=c.extra_s,
+            fit = Costs(verify_s=c.verify_s, chain_s=c.chain_s, work_s={0: w}, tokens=c.tokens, extra_s=c.extra_s,
+                        hit_rate={0: c.hit_rate.get(smaller.branches, c.hit_rate[larger.branches])},
                         samples=Counter({("w", 0): MIN_SAMPLES}))
             if model_rate(RoundPlan("ssd", 0, backup), batch, fit, k) > (1 + MARGIN) * rates[best]:
                 return smaller

@@ -20,15 +20,15 @@ till then a step that measures nothing (a filling batch) is plain, and until the
 size has stood SETTLE_STEPS steps the bucket runs what the bucket it came from chose,
 unless that was an SSD round (halves as SD rounds where halves are not an option): a drain
 passes each bucket in a few steps, too few for the first measurements to pay. A bucket the
-batch enters as its context doubles (or halves) starts from the costs and choice of the
-one it leaves: they change little with the context, and measuring every option
-afresh cost 50-140 ms of speculating steps per bucket at alpha 0.6 (docs/benchmarks.md).
-Then each step runs the best prediction. An option whose inputs are not measured yet is
-probed before it is run: the next smaller tree when the best one overruns the verify;
-plain decoding once its estimate with P taken as S comes within PLAIN_PRIOR_SLACK of the
-best. That estimate is a floor: a plain step verifies one token per sequence, a
-speculating one K + 1 (in docs/benchmarks.md's runs a one-token step took 0.57-0.96 of
-an SD round's verify).
+batch enters as its context doubles (or halves) starts from the costs and choice of the one
+it leaves: they change little with the context, and measuring every option afresh cost
+50-140 ms of speculating steps per bucket at alpha 0.6 (docs/benchmarks.md). Then each step
+runs the best prediction (halves, unmeasured, rated from half the batch's bucket: H's
+estimate in round_model). An option whose inputs are not measured yet is probed before it
+is run: the next smaller tree when the best one overruns the verify; plain decoding once
+its estimate with P taken as S comes within PLAIN_PRIOR_SLACK of the best, a floor: a
+plain step verifies one token per sequence, a speculating one K + 1 (in docs/benchmarks.md's
+runs a one-token step took 0.57-0.96 of an SD round's verify).
 Every `probe_every` steps another option is probed for `probe_len` steps so its
 measurements stay current: first the choice last switched away from (a few slow steps of
 the host may have caused the switch, and its stale rate would keep it), then the one the
@@ -72,7 +72,7 @@ from dataclasses import dataclass, field
 
 from target_proc.round_model import (  # noqa: F401 - re-exported
     HALVES, MIN_SAMPLES as _MIN_SAMPLES, MARGIN as _MARGIN, PLAIN, SD, WINDOW, Costs, RoundPlan, chain_tokens,
-    first_option, model_rate, predict, running_mean as _mean, short_jit_len, unmeasured_alternative,
+    first_option, halves_estimate, model_rate, predict, running_mean as _mean, short_jit_len, unmeasured_alternative,
 )
 from target_proc.spec_policy import batch_bucket
 
@@ -153,8 +153,7 @@ class RoundPolicy:
 
     @staticmethod
     def key(batch: int, context: int) -> tuple[int, int]:
-        """The bucket of `batch` sequences of `context` tokens on average: the verify and
-        the draft's tree work both grow with the context, so its costs are kept apart."""
+        """The bucket of `batch` sequences of `context` tokens on average (costs grow with the context)."""
         return batch_bucket(batch), max(MIN_CONTEXT_BUCKET, batch_bucket(context))
 
     def shapes(self, batch: int) -> list[int]:
@@ -180,8 +179,7 @@ class RoundPolicy:
     # ---------------------------------------------------------------- choosing
 
     def choose(self, batch: int, context: int = 0, steady: bool = True) -> RoundPlan:
-        """The plan of the step about to run over `batch` sequences of `context` tokens
-        on average; steady: the step can measure (as `record`'s steady)."""
+        """The plan of the step over `batch` sequences of `context` tokens on average; steady: as `record`'s."""
         t0 = time.perf_counter()
         plan = self._choose(batch, context, steady)
         self.host_s += time.perf_counter() - t0
@@ -211,6 +209,8 @@ class RoundPolicy:
         c, first = b.costs, first_option(batch, opts)
         if (plan := self._first_measurements(b, first, steady, opts)) is not None:
             return plan
+        if c.halves_s is None and HALVES in opts and (half := self._buckets.get(self.key((batch + 1) // 2, context))):
+            c.halves_est_s = halves_estimate(half.costs)  # unmeasured: H from half the batch's bucket
         rates = {p: r for p in opts if (r := predict(p, batch, c, self.k)) is not None}
         if not rates:
             return first
@@ -303,9 +303,9 @@ class RoundPolicy:
 
     def record(self, batch: int, plan: RoundPlan, *, context: int = 0, wait_s: float, busy_s: float, num_specs: int = 0,
                num_hits: int = 0, num_drafted: int = 0, drafted_tokens: int = 0, draft_work_s: float = 0.0,
-               steady: bool = True, stepped: int = 0, sent: RoundPlan | None = None) -> None:
+               steady: bool = True, stepped: int = 0, sent: RoundPlan | None = None, hit_ranks=None) -> None:
         """One step over `batch` sequences ran `plan`: waited wait_s for speculations (num_specs,
-        num_hits from the tree cache), spent busy_s on the verify and host work; num_drafted
+        num_hits from the tree cache, hit_ranks their ranks), spent busy_s on verify and host; num_drafted
         sequences had drafts, yielding drafted_tokens; draft_work_s: the draft's work-ahead. Not
         steady (a sequence in its first rounds): measures nothing. stepped: the sequences run,
         if fewer (halves). sent: its outcomes' request's plan, if not `plan` (target_proc/ahead.py)."""
@@ -352,7 +352,7 @@ class RoundPolicy:
             n = p2.branches
             if draft_work_s > 0:
                 c.add_work(n, draft_work_s)
-            c.hit_rate[n] = _mean(c.hit_rate.get(n), num_hits / num_specs)
+            c.add_hits(n, num_hits, num_specs, hit_ranks, self.shapes(batch))
             modelled = c.ssd_wait(batch, n, p2.backup, self.k)
             if modelled is not None:
                 c.extra_s = _mean(c.extra_s, wait_s - modelled)
@@ -360,14 +360,14 @@ class RoundPolicy:
     def record_step(self, plan: RoundPlan, specs: dict, num_draft: list[int], num_accepted: list[int],
                     wait_s: float, busy_s: float, draft_work_s: float, steady: bool = True, context: int = 0,
                     batch: int = 0, sent: RoundPlan | None = None) -> None:
-        """`record` from the worker's view of a step: the speculations that arrived (.cache_hit), per sequence
+        """`record` from the worker's view of a step: the speculations that arrived (DraftTokens), per sequence
         its drafts and accepted tokens; steady, sent as `record`'s; batch: the running sequences (a halves step)."""
         t0 = time.perf_counter()
         drafted = [j + 1 for j, m in zip(num_accepted, num_draft) if m]
-        self.record(batch or len(num_draft), plan, context=context, wait_s=wait_s, busy_s=busy_s,
-                    num_specs=len(specs), num_hits=sum(1 for s in specs.values() if s.cache_hit),
-                    num_drafted=len(drafted), drafted_tokens=sum(drafted), draft_work_s=draft_work_s, steady=steady,
-                    stepped=len(num_draft), sent=sent)
+        ranks = [s.hit_rank for s in specs.values() if s.cache_hit]
+        self.record(batch or len(num_draft), plan, context=context, wait_s=wait_s, busy_s=busy_s, num_specs=len(specs),
+                    num_hits=len(ranks), num_drafted=len(drafted), drafted_tokens=sum(drafted),
+                    draft_work_s=draft_work_s, steady=steady, stepped=len(num_draft), sent=sent, hit_ranks=ranks)
         self.host_s += time.perf_counter() - t0
 
     # ---------------------------------------------------------------- reading

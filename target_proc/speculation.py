@@ -62,8 +62,8 @@ def inconsistent(msg: SpecResponse) -> str | None:
     ids = msg.draft_token_ids
     if b < 0 or ids.ndim != 2 or ids.shape[0] != b:
         return f"seq_ids {msg.seq_ids.shape}, draft_token_ids {ids.shape}"
-    for name in ("rounds", "num_draft_tokens", "cache_hit"):
-        if getattr(msg, name).shape != (b,):
+    for name in ("rounds", "num_draft_tokens", "cache_hit", "hit_rank"):
+        if getattr(msg, name) is not None and getattr(msg, name).shape != (b,):
             return f"{name} {getattr(msg, name).shape} for {b} sequences"
     q_ids, q_probs = msg.q_token_ids, msg.q_probs
     if q_ids is not None and q_ids.size and (q_ids.ndim != 3 or q_ids.shape[:2] != ids.shape
@@ -122,4 +122,5 @@ def awaited_rows(msg: SpecResponse, waiting: dict[int, int],
             q_token_ids=msg.q_token_ids[b, :cut] if with_q else None,
             q_probs=msg.q_probs[b, :cut] if with_q else None,
             cache_hit=bool(msg.cache_hit[b]),
+            hit_rank=-1 if msg.hit_rank is None else int(msg.hit_rank[b]),
         ), m - cut

@@ -26,7 +26,7 @@ from target_proc.round_policy import (
     predict,
     short_jit_len,
 )
-from target_proc.round_model import smaller_work
+from target_proc.round_model import HALVES_SLACK, halves_estimate, smaller_work
 
 LEVELS = [16, 8, 4]
 
@@ -36,12 +36,26 @@ def _policy(levels=LEVELS, **kw) -> RoundPolicy:
     return RoundPolicy(lambda b: list(levels), **kw)
 
 
-def simulate(policy, batch, steps, *, verify_s, chain_s, work_s, hit_rate, tokens=3.0, plain_s=None, halves=None):
+def _ranks(batch: int, n: int, hit_rate: dict) -> list[int]:
+    """Ranks of the hits of a tree of n branches (DraftTokens.hit_rank) such that each smaller
+    tree m of hit_rate holds round(hit_rate[m] * batch) of them."""
+    ranks, below, rank = [], 0, 0
+    for m in sorted(x for x in hit_rate if x < n) + [n]:
+        hits = max(below, round(hit_rate[m] * batch))
+        ranks += [rank] * (hits - below)  # first held by a tree of m: ranked at the smaller tree's size
+        below, rank = hits, m
+    return ranks
+
+
+def simulate(policy, batch, steps, *, verify_s, chain_s, work_s, hit_rate, tokens=3.0, plain_s=None, halves=None,
+             ranks=False):
     """Drive the policy as the target worker does, with a draft and target of these costs:
     a step waits for the answer to the last request, from the tree built after the one
     before (its overrun, and the jit chain when any sequence missed) or a chain drafted
     on request. halves: (verify, chain) of half the batch (default: the whole batch's); a
-    halves step waits for its half's chain beyond the other half's verify. Returns the plans chosen."""
+    halves step waits for its half's chain beyond the other half's verify. ranks: the hits
+    come with their ranks, as the draft's (smaller trees' hit rates as hit_rate gives them).
+    Returns the plans chosen."""
     plans, hist = [], [None, None]
     for _ in range(steps):
         plan = policy.choose(batch)
@@ -64,7 +78,8 @@ def simulate(policy, batch, steps, *, verify_s, chain_s, work_s, hit_rate, token
                 drafted = hits if none else batch
                 missed = chain_tokens(tokens, k, short) if short else tokens
                 kw = dict(wait_s=wait, busy_s=verify_s, num_specs=batch, num_hits=hits, num_drafted=drafted,
-                          drafted_tokens=int(tokens * hits + missed * (drafted - hits)), draft_work_s=w)
+                          drafted_tokens=int(tokens * hits + missed * (drafted - hits)), draft_work_s=w,
+                          hit_ranks=_ranks(batch, n, hit_rate) if ranks else None)
             else:
                 kw = dict(wait_s=chain_s, busy_s=verify_s, num_specs=batch, num_drafted=batch,
                           drafted_tokens=int(tokens * batch))
@@ -136,6 +151,26 @@ def test_a_smaller_tree_is_rated_at_no_less_work_than_a_chain():
                      hit_rate={16: 0.95, 8: 0.9, 4: 0.8}, tokens=2.35, plain_s=0.005)
     assert RoundPlan("ssd", 8, "jit") not in plans and RoundPlan("ssd", 8, "jit:1") not in plans
     assert RoundPlan("ssd", 8, "none") in plans
+
+
+def test_a_larger_trees_look_ups_rate_the_smaller_trees():
+    """Each hit comes with its branch's rank, and a tree of n branches holds the forks of rank
+    < n: the largest tree's rounds measure every smaller tree's hit rate. As above, where
+    the smaller tree of 8 with backup none was measured at the largest tree's hit rate
+    (0.95), it now rates at its own (10 of 16) and is not worth a probe."""
+    assert _ranks(16, 16, {16: 0.95, 8: 0.9, 4: 0.8}) == [0] * 13 + [4, 8]
+    costs = dict(verify_s=0.0074, chain_s=0.00675, work_s={16: 0.0146, 8: 0.0127, 4: 0.0094},
+                 hit_rate={16: 0.95, 8: 0.6, 4: 0.5}, tokens=2.35, plain_s=0.005)
+    p = _policy(k=4, short_jit=1)
+    plans = simulate(p, 16, 80, **costs, ranks=True)
+    assert p.costs(16).hit_rate[8] == pytest.approx(10 / 16) and p.costs(16).hit_rate[4] == pytest.approx(8 / 16)
+    assert RoundPlan("ssd", 8, "none") not in plans and p.summary() == {16: "plain"}
+    without = _policy(k=4, short_jit=1)
+    assert RoundPlan("ssd", 8, "none") in simulate(without, 16, 80, **costs)
+    # A hit of unknown rank (an answer without ranks) leaves the smaller trees' rates alone.
+    c = Costs()
+    c.add_hits(16, 3, 4, [0, -1, 9], [16, 8, 4])
+    assert c.hit_rate == {16: 0.75}
 
 
 def test_backup_none_at_large_batch_jit_at_small():
@@ -751,6 +786,28 @@ def test_no_halves_when_a_half_costs_as_much_as_the_whole():
     assert plans[-200:].count(HALVES) <= 12 and p.num_switches <= 1
 
 
+def test_no_halves_where_half_the_batch_measured_costs_as_much_as_the_whole():
+    """As above, with batch 4 run first: its verify (9.8 ms) and chain (5.5 ms) put two
+    half-batch steps at about 19.6 ms (HALVES_SLACK of it: 16.7), too slow against SD's
+    16 ms for batch 8: halves are not run to find that out, only in periodic probes."""
+    p = _policy()
+    simulate(p, 4, 60, verify_s=0.0098, chain_s=0.0055, work_s={16: 0.030, 8: 0.025, 4: 0.02},
+             hit_rate={16: 0.5, 8: 0.4, 4: 0.3})
+    assert p.costs(4).verify(False) == pytest.approx(0.0098) and p.costs(4).chain_s == pytest.approx(0.0055)
+    plans = simulate(p, 8, 300, verify_s=0.010, chain_s=0.006, work_s={16: 0.030, 8: 0.025, 4: 0.02},
+                     hit_rate={16: 0.5, 8: 0.4, 4: 0.3}, halves=(0.0098, 0.0055))
+    assert HALVES not in plans[:50] and plans.count(HALVES) <= 12 and p.summary()[8] == "sd"
+    assert halves_estimate(p.costs(4)) == pytest.approx(HALVES_SLACK * 2 * 0.0098)
+    assert p.costs(8).halves_s == pytest.approx(0.0196)  # measured in the periodic probes: it stands
+
+
+def test_halves_are_still_found_where_half_the_batch_measured_them_worth_it():
+    p = _policy()
+    simulate(p, 16, 60, **dict(LONG, verify_s=0.016, chain_s=0.017))
+    plans = simulate(p, 32, 300, **LONG, halves=(0.016, 0.017))
+    assert p.summary()[32] == "halves" and plans[-100:].count(HALVES) >= 80
+
+
 def test_a_batch_that_shrinks_keeps_what_the_full_batch_realized():
     """1.5 tokens a sequence per SD round, whose chain waits 2 or 10 ms in turn (the model
     takes the least, 2). At batch 4 plain steps (7.8 ms) realize 513 tok/s against SD's
@@ -1004,3 +1061,22 @@ def test_replay_all_seeded_starts_the_policy_with_the_calibrated_costs(tmp_path,
     assert passed == [True, True], passed
     assert len(out) == 2 and re.match(r"steps\.log\.gz batch 4: simulated [\d.]+ tok/s, best option ", out[0]), out
     assert out[1].startswith("1 runs: simulated / best option "), out
+
+
+def test_halves_estimate_compares_measured_halves_steps_with_half_the_batchs_costs(tmp_path, capsys):
+    """scripts/halves_estimate.py: SD rounds at batch 4 (verify 9 ms, chain 6 ms), then halves
+    steps at batch 8 of 10 ms per half: H 20 ms against 2 max(9, 6) = 18 ms."""
+    script = _load_script("halves_estimate")
+    with _step_records() as lines:
+        logged = _policy(k=4)
+        for _ in range(8):
+            logged.record(4, SD, wait_s=0.006, busy_s=0.009, num_specs=4, num_drafted=4, drafted_tokens=12)
+        for _ in range(8):
+            logged.record(8, HALVES, wait_s=0.001, busy_s=0.009, num_specs=4, num_drafted=4, drafted_tokens=12,
+                          stepped=4)
+    log = _write_gz_log(tmp_path, lines)
+    [((batch, context), h, lo, hi, n, two)] = script.compare(log)
+    assert (batch, context, n) == (8, 1024, 8) and h == lo == hi == pytest.approx(0.020)
+    assert two == pytest.approx(0.018)
+    script.main([str(log)])
+    assert "H / it 1.11" in capsys.readouterr().out

@@ -86,7 +86,8 @@ def test_hit_returns_the_cached_speculation(model_dir):
     # Outcome: sequence 0 rejects at depth 1 with a forked token (hit), sequence 1
     # gets a token nobody forked (miss).
     s0, s1 = seqs
-    (j0, t0), want = next(((key, e) for key, e in engine.cache.entries(0).items() if key[0] == 1))
+    want_entries = engine.cache.entries(0)
+    (j0, t0), want = next(((key, e) for key, e in want_entries.items() if key[0] == 1))
     unforked = next(t for t in range(3, 384) if engine.cache.lookup(1, 0, t) is None and t != prop[1].draft_token_ids[0])
     engine.note_outcome(s0, j0, t0)
     s0.apply_outcome(j0, t0, s0.num_tokens + j0 + 1, 2)
@@ -94,6 +95,9 @@ def test_hit_returns_the_cached_speculation(model_dir):
     s1.apply_outcome(0, unforked, s1.num_tokens + 1, 2)
     prop2, by_depth = engine.propose(seqs, K)
     assert [p.cache_hit for p in prop2] == [True, False]
+    # Each branch carries its fork's rank (a smaller tree holds the lower ranks); a miss none.
+    ranks = sorted(e.hit_rank for e in want_entries.values())
+    assert ranks == list(range(len(want_entries))) and prop2[0].hit_rank == want.hit_rank and prop2[1].hit_rank == -1
     assert by_depth[1] == 1 and sum(by_depth) == 1
     assert prop2[0].draft_token_ids.tolist() == want.draft_token_ids.tolist()
     assert engine.num_hits == 1 and engine.num_misses == 3

@@ -166,6 +166,7 @@ def test_first_request_after_add_hits_and_is_exact(model_dir, temperature):
     h.drain()
     resp = h.response()
     assert resp.cache_hit.tolist() == [True, True] and resp.hits_by_depth[0] == 2
+    assert temperature > 0 or resp.hit_rank.tolist() == [0, 0]  # the draft's top token: its likeliest fork
     assert (resp.num_draft_tokens == K).all() and ssd.num_hits == 2 and ssd.num_misses == 0
     h.check_exact(resp)
 
@@ -176,7 +177,7 @@ def test_first_request_after_add_hits_and_is_exact(model_dir, temperature):
     h.request([(1, 1, reject), (2, K, bonus)])
     h.drain()
     resp = h.response()
-    assert resp.cache_hit.tolist() == [False, True]
+    assert resp.cache_hit.tolist() == [False, True] and resp.hit_rank[0] == -1 and resp.hit_rank[1] >= 0
     h.check_exact(resp)
     assert h.prefetched == [[1, 2]]
 

@@ -103,13 +103,18 @@ def test_batched_fork_selection_is_the_definition_row_by_row(ties):
         drafts = rng.integers(0, 10, size=(b, m))
         fan = tuple(int(f) for f in rng.integers(0, 4, size=int(rng.integers(0, m + 3))))
         budget, rate = int(rng.integers(1, 10)), float(rng.random())
-        depth, token, count = select_forks_batch(ids, probs, drafts, fan, budget, rate)
+        depth, token, count, rank = select_forks_batch(ids, probs, drafts, fan, budget, rate)
         for row in range(b):
             want = _forks_by_definition(ids[row], probs[row], drafts[row], fan, budget, rate)
             assert list(zip(depth[row, : count[row]].tolist(), token[row, : count[row]].tolist())) == want
             forks = select_forks(9, ids[row], probs[row], drafts[row], fan, budget, rate)
             assert [(f.depth, f.token_id) for f in forks] == want
             assert [f.branch for f in forks] == list(range(len(want)))
+            assert [f.rank for f in forks] == rank[row, : count[row]].tolist()
+            # A smaller budget forks exactly those of lower rank: a hit's rank says which trees it hits.
+            for n in range(1, budget):
+                smaller = select_forks(9, ids[row], probs[row], drafts[row], fan, n, rate)
+                assert [(f.depth, f.token_id) for f in smaller] == [(f.depth, f.token_id) for f in forks if f.rank < n]
 
 
 def test_fork_groups_come_back_sequence_by_sequence():
@@ -129,9 +134,10 @@ def test_fork_groups_come_back_sequence_by_sequence():
     want = []
     for i, m in enumerate(ms):
         rows = slice(starts[i], starts[i] + m + 1)
-        want += [(i, f.depth, f.token_id, f.branch) for f in
+        want += [(i, f.depth, f.token_id, f.branch, f.rank) for f in
                  select_forks(i, ids[rows], probs[rows], np.array(seqs[i].draft_token_ids, dtype=np.int64), (2, 2, 1), 4, 0.7)]
-    got = list(zip(forks.seq.tolist(), forks.depth.tolist(), forks.token_id.tolist(), forks.branch.tolist()))
+    got = list(zip(forks.seq.tolist(), forks.depth.tolist(), forks.token_id.tolist(), forks.branch.tolist(),
+                   forks.rank.tolist()))
     assert got == want and len(forks) == len(want)
 
 
@@ -139,12 +145,15 @@ def test_a_branch_table_answers_rows_of_its_arrays():
     tokens = np.arange(12).reshape(3, 4)
     q_ids, q_probs = np.arange(24).reshape(3, 4, 2), np.ones((3, 4, 2), dtype=np.float32)
     cache = TreeCache(max_branches=2, k=4, scratch_base=0)
-    cache.replace_rows(1, {(0, 7): 2, (1, 8): 0}, BranchTable(tokens, q_ids, q_probs, np.array([4, 1, 3])))
+    cache.replace_rows(1, {(0, 7): 2, (1, 8): 0},
+                       BranchTable(tokens, q_ids, q_probs, np.array([4, 1, 3]), ranks=np.array([1, 2, 0])))
     got = cache.lookup(1, 0, 7)
     assert got.draft_token_ids.tolist() == [8, 9, 10] and got.q_token_ids.tolist() == q_ids[2, :3].tolist()
+    assert got.hit_rank == 0 and cache.lookup(1, 1, 8).hit_rank == 1
     assert cache.lookup(1, 1, 8).draft_token_ids.tolist() == [0, 1, 2, 3] and cache.lookup(1, 1, 7) is None
     assert set(cache.entries(1)) == {(0, 7), (1, 8)} and cache.num_entries() == 2
     cache.replace_rows(2, {(0, 1): 1}, BranchTable(tokens, None, None, np.array([4, 2, 3])))
     assert cache.lookup(2, 0, 1).q_token_ids is None and cache.lookup(2, 0, 1).draft_token_ids.tolist() == [4, 5]
+    assert cache.lookup(2, 0, 1).hit_rank == -1  # no ranks: unknown
     with pytest.raises(ValueError):
         cache.replace_rows(3, {(0, i): i for i in range(3)}, BranchTable(tokens, None, None, np.array([1, 1, 1])))

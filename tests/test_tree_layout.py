@@ -40,7 +40,7 @@ def test_fork_count_is_select_forks_batchs_count_with_a_wide_ranking():
         probs = -np.sort(-rng.random(ids.shape), axis=2).astype(np.float32)
         drafts = rng.integers(0, 20, size=(b, m))
         budget = int(rng.integers(1, 10))
-        _, _, count = select_forks_batch(ids, probs, drafts, fan, budget, float(rng.random()))
+        _, _, count, _ = select_forks_batch(ids, probs, drafts, fan, budget, float(rng.random()))
         assert (count == fork_count(m, fan, budget)).all()
 
 
