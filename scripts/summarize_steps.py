@@ -8,7 +8,8 @@ Per point (the records up to its "[ssd] P=... B=..." line):
   - other batch sizes: the share of step time at batch sizes below the point's, while its
     batch filled up and emptied;
   - per plan at the point's batch size: steps, and tokens/s over the steps three or more
-    after a change of plan (its own tokens over its own time; at least MIN_STEADY of them);
+    after a change of plan (its own tokens over its own time; at least MIN_STEADY of them),
+    and for SSD rounds the share of look-ups that hit the tree over those steps;
   - the loss: step time at the point's batch size beyond what its best plan would have
     taken for the same tokens, as a share of all step time (probes, switches and choices
     other than the best), and the part of it in the first three steps after each change
@@ -48,6 +49,8 @@ class Step:
     tokens: int
     seconds: float
     steady: bool = True  # past the first rounds of its sequences
+    hits: int = 0  # look-ups that hit the tree cache, of
+    looked_up: int = 0
 
 
 def read(path: str) -> list[tuple[str, list[Step], tuple[float, int] | None]]:
@@ -60,7 +63,8 @@ def read(path: str) -> list[tuple[str, list[Step], tuple[float, int] | None]]:
             record = parse_record(line)
             if record is not None:
                 batch, _, _, plan, kw, tokens = record
-                steps.append(Step(batch, plan.label(), tokens, kw["wait_s"] + kw["busy_s"], kw["steady"]))
+                steps.append(Step(batch, plan.label(), tokens, kw["wait_s"] + kw["busy_s"], kw["steady"],
+                                  kw["num_hits"], kw["num_specs"] if plan.work_ahead else 0))
                 continue
             p = POINT.match(line)
             if p is not None:
@@ -88,6 +92,17 @@ def plan_rates(steps: list[Step]) -> tuple[dict[str, float], list[int]]:
     return {p: t / sec for p, (t, sec, count) in sums.items() if count >= MIN_STEADY}, since
 
 
+def hit_rates(steps: list[Step], since: list[int]) -> dict[str, float]:
+    """Per SSD plan, hits over look-ups in its steps three or more after a change of plan
+    (those plan_rates counts; the first look-ups after a change find the previous tree)."""
+    sums = defaultdict(lambda: [0, 0])
+    for s, k in zip(steps, since):
+        if k >= 3 and s.looked_up:
+            sums[s.plan][0] += s.hits
+            sums[s.plan][1] += s.looked_up
+    return {p: h / n for p, (h, n) in sums.items()}
+
+
 def summarize(steps: list[Step], timed: int = 0) -> dict:
     """The measures of the module doc for one point's steps (its steady ones; the last
     `timed` of them all: the records of the timed run)."""
@@ -99,7 +114,7 @@ def summarize(steps: list[Step], timed: int = 0) -> dict:
     rates, since = plan_rates(full)
     counts = Counter(s.plan for s in full)
     out = dict(batch=batch, total_s=total, other_batch=(total - sum(s.seconds for s in full)) / total,
-               plans={p: (n, rates.get(p)) for p, n in counts.most_common()})
+               plans={p: (n, rates.get(p)) for p, n in counts.most_common()}, hit_rates=hit_rates(full, since))
     if timed:
         out["records_rate"] = sum(s.tokens for s in timed) / sum(s.seconds for s in timed)
     if rates:
@@ -132,8 +147,9 @@ def main(argv: list[str] | None = None) -> None:
         if not any(s.steady for s in steps):
             continue
         r = summarize(steps, engine[1] if engine else 0)
+        hits = r["hit_rates"]
         plans = ", ".join(f"{label} {n} steps" + (f" {rate:.0f} tok/s" if rate else "")
-                          for label, (n, rate) in r["plans"].items())
+                          + (f" hit {hits[label]:.2f}" if label in hits else "") for label, (n, rate) in r["plans"].items())
         loss = (f"loss against {r['best']}: {100 * r['loss']:.1f}% ({100 * r['switch_loss']:.1f}% in the first "
                 f"three steps after a change)" if "best" in r else "no plan with enough steady steps")
         timed = (f"; the timed run's {engine[1]} records {r['records_rate']:.1f} tok/s, the engine's decode "

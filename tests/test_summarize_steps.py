@@ -57,6 +57,21 @@ def test_a_points_steps_split_into_its_best_plan_the_rest_and_other_batch_sizes(
     assert out[1].endswith("; the timed run's 12 records 600.0 tok/s, the engine's decode 540.0 (0.900x)")
 
 
+def test_ssd_rounds_hit_rates_are_those_of_their_steady_steps(tmp_path, capsys):
+    """Per SSD plan, hits over look-ups in the steps three or more after a change of plan."""
+    def ssd(hits):
+        return (f"(target pid=1) DEBUG target_proc.round_policy: step batch 4 context 600: ssd 7 branches, backup none, "
+                f"wait 1.00 ms, busy 9.00 ms, {hits}/4 hits, {3 * hits} tokens drafted by {hits}, work-ahead 8.00 ms")
+    lines = [ssd(0)] * 3 + [ssd(3)] * 8 + [ssd(2)] * 4 + ["[ssd] P=512 T=0.0 B=4: 500.0 tok/s (decode 510.0)"]
+    log = tmp_path / "steps.log"
+    log.write_text("\n".join(lines) + "\n")
+    mod = _module()
+    ((_, steps, _),) = mod.read(str(log))
+    assert mod.summarize(steps)["hit_rates"] == {"ssd 7 branches, backup none": pytest.approx(32 / 48)}
+    mod.main([str(log)])
+    assert "ssd 7 branches, backup none 15 steps 933 tok/s hit 0.67" in capsys.readouterr().out
+
+
 def test_a_pinned_trees_records_are_read():
     """A tree pinned by --tree-budget or --fan-out is labelled "ssd configured tree" (RoundPlan
     with 0 branches): its records parse, and the label of its plan reads back the same."""
