@@ -336,7 +336,7 @@ def model_rate(plan: RoundPlan, batch: int, c: Costs, k: int = 0) -> float | Non
 
 def halves_estimate(half: Costs | None) -> float | None:
     """H, unmeasured, from the bucket of half the batch (None: its S or c unmeasured): a halves
-    step verifies one half while the draft chains the other, two step the whole batch. H was 0.90x
+    step verifies one half while the draft chains the other, two step the whole batch. H was 0.87x
     or more of 2 max(S, c) in docs/benchmarks.md's runs: HALVES_SLACK of it, on the fast side."""
     if half is None or half.chain_s is None or (s := half.verify(False)) is None:
         return None
