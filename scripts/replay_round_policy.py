@@ -1,5 +1,6 @@
 """Replay a run's round-policy step records (`LOG_LEVEL=DEBUG`, lines "step batch B context
-C: PLAN, wait W ms, busy X ms, H/N hits, T tokens drafted by D, work-ahead A ms") through
+C: PLAN, wait W ms, busy X ms, H/N hits, T tokens drafted by D, work-ahead A ms", then the
+hits' ranks, ", ranks R R ...", where the draft sent them; read, not replayed) through
 target_proc/round_policy.py, and print the rates the policy would give each option at the
 batch size of the run, wherever the recorded plan changes. The records come from the
 recorded choices, so this shows how the policy rates what ran, not a new run.

@@ -304,20 +304,21 @@ class RoundPolicy:
     def record(self, batch: int, plan: RoundPlan, *, context: int = 0, wait_s: float, busy_s: float, num_specs: int = 0,
                num_hits: int = 0, num_drafted: int = 0, drafted_tokens: int = 0, draft_work_s: float = 0.0,
                steady: bool = True, stepped: int = 0, sent: RoundPlan | None = None, hit_ranks=None) -> None:
-        """One step over `batch` sequences ran `plan`: waited wait_s for speculations (num_specs,
-        num_hits from the tree cache, hit_ranks their ranks), spent busy_s on verify and host; num_drafted
-        sequences had drafts, yielding drafted_tokens; draft_work_s: the draft's work-ahead. Not
-        steady (a sequence in its first rounds): measures nothing. stepped: the sequences run,
-        if fewer (halves). sent: its outcomes' request's plan, if not `plan` (target_proc/ahead.py)."""
+        """One step over `batch` sequences ran `plan`: waited wait_s for speculations (num_specs, num_hits
+        from the tree cache, hit_ranks their ranks), spent busy_s on verify and host; num_drafted sequences
+        had drafts, yielding drafted_tokens; draft_work_s: the draft's work-ahead. Not steady (a sequence in
+        its first rounds): measures nothing. stepped: the sequences run, if fewer (halves). sent: its
+        outcomes' request's plan, if not `plan` (target_proc/ahead.py)."""
         key = self.key(batch, context)
         c = self._bucket(key).costs
         if logger.isEnabledFor(logging.DEBUG):  # the step record (scripts/replay_round_policy.py reads it)
             logger.debug("step batch %d context %d: %s%s%s%s, wait %.2f ms, busy %.2f ms, %d/%d hits, %d tokens "
-                         "drafted by %d, work-ahead %.2f ms", batch, context, plan.label(),
+                         "drafted by %d, work-ahead %.2f ms%s", batch, context, plan.label(),
                          f" ({stepped} run)" if stepped and stepped != batch else "",
                          f" (requests {sent.label()})" if sent and sent != plan else "",
                          "" if steady else " (first rounds)", 1e3 * wait_s, 1e3 * busy_s, num_hits, num_specs,
-                         drafted_tokens, num_drafted, 1e3 * draft_work_s)
+                         drafted_tokens, num_drafted, 1e3 * draft_work_s,
+                         f", ranks {' '.join(map(str, sorted(hit_ranks)))}" if hit_ranks else "")
         (k3, p3), (k2, p2), (k1, p1) = self._history
         self._history.append((key, sent or plan))
         if not steady:
@@ -360,8 +361,8 @@ class RoundPolicy:
     def record_step(self, plan: RoundPlan, specs: dict, num_draft: list[int], num_accepted: list[int],
                     wait_s: float, busy_s: float, draft_work_s: float, steady: bool = True, context: int = 0,
                     batch: int = 0, sent: RoundPlan | None = None) -> None:
-        """`record` from the worker's view of a step: the speculations that arrived (DraftTokens), per sequence
-        its drafts and accepted tokens; steady, sent as `record`'s; batch: the running sequences (a halves step)."""
+        """`record` from the worker's view of a step (DraftTokens that arrived; per sequence its drafts and accepted
+        tokens); steady, sent as `record`'s; batch: the running sequences (a halves step)."""
         t0 = time.perf_counter()
         drafted = [j + 1 for j, m in zip(num_accepted, num_draft) if m]
         ranks = [s.hit_rank for s in specs.values() if s.cache_hit]
@@ -373,8 +374,7 @@ class RoundPolicy:
     # ---------------------------------------------------------------- reading
 
     def engine_fields(self) -> dict:
-        """The policy's part of EngineStats."""
-        n = self.steps
+        n = self.steps  # the policy's part of EngineStats
         return dict(num_plain_steps=n["plain"], num_ssd_rounds=n["ssd"], num_sd_rounds=n["sd"],
                     num_halves_steps=n["halves"], num_round_switches=self.num_switches,
                     round_choices=self.summary(), round_policy_s=self.host_s)

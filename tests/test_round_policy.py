@@ -712,6 +712,17 @@ def test_replay_reads_step_records_and_prints_the_rates(tmp_path, capsys):
     assert replay.parse_plan("ssd 8 branches, backup jit:1") == (RoundPlan("ssd", 8, "jit:1"), 0, None)
 
 
+def test_a_step_record_names_its_hits_ranks_and_still_reads_back():
+    replay = _load_replay()
+    with _step_records() as lines:
+        _policy(k=4).record(4, RoundPlan("ssd", 16, "none"), wait_s=0.001, busy_s=0.009, num_specs=4, num_hits=2,
+                            num_drafted=2, drafted_tokens=6, draft_work_s=0.008, hit_ranks=[5, 0])
+    (line,) = [ln for ln in lines if ln.startswith("step ")]
+    assert line.endswith("work-ahead 8.00 ms, ranks 0 5")
+    batch, _, _, plan, kw, tokens = replay.parse_record(line)
+    assert (batch, plan, kw["num_hits"], kw["num_specs"], tokens) == (4, RoundPlan("ssd", 16, "none"), 2, 4, 8)
+
+
 def test_a_plain_step_that_requests_the_next_plan_is_logged_and_replayed_so(tmp_path):
     """A plain step queued ahead sends its outcomes with the next SSD round's request
     (target_proc/ahead.py): its record names that plan, the replay reads it back, and the
