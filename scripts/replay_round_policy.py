@@ -1,6 +1,6 @@
 """Replay a run's round-policy step records (`LOG_LEVEL=DEBUG`, lines "step batch B context
 C: PLAN, wait W ms, busy X ms, H/N hits, T tokens drafted by D, work-ahead A ms", then the
-hits' ranks, ", ranks R R ...", where the draft sent them; read, not replayed) through
+hits' ranks, ", ranks R R ...", where the draft sent them: each smaller tree's hits) through
 target_proc/round_policy.py, and print the rates the policy would give each option at the
 batch size of the run, wherever the recorded plan changes. The records come from the
 recorded choices, so this shows how the policy rates what ran, not a new run.
@@ -42,7 +42,7 @@ from target_proc.round_model import MIN_SAMPLES, OUTLIER  # noqa: E402
 from target_proc.round_policy import HALVES, PLAIN, SD, SHORT_JIT_DIV, RoundPlan, RoundPolicy, predict  # noqa: E402
 
 STEP = re.compile(r"step batch (\d+) context (\d+): (.*?)( \(first rounds\))?, wait ([\d.]+) ms, busy ([\d.]+) ms, "
-                  r"(\d+)/(\d+) hits, (\d+) tokens drafted by (\d+), work-ahead ([\d.]+) ms")
+                  r"(\d+)/(\d+) hits, (\d+) tokens drafted by (\d+), work-ahead ([\d.]+) ms(?:, ranks ([\d ]+))?")
 
 
 def parse_plan(label: str) -> tuple[RoundPlan, int, RoundPlan | None]:
@@ -66,11 +66,12 @@ def parse_record(line: str):
     m = STEP.search(line)
     if m is None:
         return None
-    batch, context, label, first, wait, busy, hits, specs, tokens, drafted, work = m.groups()
+    batch, context, label, first, wait, busy, hits, specs, tokens, drafted, work, ranks = m.groups()
     (plan, stepped, sent), batch = parse_plan(label), int(batch)
     kw = dict(wait_s=float(wait) / 1e3, busy_s=float(busy) / 1e3, num_specs=int(specs), num_hits=int(hits),
               num_drafted=int(drafted), drafted_tokens=int(tokens), draft_work_s=float(work) / 1e3,
-              steady=first is None, stepped=stepped, sent=sent)
+              steady=first is None, stepped=stepped, sent=sent,
+              hit_ranks=[int(r) for r in ranks.split()] if ranks else None)
     ran = stepped or batch
     return batch, int(context), label, plan, kw, ran if not plan.speculate else int(tokens) + ran - int(drafted)
 

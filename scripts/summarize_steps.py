@@ -9,7 +9,9 @@ Per point (the records up to its "[ssd] P=... B=..." line):
     batch filled up and emptied;
   - per plan at the point's batch size: steps, and tokens/s over the steps three or more
     after a change of plan (its own tokens over its own time; at least MIN_STEADY of them),
-    and for SSD rounds the share of look-ups that hit the tree over those steps;
+    and for SSD rounds the share of look-ups that hit the tree over those steps; where the
+    records name the hits' ranks, also the share that a tree of each smaller shape of the
+    ladder would have hit (it holds the forks of rank below its size);
   - the loss: step time at the point's batch size beyond what its best plan would have
     taken for the same tokens, as a share of all step time (probes, switches and choices
     other than the best), and the part of it in the first three steps after each change
@@ -37,6 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts.replay_round_policy import parse_record  # noqa: E402
+from spec_runtime.config import tree_ladder  # noqa: E402
 
 POINT = re.compile(r"^\[ssd\] P=(\d+) T=([\d.]+) B=(\d+)( alpha=[\d.]+)?:(?:.*?decode ([\d.]+))?(?:.*? steps (\d+), )?")
 MIN_STEADY = 10  # steady steps before a plan's rate is shown
@@ -51,6 +54,7 @@ class Step:
     steady: bool = True  # past the first rounds of its sequences
     hits: int = 0  # look-ups that hit the tree cache, of
     looked_up: int = 0
+    ranks: list[int] | None = None  # the hits' ranks, where the record names them
 
 
 def read(path: str) -> list[tuple[str, list[Step], tuple[float, int] | None]]:
@@ -64,7 +68,7 @@ def read(path: str) -> list[tuple[str, list[Step], tuple[float, int] | None]]:
             if record is not None:
                 batch, _, _, plan, kw, tokens = record
                 steps.append(Step(batch, plan.label(), tokens, kw["wait_s"] + kw["busy_s"], kw["steady"],
-                                  kw["num_hits"], kw["num_specs"] if plan.work_ahead else 0))
+                                  kw["num_hits"], kw["num_specs"] if plan.work_ahead else 0, kw["hit_ranks"]))
                 continue
             p = POINT.match(line)
             if p is not None:
@@ -103,6 +107,24 @@ def hit_rates(steps: list[Step], since: list[int]) -> dict[str, float]:
     return {p: h / n for p, (h, n) in sums.items()}
 
 
+def smaller_hit_rates(steps: list[Step], since: list[int]) -> dict[str, dict[int, float]]:
+    """Per SSD plan whose counted steps (as hit_rates's) all name their hits' ranks: for each
+    smaller shape n of its ladder (tree_ladder), the share of look-ups with a hit of rank < n."""
+    counted = defaultdict(list)
+    for s, k in zip(steps, since):
+        if k >= 3 and s.looked_up:
+            counted[s.plan].append(s)
+    out = {}
+    for plan, group in counted.items():
+        m = re.match(r"ssd (\d+) branches", plan)
+        if m is None or any(s.hits and s.ranks is None for s in group):
+            continue
+        looked_up = sum(s.looked_up for s in group)
+        out[plan] = {n: sum(r < n for s in group for r in s.ranks or ()) / looked_up
+                     for n in tree_ladder(int(m.group(1)))[1:]}
+    return out
+
+
 def summarize(steps: list[Step], timed: int = 0) -> dict:
     """The measures of the module doc for one point's steps (its steady ones; the last
     `timed` of them all: the records of the timed run)."""
@@ -114,7 +136,8 @@ def summarize(steps: list[Step], timed: int = 0) -> dict:
     rates, since = plan_rates(full)
     counts = Counter(s.plan for s in full)
     out = dict(batch=batch, total_s=total, other_batch=(total - sum(s.seconds for s in full)) / total,
-               plans={p: (n, rates.get(p)) for p, n in counts.most_common()}, hit_rates=hit_rates(full, since))
+               plans={p: (n, rates.get(p)) for p, n in counts.most_common()}, hit_rates=hit_rates(full, since),
+               smaller_hit_rates=smaller_hit_rates(full, since))
     if timed:
         out["records_rate"] = sum(s.tokens for s in timed) / sum(s.seconds for s in timed)
     if rates:
@@ -147,9 +170,11 @@ def main(argv: list[str] | None = None) -> None:
         if not any(s.steady for s in steps):
             continue
         r = summarize(steps, engine[1] if engine else 0)
-        hits = r["hit_rates"]
+        hits, smaller = r["hit_rates"], r["smaller_hit_rates"]
         plans = ", ".join(f"{label} {n} steps" + (f" {rate:.0f} tok/s" if rate else "")
-                          + (f" hit {hits[label]:.2f}" if label in hits else "") for label, (n, rate) in r["plans"].items())
+                          + (f" hit {hits[label]:.2f}" if label in hits else "")
+                          + (" (" + ", ".join(f"{k}: {v:.2f}" for k, v in smaller[label].items()) + ")"
+                             if smaller.get(label) else "") for label, (n, rate) in r["plans"].items())
         loss = (f"loss against {r['best']}: {100 * r['loss']:.1f}% ({100 * r['switch_loss']:.1f}% in the first "
                 f"three steps after a change)" if "best" in r else "no plan with enough steady steps")
         timed = (f"; the timed run's {engine[1]} records {r['records_rate']:.1f} tok/s, the engine's decode "

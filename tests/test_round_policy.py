@@ -721,6 +721,8 @@ def test_a_step_record_names_its_hits_ranks_and_still_reads_back():
     assert line.endswith("work-ahead 8.00 ms, ranks 0 5")
     batch, _, _, plan, kw, tokens = replay.parse_record(line)
     assert (batch, plan, kw["num_hits"], kw["num_specs"], tokens) == (4, RoundPlan("ssd", 16, "none"), 2, 4, 8)
+    assert kw["hit_ranks"] == [0, 5]  # a replay feeds them to its policy as the engine does
+    assert replay.parse_record(line.split(", ranks")[0])[4]["hit_ranks"] is None
 
 
 def test_a_plain_step_that_requests_the_next_plan_is_logged_and_replayed_so(tmp_path):

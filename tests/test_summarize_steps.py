@@ -72,6 +72,30 @@ def test_ssd_rounds_hit_rates_are_those_of_their_steady_steps(tmp_path, capsys):
     assert "ssd 7 branches, backup none 15 steps 933 tok/s hit 0.67" in capsys.readouterr().out
 
 
+def test_the_hits_ranks_give_each_smaller_trees_hit_rate(tmp_path, capsys):
+    """Records that name their hits' ranks: the 15-branch tree's look-ups rate the 7- and
+    3-branch trees of its ladder (a tree of n holds ranks below n)."""
+    def ssd(ranks):
+        tail = f", ranks {' '.join(map(str, ranks))}" if ranks else ""
+        return (f"step batch 4 context 600: ssd 15 branches, backup none, wait 1.00 ms, busy 9.00 ms, "
+                f"{len(ranks)}/4 hits, {3 * len(ranks)} tokens drafted by {len(ranks)}, work-ahead 8.00 ms{tail}")
+    lines = [ssd([0, 2, 5, 9])] * 8 + [ssd([])] * 4 + ["[ssd] P=512 T=0.0 B=4: 500.0 tok/s (decode 510.0)"]
+    log = tmp_path / "steps.log"
+    log.write_text("\n".join(lines) + "\n")
+    mod = _module()
+    ((_, steps, _),) = mod.read(str(log))
+    r = mod.summarize(steps)
+    # Steps 3-11 count: 5 with 4 hits (ranks 0 2 5 9), 4 with none, 36 look-ups.
+    assert r["hit_rates"] == {"ssd 15 branches, backup none": pytest.approx(20 / 36)}
+    assert r["smaller_hit_rates"] == {"ssd 15 branches, backup none": {7: pytest.approx(15 / 36),
+                                                                       3: pytest.approx(10 / 36)}}
+    mod.main([str(log)])
+    assert "hit 0.56 (7: 0.42, 3: 0.28)" in capsys.readouterr().out
+    # A hit whose rank the record does not name: no smaller trees' rates.
+    steps[5].ranks = None
+    assert mod.summarize(steps)["smaller_hit_rates"] == {}
+
+
 def test_a_pinned_trees_records_are_read():
     """A tree pinned by --tree-budget or --fan-out is labelled "ssd configured tree" (RoundPlan
     with 0 branches): its records parse, and the label of its plan reads back the same."""
