@@ -96,26 +96,26 @@ def plan_rates(steps: list[Step]) -> tuple[dict[str, float], list[int]]:
     return {p: t / sec for p, (t, sec, count) in sums.items() if count >= MIN_STEADY}, since
 
 
-def hit_rates(steps: list[Step], since: list[int]) -> dict[str, float]:
-    """Per SSD plan, hits over look-ups in its steps three or more after a change of plan
-    (those plan_rates counts; the first look-ups after a change find the previous tree)."""
-    sums = defaultdict(lambda: [0, 0])
-    for s, k in zip(steps, since):
-        if k >= 3 and s.looked_up:
-            sums[s.plan][0] += s.hits
-            sums[s.plan][1] += s.looked_up
-    return {p: h / n for p, (h, n) in sums.items()}
-
-
-def smaller_hit_rates(steps: list[Step], since: list[int]) -> dict[str, dict[int, float]]:
-    """Per SSD plan whose counted steps (as hit_rates's) all name their hits' ranks: for each
-    smaller shape n of its ladder (tree_ladder), the share of look-ups with a hit of rank < n."""
+def _looked_up(steps: list[Step], since: list[int]) -> dict[str, list[Step]]:
+    """Per SSD plan, its steps three or more after a change of plan (those plan_rates counts;
+    the first look-ups after a change find the previous tree)."""
     counted = defaultdict(list)
     for s, k in zip(steps, since):
         if k >= 3 and s.looked_up:
             counted[s.plan].append(s)
+    return counted
+
+
+def hit_rates(steps: list[Step], since: list[int]) -> dict[str, float]:
+    """Per SSD plan, hits over look-ups in its counted steps (_looked_up)."""
+    return {p: sum(s.hits for s in g) / sum(s.looked_up for s in g) for p, g in _looked_up(steps, since).items()}
+
+
+def smaller_hit_rates(steps: list[Step], since: list[int]) -> dict[str, dict[int, float]]:
+    """Per SSD plan whose counted steps (_looked_up) all name their hits' ranks: for each
+    smaller shape n of its ladder (tree_ladder), the share of look-ups with a hit of rank < n."""
     out = {}
-    for plan, group in counted.items():
+    for plan, group in _looked_up(steps, since).items():
         m = re.match(r"ssd (\d+) branches", plan)
         if m is None or any(s.hits and s.ranks is None for s in group):
             continue
