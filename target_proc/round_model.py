@@ -49,11 +49,12 @@ Pure bookkeeping, no torch."""
 
 from __future__ import annotations
 
-import functools
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
+
+from target_proc.drain import chain_tokens, short_jit_len  # noqa: F401 - re-exported
 
 DECAY = 0.8  # weight of a running mean's past
 OUTLIER = 4.0  # a running mean takes a sample at most this factor off it
@@ -259,32 +260,6 @@ def _median(xs: Iterable[float]) -> float:
     xs = sorted(xs)
     m = len(xs) // 2
     return xs[m] if len(xs) % 2 else (xs[m - 1] + xs[m]) / 2
-
-
-def short_jit_len(backup: str) -> int:
-    """N of a short jit backup `jit:N`, 0 for any other backup."""
-    return int(backup[4:]) if backup.startswith("jit:") else 0
-
-
-def _powers_sum(x: float, n: int) -> float:
-    """x + x^2 + ... + x^n for 0 <= x <= 1."""
-    return float(n) if x >= 1.0 else x * (1.0 - x ** n) / (1.0 - x)
-
-
-@functools.lru_cache(maxsize=256)
-def chain_tokens(tokens: float, k: int, n: int) -> float:
-    """Tokens per round (accepted + 1) of an n-token chain, given `tokens` for k tokens:
-    the per-token acceptance x with x + ... + x^k = tokens - 1, summed to n. Cached: the
-    policy asks it for every short-jit option of every step, with one `tokens` per step."""
-    target = min(max(tokens - 1.0, 0.0), float(k))
-    lo, hi = 0.0, 1.0
-    for _ in range(40):
-        x = (lo + hi) / 2
-        if _powers_sum(x, k) < target:
-            lo = x
-        else:
-            hi = x
-    return 1.0 + _powers_sum(lo, n)
 
 
 def predict(plan: RoundPlan, batch: int, c: Costs, k: int = 0) -> float | None:

@@ -14,52 +14,45 @@ Every option yields the target's distribution exactly; they differ only in speed
 policy predicts each one's tokens/s (target_proc/round_model.py; once an option has run,
 its realized rate stands in) and runs the fastest.
 
-How it chooses: the largest tree first, until it is measured (from batch 4 with backup
-none, below with jit: round_model.first_option); then one probe of SD rounds (measures c);
-till then a step that measures nothing (a filling batch) is plain, and until the batch
-size has stood SETTLE_STEPS steps the bucket runs what the bucket it came from chose,
-unless that was an SSD round (halves as SD rounds where halves are not an option): a drain
-passes each bucket in a few steps, too few for the first measurements to pay. A bucket the
-batch enters as its context doubles (or halves) starts from the costs and choice of the one
-it leaves: they change little with the context, and measuring every option afresh cost
-50-140 ms of speculating steps per bucket at alpha 0.6 (docs/benchmarks.md). Then each step
-runs the best prediction (halves, unmeasured, rated from half the batch's bucket: H's
-estimate in round_model). An option whose inputs are not measured yet is probed before it
-is run: the next smaller tree when the best one overruns the verify; plain decoding once
-its estimate with P taken as S comes within PLAIN_PRIOR_SLACK of the best, a floor: a
-plain step verifies one token per sequence, a speculating one K + 1 (in docs/benchmarks.md's
-runs a one-token step took 0.57-0.96 of an SD round's verify).
-Every `probe_every` steps another option is probed for `probe_len` steps so its
-measurements stay current: first the choice last switched away from (a few slow steps of
-the host may have caused the switch, and its stale rate would keep it), then the one the
-model predicts fastest when that beats the choice's realized rate (a realized rate from a
-few steps of a transition must not rule an option out), else the runner-up (every fourth
-probe goes to the other options in turn), whose turn is skipped every other time while it
-rates more than CLOSE below the choice. A probe discards the option's earlier realized
-rate; one that loses by less than CLOSE runs on until it has a full window (8 steps), as a
-few steps of SSD at small batch scatter too widely to decide between options this close. A
-probe's steps wait for steps that can measure (the choice runs meanwhile), and a probe
-whose bucket the batch left is dropped: its first three steps back measure nothing. A
-probe costs its steps and two switches, so one after which the choice stands (or one
-skipped) doubles the wait for the next (up to 8 x probe_every steps); a change of choice
-restores it. A choice that stood RANK_EVERY rankings in a row is ranked once in RANK_EVERY
-steps, then twice as far apart at each ranking that keeps it, up to MAX_HOLD
-steps: ranking every option is most of the policy's host time (0.16 ms with the caches
-cold, as between GPU steps). S, P, H and W are medians of their last 8 samples (the least
-of two); running means clamp each sample to within 4x of the mean: one stall does not skew
-them. A step measures an option only when the two requests before it named it (its wait
-answers the request one back, from the cache built after the request two back; a plain step
-queued ahead may name the next step's plan, target_proc/ahead.py), and no sequence of the
-batch is in its first STEADY_AFTER_ROUNDS rounds. A realized rate also needs the request
-three back: the first chain after SSD rounds feeds the draft the last hit's branch (its KV
-is in the tree's scratch rows), a switch's cost.
-`jit` is the only backup at batch 1; from 2 one miss holds up the batch: jit:N and none too.
+How it chooses: the largest tree first, until it is measured (from batch 4 with backup none, below with jit:
+round_model.first_option); then one probe of SD rounds (measures c); till then a step that measures nothing (a
+filling batch) is plain, and until the batch size has stood SETTLE_STEPS steps the bucket runs what the bucket it
+came from chose, unless that was an SSD round (halves as SD rounds where halves are not an option): a drain passes
+each bucket in a few steps, too few for the first measurements to pay. A bucket the batch enters as its context
+doubles (or halves) starts from the costs and choice of the one it leaves: they change little with the context,
+and measuring every option afresh cost 50-140 ms of speculating steps per bucket at alpha 0.6
+(docs/benchmarks.md). Then each step runs the best prediction (halves, unmeasured, rated from half the batch's
+bucket: H's estimate in round_model). An option whose inputs are not measured yet is probed before it is run: the
+next smaller tree when the best one overruns the verify; plain decoding once its estimate with P taken as S comes
+within PLAIN_PRIOR_SLACK of the best, a floor: a plain step verifies one token per sequence, a speculating one
+K + 1 (in docs/benchmarks.md's runs a one-token step took 0.57-0.96 of an SD round's verify). Every `probe_every`
+steps another option is probed for `probe_len` steps so its measurements stay current: first the choice last
+switched away from (a few slow steps of the host may have caused the switch, and its stale rate would keep it),
+then the one the model predicts fastest when that beats the choice's realized rate (a realized rate from a few
+steps of a transition must not rule an option out), else the runner-up (every fourth probe goes to the other
+options in turn), whose turn is skipped every other time while it rates more than CLOSE below the choice. A probe
+discards the option's earlier realized rate; one that loses by less than CLOSE runs on until it has a full window
+(8 steps), as a few steps of SSD at small batch scatter too widely to decide between options this close. A probe's
+steps wait for steps that can measure (the choice runs meanwhile), and a probe whose bucket the batch left is
+dropped: its first three steps back measure nothing. A probe costs its steps and two switches, so one after which
+the choice stands (or one skipped) doubles the wait for the next (up to 8 x probe_every steps); a change of choice
+restores it. A choice that stood RANK_EVERY rankings in a row is ranked once in RANK_EVERY steps, then twice as
+far apart at each ranking that keeps it, up to MAX_HOLD steps: ranking every option is most of the policy's host
+time (0.16 ms with the caches cold, as between GPU steps). S, P, H and W are medians of their last 8 samples (the
+least of two); running means clamp each sample to within 4x of the mean: one stall does not skew them. A step
+measures an option only when the two requests before it named it (its wait answers the request one back, from the
+cache built after the request two back; a plain step queued ahead may name the next step's plan,
+target_proc/ahead.py), and no sequence of the batch is in its first STEADY_AFTER_ROUNDS rounds. A realized rate
+also needs the request three back: the first chain after SSD rounds feeds the draft the last hit's branch (its KV
+is in the tree's scratch rows), a switch's cost. Where no request waits, the batch drains: a step runs plain
+instead of the choice where the spread the choice adds between the sequences makes it MARGIN slower than plain
+steps (target_proc/drain.py). `jit` is the only backup at batch 1; from 2 one miss holds up the batch: jit:N and
+none too.
 
-A draft on one of the target's GPUs gets no SSD rounds (unless SD rounds are ruled out):
-its work-ahead would compete with the verify for the same GPU (docs/benchmarks.md measures
-it). Overrides pin what they name: --tree-shape fixed, --fan-out or --tree-budget (one tree
-shape), --backup, --work-ahead always (no SD rounds) or halves (halves only), --spec-policy
-always (no plain steps). Pure bookkeeping, no torch.
+A draft on one of the target's GPUs gets no SSD rounds (unless SD rounds are ruled out): its work-ahead would
+compete with the verify for the same GPU (docs/benchmarks.md measures it). Overrides pin what they name:
+--tree-shape fixed, --fan-out or --tree-budget (one tree shape), --backup, --work-ahead always (no SD rounds)
+or halves (halves only), --spec-policy always (no plain steps). Pure bookkeeping, no torch.
 """
 
 from __future__ import annotations
@@ -70,6 +63,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
+from target_proc.drain import drained_rate
 from target_proc.round_model import (  # noqa: F401 - re-exported
     HALVES, MIN_SAMPLES as _MIN_SAMPLES, MARGIN as _MARGIN, PLAIN, SD, WINDOW, Costs, RoundPlan, chain_tokens,
     first_option, halves_estimate, model_rate, predict, running_mean as _mean, short_jit_len, unmeasured_alternative,
@@ -144,9 +138,8 @@ class RoundPolicy:
                         "the verify for it; SD rounds or plain steps by measured costs (--work-ahead always runs SSD "
                         "rounds anyway)", cfg.draft.device)
         # Halves make the draft chain while the target verifies: not on the target's GPU.
-        return cls(spec.tree_levels, allow_ssd=allow_ssd, allow_sd=allow_sd,
+        return cls(spec.tree_levels, allow_ssd=allow_ssd, allow_sd=allow_sd, backup_auto=spec.backup == "auto",
                    allow_plain=cfg.sched.spec_policy == "adaptive", allow_halves=allow_sd and allow_ssd,
-                   backup_auto=spec.backup == "auto",
                    probe_every=cfg.sched.spec_policy_probe_every, k=spec.k, short_jit=spec.k // SHORT_JIT_DIV)
 
     bucket = staticmethod(batch_bucket)
@@ -170,23 +163,24 @@ class RoundPolicy:
     def _list_options(self, batch: int) -> list[RoundPlan]:
         shapes = self.shapes(batch)
         short = [f"jit:{self.short_jit}"] if self.short_jit else []
-        backups = ["jit", *short, "none"] if self.backup_auto and batch >= JIT_ONLY_BELOW else (
-            ["jit"] if self.backup_auto else [""])
+        auto = ["jit", *short, "none"] if batch >= JIT_ONLY_BELOW else ["jit"]
+        backups = auto if self.backup_auto else [""]
         out = [RoundPlan("ssd", n, b) for b in backups for n in shapes] if self.allow_ssd else []
         halves = self.allow_halves and (batch >= HALVES_FROM_BATCH or not (self.allow_ssd or self.allow_sd))
         return out + [SD] * self.allow_sd + [HALVES] * halves + [PLAIN] * self.allow_plain
 
     # ---------------------------------------------------------------- choosing
 
-    def choose(self, batch: int, context: int = 0, steady: bool = True) -> RoundPlan:
-        """The plan of the step over `batch` sequences of `context` tokens on average; steady: as `record`'s."""
+    def choose(self, batch: int, context: int = 0, steady: bool = True, drain: tuple | None = None) -> RoundPlan:
+        """The plan of the step over `batch` sequences of `context` tokens on average; steady: as `record`'s; drain:
+        (left, spread) of the sequences' remaining tokens where no request waits (drain.batch_drain), else None."""
         t0 = time.perf_counter()
-        plan = self._choose(batch, context, steady)
+        plan = self._choose(batch, context, steady, drain)
         self.host_s += time.perf_counter() - t0
         self.steps[plan.kind] += 1
         return plan
 
-    def _choose(self, batch: int, context: int, steady: bool) -> RoundPlan:
+    def _choose(self, batch: int, context: int, steady: bool, drain) -> RoundPlan:
         key = self.key(batch, context)
         came_from, self._current[key[0]] = self._current.get(key[0]), key
         b = self._bucket(key, came_from)
@@ -204,7 +198,7 @@ class RoundPolicy:
         if b.hold and b.choice in opts:  # (a batch that shrank may not offer it)
             b.hold -= 1
             b.steps_since_probe += 1
-            return b.choice
+            return self._drained(b.choice, batch, b.costs, drain)
         b.hold = 0
         c, first = b.costs, first_option(batch, opts)
         if (plan := self._first_measurements(b, first, steady, opts)) is not None:
@@ -234,7 +228,13 @@ class RoundPolicy:
             if (plan := self._periodic_probe(b, batch, best, ranked, rates)) is not None:
                 return plan
         b.hold = min(MAX_HOLD, RANK_EVERY << min(b.stood - RANK_EVERY, 8)) - 1 if b.stood >= RANK_EVERY else 0
-        return best
+        return self._drained(best, batch, c, drain)
+
+    def _drained(self, choice: RoundPlan, batch: int, c: Costs, drain) -> RoundPlan:
+        """The choice, or plain where the batch drains and the choice's spread makes it MARGIN slower (drain.py)."""
+        plain = predict(PLAIN, batch, c, self.k) if drain and choice.speculate and PLAIN in self.options(batch) else None
+        rate = plain and drained_rate(predict(choice, batch, c, self.k), choice, batch, c, self.k, drain)
+        return PLAIN if batch > 1 and rate and rate < (1 - _MARGIN) * plain else choice
 
     def _periodic_probe(self, b: _Bucket, batch: int, best: RoundPlan, ranked: list, rates: dict) -> RoundPlan | None:
         """A periodic probe's first step (the module doc says of which option), or None: a turn skipped."""

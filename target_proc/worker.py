@@ -34,6 +34,7 @@ from spec_runtime.structured import Grammars
 from target_proc.ahead import (Launched, ahead_of, allows_ahead, ends_by_length, fill_tokens, request_plan,
                                to_host)
 from target_proc.draft_link import DraftLink
+from target_proc.drain import batch_drain
 from target_proc.halves import Halves
 from target_proc.kv_schedule import KVScheduler
 from target_proc.no_draft import NoDraft
@@ -253,7 +254,9 @@ class TargetWorker(ClientRequests):
             return PLAIN
         if self.rounds is not None:  # steady: the step's record will measure (_record_step)
             steady = all(s.stats.num_rounds >= STEADY_AFTER_ROUNDS for s in seqs)
-            return self.rounds.choose(len(seqs), self._context, steady)
+            left = [min(s.sampling.max_tokens - s.num_generated, self.max_model_len - s.num_tokens) for s in seqs]
+            drain = batch_drain(left, len(self.waiting))  # None while a request waits
+            return self.rounds.choose(len(seqs), self._context, steady, drain)
         return SD if self.policy.use_speculation(len(seqs)) else PLAIN
 
     def _accept(self, seqs, specs, num_draft, num_accepted, out_tokens, logprobs, speculate: bool) -> None:

@@ -48,17 +48,18 @@ def _ranks(batch: int, n: int, hit_rate: dict) -> list[int]:
 
 
 def simulate(policy, batch, steps, *, verify_s, chain_s, work_s, hit_rate, tokens=3.0, plain_s=None, halves=None,
-             ranks=False):
+             ranks=False, drain=None):
     """Drive the policy as the target worker does, with a draft and target of these costs:
     a step waits for the answer to the last request, from the tree built after the one
     before (its overrun, and the jit chain when any sequence missed) or a chain drafted
     on request. halves: (verify, chain) of half the batch (default: the whole batch's); a
     halves step waits for its half's chain beyond the other half's verify. ranks: the hits
     come with their ranks, as the draft's (smaller trees' hit rates as hit_rate gives them).
-    Returns the plans chosen."""
+    drain: the batch's (left, spread) at every step, as the worker's (or a function of the step's
+    index giving it). Returns the plans chosen."""
     plans, hist = [], [None, None]
-    for _ in range(steps):
-        plan = policy.choose(batch)
+    for step in range(steps):
+        plan = policy.choose(batch, drain=drain(step) if callable(drain) else drain)
         p2, p1 = hist
         kw = dict(wait_s=0.0, busy_s=plain_s or verify_s)
         if plan == HALVES:
