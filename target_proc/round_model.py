@@ -285,8 +285,10 @@ def predict(plan: RoundPlan, batch: int, c: Costs, k: int = 0) -> float | None:
 def model_rate(plan: RoundPlan, batch: int, c: Costs, k: int = 0) -> float | None:
     """The module doc's prediction of `plan`'s tokens/s, or None while an input is unmeasured."""
     if plan.kind == "plain":
-        # Unmeasured, P is taken as S: a floor on the rate, as a plain step verifies one token per sequence.
-        p = c.plain_s if c.plain_s is not None else c.verify(False)
+        # P at most S: a plain step verifies one token per sequence, a speculating one K + 1. Unmeasured, or from
+        # a first step slowed beside the draft's prefill (on its GPU), S stands in: a floor on the rate.
+        s = c.verify(False)
+        p = s if c.plain_s is None else c.plain_s if s is None else min(c.plain_s, s)
         return batch / p if p else None
     if c.tokens is None:
         return None

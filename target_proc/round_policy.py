@@ -15,39 +15,38 @@ policy predicts each one's tokens/s (target_proc/round_model.py; once an option 
 its realized rate stands in) and runs the fastest.
 
 How it chooses: the largest tree first, until it is measured (from batch 4 with backup none, below with jit:
-round_model.first_option); then one probe of SD rounds (measures c); till then a step that measures nothing (a
-filling batch) is plain, and until the batch size has stood SETTLE_STEPS steps the bucket runs what the bucket it
-came from chose, unless that was an SSD round (halves as SD rounds where halves are not an option): a drain passes
-each bucket in a few steps, too few for the first measurements to pay. A bucket the batch enters as its context
-doubles (or halves) starts from the costs and choice of the one it leaves: they change little with the context,
-and measuring every option afresh cost 50-140 ms of speculating steps per bucket at alpha 0.6
-(docs/benchmarks.md). Then each step runs the best prediction (halves, unmeasured, rated from half the batch's
-bucket: H's estimate in round_model). An option whose inputs are not measured yet is probed before it is run: the
-next smaller tree when the best one overruns the verify; plain decoding once its estimate with P taken as S comes
-within PLAIN_PRIOR_SLACK of the best, a floor: a plain step verifies one token per sequence, a speculating one
-K + 1 (in docs/benchmarks.md's runs a one-token step took 0.57-0.96 of an SD round's verify). Every `probe_every`
-steps another option is probed for `probe_len` steps so its measurements stay current: first the choice last
-switched away from (a few slow steps of the host may have caused the switch, and its stale rate would keep it),
-then the one the model predicts fastest when that beats the choice's realized rate (a realized rate from a few
-steps of a transition must not rule an option out), else the runner-up (every fourth probe goes to the other
-options in turn), whose turn is skipped every other time while it rates more than CLOSE below the choice. A probe
-discards the option's earlier realized rate; one that loses by less than CLOSE runs on until it has a full window
-(8 steps), as a few steps of SSD at small batch scatter too widely to decide between options this close. A probe's
-steps wait for steps that can measure (the choice runs meanwhile), and a probe whose bucket the batch left is
-dropped: its first three steps back measure nothing. A probe costs its steps and two switches, so one after which
-the choice stands (or one skipped) doubles the wait for the next (up to 8 x probe_every steps); a change of choice
-restores it. A choice that stood RANK_EVERY rankings in a row is ranked once in RANK_EVERY steps, then twice as
-far apart at each ranking that keeps it, up to MAX_HOLD steps: ranking every option is most of the policy's host
-time (0.16 ms with the caches cold, as between GPU steps). S, P, H and W are medians of their last 8 samples (the
-least of two); running means clamp each sample to within 4x of the mean: one stall does not skew them. A step
-measures an option only when the two requests before it named it (its wait answers the request one back, from the
-cache built after the request two back; a plain step queued ahead may name the next step's plan,
-target_proc/ahead.py), and no sequence of the batch is in its first STEADY_AFTER_ROUNDS rounds. A realized rate
-also needs the request three back: the first chain after SSD rounds feeds the draft the last hit's branch (its KV
-is in the tree's scratch rows), a switch's cost. Where no request waits, the batch drains: a step runs plain
-instead of the choice where the spread the choice adds between the sequences makes it MARGIN slower than plain
-steps (target_proc/drain.py). `jit` is the only backup at batch 1; from 2 one miss holds up the batch: jit:N and
-none too.
+round_model.first_option); then one probe of SD rounds (measures c); till then a step that measures nothing (a filling
+batch) is plain, and until the batch size has stood SETTLE_STEPS steps the bucket runs what the bucket it came from
+chose, unless that was an SSD round (halves as SD rounds where halves are not an option): a drain passes each bucket in
+a few steps, too few for the first measurements to pay. A bucket the batch enters as its context doubles (or halves)
+starts from the costs and choice of the one it leaves: they change little with the context, and measuring every option
+afresh cost 50-140 ms of speculating steps per bucket at alpha 0.6 (docs/benchmarks.md). Then each step runs the best
+prediction (halves, unmeasured, rated from half the batch's bucket: H's estimate in round_model). An option whose
+inputs are not measured yet is probed before it is run: the next smaller tree when the best one overruns the verify;
+plain decoding once its estimate with P taken as S comes within PLAIN_PRIOR_SLACK of the best, a floor: a plain step
+verifies one token per sequence, a speculating one K + 1 (in docs/benchmarks.md's runs a one-token step took 0.57-0.96
+of an SD round's verify). Every `probe_every` steps another option is probed for `probe_len` steps so its measurements
+stay current: first the choice last switched away from (a few slow steps of the host may have caused the switch, and
+its stale rate would keep it), then the one the model predicts fastest when that beats the choice's realized rate (a
+realized rate from a few steps of a transition must not rule an option out), else the runner-up (every fourth probe
+goes to the other options in turn), whose turn is skipped every other time while it realized a rate more than CLOSE
+below the choice. A probe discards the option's earlier realized rate; one that loses by less than CLOSE runs on until
+it has a full window (8 steps), as a few steps of SSD at small batch scatter too widely to decide between options this
+close. A probe's steps wait for steps that can measure (the choice runs meanwhile), and a probe whose bucket the batch
+left is dropped: its first three steps back measure nothing. A probe costs its steps and two switches, so one after
+which the choice stands (or one skipped) doubles the wait for the next (up to 8 x probe_every steps); a change of
+choice restores it. A choice that stood RANK_EVERY rankings in a row is ranked once in RANK_EVERY steps, then twice as
+far apart at each ranking that keeps it, up to MAX_HOLD steps: ranking every option is most of the policy's host time
+(0.16 ms with the caches cold, as between GPU steps). S, P, H and W are medians of their last 8 samples (the least of
+two); running means clamp each sample to within 4x of the mean: one stall does not skew them. A step measures an option
+only when the two requests before it named it (its wait answers the request one back, from the cache built after the
+request two back; a plain step queued ahead may name the next step's plan, target_proc/ahead.py), and no sequence of
+the batch is in its first STEADY_AFTER_ROUNDS rounds. A realized rate also needs the request three back: the first
+chain after SSD rounds feeds the draft the last hit's branch (its KV is in the tree's scratch rows), a switch's cost.
+Where no request waits, the batch drains: a step runs plain instead of the choice where the spread the choice adds
+between the sequences makes it MARGIN slower than plain steps (target_proc/drain.py), and no periodic probe starts with
+fewer tokens left than the wait for the next (few steps would be left to use what it finds). `jit` is the only backup
+at batch 1; from 2 one miss holds up the batch: jit:N and none too.
 
 A draft on one of the target's GPUs gets no SSD rounds (unless SD rounds are ruled out): its work-ahead would
 compete with the verify for the same GPU (docs/benchmarks.md measures it). Overrides pin what they name:
@@ -65,8 +64,9 @@ from dataclasses import dataclass, field
 
 from target_proc.drain import drained_rate
 from target_proc.round_model import (  # noqa: F401 - re-exported
-    HALVES, MIN_SAMPLES as _MIN_SAMPLES, MARGIN as _MARGIN, PLAIN, SD, WINDOW, Costs, RoundPlan, chain_tokens,
-    first_option, halves_estimate, model_rate, predict, running_mean as _mean, short_jit_len, unmeasured_alternative,
+    HALVES, MIN_SAMPLES as _MIN_SAMPLES, MARGIN as _MARGIN, PLAIN, SD, WINDOW, Costs, RoundPlan,
+    chain_tokens, first_option, halves_estimate, model_rate, predict, running_mean as _mean, short_jit_len,
+    unmeasured_alternative,
 )
 from target_proc.spec_policy import batch_bucket
 
@@ -141,8 +141,6 @@ class RoundPolicy:
         return cls(spec.tree_levels, allow_ssd=allow_ssd, allow_sd=allow_sd, backup_auto=spec.backup == "auto",
                    allow_plain=cfg.sched.spec_policy == "adaptive", allow_halves=allow_sd and allow_ssd,
                    probe_every=cfg.sched.spec_policy_probe_every, k=spec.k, short_jit=spec.k // SHORT_JIT_DIV)
-
-    bucket = staticmethod(batch_bucket)
 
     @staticmethod
     def key(batch: int, context: int) -> tuple[int, int]:
@@ -223,7 +221,8 @@ class RoundPolicy:
         b.stood = b.stood + 1 if best == b.choice else 0
         self._set_choice(key, b, best, rates)
         b.steps_since_probe += 1
-        if len(ranked) > 1 and b.steps_since_probe >= self.probe_every * b.backoff:
+        wait = self.probe_every * b.backoff  # a drain that ends sooner would not use what a probe finds
+        if len(ranked) > 1 and b.steps_since_probe >= wait and (drain is None or drain[0] >= wait):
             b.steps_since_probe = 0
             if (plan := self._periodic_probe(b, batch, best, ranked, rates)) is not None:
                 return plan
@@ -232,7 +231,7 @@ class RoundPolicy:
 
     def _drained(self, choice: RoundPlan, batch: int, c: Costs, drain) -> RoundPlan:
         """The choice, or plain where the batch drains and the choice's spread makes it MARGIN slower (drain.py)."""
-        plain = predict(PLAIN, batch, c, self.k) if drain and choice.speculate and PLAIN in self.options(batch) else None
+        plain = predict(PLAIN, batch, c, self.k) if drain and choice.speculate and PLAIN in self.options(batch) else 0
         rate = plain and drained_rate(predict(choice, batch, c, self.k), choice, batch, c, self.k, drain)
         return PLAIN if batch > 1 and rate and rate < (1 - _MARGIN) * plain else choice
 

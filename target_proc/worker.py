@@ -256,7 +256,7 @@ class TargetWorker(ClientRequests):
             steady = all(s.stats.num_rounds >= STEADY_AFTER_ROUNDS for s in seqs)
             left = [min(s.sampling.max_tokens - s.num_generated, self.max_model_len - s.num_tokens) for s in seqs]
             drain = batch_drain(left, len(self.waiting))  # None while a request waits
-            return self.rounds.choose(len(seqs), self._context, steady, drain)
+            return self.rounds.choose(len(seqs), self._context, steady, drain=drain)
         return SD if self.policy.use_speculation(len(seqs)) else PLAIN
 
     def _accept(self, seqs, specs, num_draft, num_accepted, out_tokens, logprobs, speculate: bool) -> None:

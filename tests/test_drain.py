@@ -173,3 +173,34 @@ def test_replay_drain_simulates_a_drained_batch_told_and_blind(tmp_path, capsys,
     assert (int(m.group(4)) > 50) == (ssd_busy_s == 0.010), out[0]
     assert out[1].startswith("1 points: against plain steps alone, told ")
     assert replay_drain.scale({4: 0.005, 2: 0.0045}, 4, 3) == pytest.approx(0.00475 / 0.005)
+
+
+def test_no_periodic_probe_where_the_batch_ends_before_the_next_one():
+    """Plain steps the choice (the verify cheap against the draft): a periodic probe every 32 steps
+    (then further apart) runs the runner-up; none starts while the draining batch has fewer tokens
+    left than that wait, and probes resume once it has more (or a request waits)."""
+    costs = dict(verify_s=0.005, chain_s=0.030, work_s={16: 0.040, 8: 0.035, 4: 0.030},
+                 hit_rate={16: 0.9, 8: 0.8, 4: 0.7}, tokens=2.0)
+    phases = [None] * 100 + [(20, 0.0)] * 300 + [None] * 300
+    p = RoundPolicy(lambda b: [16, 8, 4], probe_every=32, k=4)
+    plans = simulate(p, 4, len(phases), drain=phases.__getitem__, **costs)
+    assert p.summary() == {4: "plain"}
+    assert all(pl == PLAIN for pl in plans[110:400]) and any(pl != PLAIN for pl in plans[400:])
+
+
+def test_a_plain_step_slowed_beside_the_drafts_prefill_does_not_rule_plain_steps_out():
+    """A draft on the target's GPU (SD rounds or plain steps): the one plain step measured before
+    the first SD round took 10.4 ms (the draft's prefill beside it) against 5 ms since. A plain step
+    takes at most an SD round's verify (5.6 ms), so plain steps rate close enough to SD rounds of
+    12.4 ms for the first periodic probe to run them, and are found faster."""
+    p = RoundPolicy(lambda b: [16, 8], allow_ssd=False, allow_halves=False, probe_every=32, k=4)
+    p.record(4, PLAIN, wait_s=0.0, busy_s=0.005)
+    p.record(4, PLAIN, wait_s=0.0, busy_s=0.0104)
+    plans = []
+    for _ in range(80):
+        plan = p.choose(4)
+        kw = dict(wait_s=0.0, busy_s=0.005) if plan == PLAIN else dict(
+            wait_s=0.0068, busy_s=0.0056, num_specs=4, num_drafted=4, drafted_tokens=9)
+        p.record(4, plan, **kw)
+        plans.append(plan)
+    assert plans[0] == RoundPlan("sd", 0, "") and p.summary() == {4: "plain"} and plans[40:70] == [PLAIN] * 30

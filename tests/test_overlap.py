@@ -248,7 +248,7 @@ def test_a_plain_step_before_a_speculating_one_sends_that_ones_request(tiny_pair
         draft = _FlagsDraft()
         worker, clients = _worker(tiny_pair.target, overlap, mode="ssd", draft=draft)
         pattern, recorded = itertools.chain(plans, itertools.repeat(PLAIN)), []
-        worker.rounds.choose = lambda batch, context=0, steady=True: next(pattern)
+        worker.rounds.choose = lambda batch, context=0, steady=True, drain=None: next(pattern)
         worker.rounds.record_step = lambda plan, *a, sent=None, **kw: recorded.append((plan, sent))
         out, _ = _serve(worker, clients, requests)
         assert [plan for plan, _ in recorded][:len(plans)] == plans
@@ -270,7 +270,7 @@ def test_the_round_policy_times_each_step_from_the_landing_before_it(tiny_pair, 
 
     worker, clients = _worker(tiny_pair.target, overlap, mode="ssd", draft=_FlagsDraft())
     pattern, recorded = itertools.cycle([PLAIN, PLAIN, SD]), []
-    worker.rounds.choose = lambda batch, context=0, steady=True: next(pattern)
+    worker.rounds.choose = lambda batch, context=0, steady=True, drain=None: next(pattern)
     worker.rounds.record_step = lambda plan, specs, nd, na, wait_s, busy_s, *a, **kw: recorded.append(
         (plan, wait_s + busy_s))
     flush = worker.flush_outputs
