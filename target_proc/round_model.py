@@ -17,7 +17,7 @@ halves probe yields one sample of H); h and e running means):
          mean over the last 32 rounds;
   e      what SSD rounds wait beyond the model below (transfer, answer time).
 The prediction for B sequences:
-  plain          B / P
+  plain          B / min(P, S) (a plain step verifies 1 token per sequence, S K + 1)
   SD             B a / (S + c)
   halves         B a / H, H a halves step's time as its share of the whole batch's
                  (2x for an even split); until measured, B a / max(S, c, 0.85 x 2 max(S', c'))
