@@ -44,9 +44,9 @@ request two back; a plain step queued ahead may name the next step's plan, targe
 the batch is in its first STEADY_AFTER_ROUNDS rounds. A realized rate also needs the request three back: the first
 chain after SSD rounds feeds the draft the last hit's branch (its KV is in the tree's scratch rows), a switch's cost.
 Where no request waits, the batch drains: a step runs plain instead of the choice where the spread the choice adds
-between the sequences makes it MARGIN slower than plain steps (target_proc/drain.py), and no periodic probe starts with
-fewer tokens left than the wait for the next (few steps would be left to use what it finds). `jit` is the only backup
-at batch 1; from 2 one miss holds up the batch: jit:N and none too.
+between the sequences makes it MARGIN slower than plain steps (target_proc/drain.py), and a periodic probe starts only
+with DRAIN_PROBE_LEFT times its wait in tokens left (its switches and spread cost more than a short rest of the batch
+returns). `jit` is the only backup at batch 1; from 2 one miss holds up the batch: jit:N and none too.
 
 A draft on one of the target's GPUs gets no SSD rounds (unless SD rounds are ruled out): its work-ahead would
 compete with the verify for the same GPU (docs/benchmarks.md measures it). Overrides pin what they name:
@@ -82,6 +82,7 @@ STEADY_AFTER_ROUNDS = 3  # a sequence's rounds (its prefill included) before its
 RANK_EVERY = 4  # a choice that stood this many rankings in a row is ranked once in this many steps
 MAX_HOLD = 32  # ... then twice as far apart per ranking that keeps it, up to this many steps
 SETTLE_STEPS = 16  # steps at one batch size before a bucket runs its first measurements (if another chose)
+DRAIN_PROBE_LEFT = 4  # a draining batch starts a periodic probe only with this many times its wait in tokens left
 
 
 @dataclass
@@ -221,8 +222,8 @@ class RoundPolicy:
         b.stood = b.stood + 1 if best == b.choice else 0
         self._set_choice(key, b, best, rates)
         b.steps_since_probe += 1
-        wait = self.probe_every * b.backoff  # a drain that ends sooner would not use what a probe finds
-        if len(ranked) > 1 and b.steps_since_probe >= wait and (drain is None or drain[0] >= wait):
+        wait = self.probe_every * b.backoff
+        if len(ranked) > 1 and b.steps_since_probe >= wait and (drain is None or drain[0] >= DRAIN_PROBE_LEFT * wait):
             b.steps_since_probe = 0
             if (plan := self._periodic_probe(b, batch, best, ranked, rates)) is not None:
                 return plan

@@ -178,7 +178,7 @@ def test_replay_drain_simulates_a_drained_batch_told_and_blind(tmp_path, capsys,
 def test_no_periodic_probe_where_the_batch_ends_before_the_next_one():
     """Plain steps the choice (the verify cheap against the draft): a periodic probe every 32 steps
     (then further apart) runs the runner-up; none starts while the draining batch has fewer tokens
-    left than that wait, and probes resume once it has more (or a request waits)."""
+    left than DRAIN_PROBE_LEFT times that wait, and probes resume once a request waits."""
     costs = dict(verify_s=0.005, chain_s=0.030, work_s={16: 0.040, 8: 0.035, 4: 0.030},
                  hit_rate={16: 0.9, 8: 0.8, 4: 0.7}, tokens=2.0)
     phases = [None] * 100 + [(20, 0.0)] * 300 + [None] * 300
