@@ -347,8 +347,8 @@ class RoundPolicy:
         if p3 == p2 == p1 == plan and k3 == key:
             # Sequences without a draft (a miss with no backup) produce one token.
             c.add_realized(plan, batch, drafted_tokens + batch - num_drafted, wait_s + busy_s)
-        if not p2.work_ahead and p1.kind == "sd":
-            c.add_chain(wait_s)  # no cache: the answer was a chain drafted on request
+        if p2.kind == p1.kind == "sd":  # a chain drafted on request; the first after other steps also takes in
+            c.add_chain(wait_s)  # their outcomes (after plain steps on the target's GPU, at once: 53 ms for 8)
         if p2.work_ahead and p2.branches == plan.branches and p1 == p2 and plan == p2:
             n = p2.branches
             if draft_work_s > 0:
