@@ -315,6 +315,15 @@ class RuntimeConfig:
         return (self.spec.uses_draft_process and bool(self.draft_path) and t is not None and d is not None
                 and t <= d < t + self.target.tensor_parallel_size)
 
+    @property
+    def ssd_rounds_possible(self) -> bool:
+        """Whether SSD mode's round policy may run SSD rounds (target_proc/round_policy.py): not with
+        --work-ahead halves, nor with the draft on one of the target's GPUs while SD rounds are allowed
+        (its work-ahead would compete with the verify)."""
+        spec = self.spec
+        allow_sd = spec.work_ahead == "auto" and spec.backup != "none"
+        return spec.work_ahead != "halves" and (not allow_sd or not self.draft_shares_target_gpu)
+
     def check_shared_gpu(self) -> None:
         """Raise ValueError for a draft model on one of the target's GPUs (devices as one
         host names them; the launcher checks) with both KV pools sized from memory

@@ -132,12 +132,11 @@ class RoundPolicy:
         if spec.work_ahead == "halves":
             return cls(spec.tree_levels, allow_ssd=False, allow_sd=False, allow_plain=False, allow_halves=True,
                        probe_every=cfg.sched.spec_policy_probe_every, k=spec.k)
-        allow_sd = spec.work_ahead == "auto" and spec.backup != "none"
-        allow_ssd = not allow_sd or not cfg.draft_shares_target_gpu
+        allow_sd, allow_ssd = spec.work_ahead == "auto" and spec.backup != "none", cfg.ssd_rounds_possible
         if not allow_ssd:
-            logger.info("the draft shares the target's GPU (%s): no SSD rounds, whose work-ahead would compete with "
-                        "the verify for it; SD rounds or plain steps by measured costs (--work-ahead always runs SSD "
-                        "rounds anyway)", cfg.draft.device)
+            logger.info("the draft shares the target's GPU (%s): no SSD rounds (nor trees prefetched for new "
+                        "sequences), whose work-ahead would compete with the verify for it; SD rounds or plain steps "
+                        "by measured costs (--work-ahead always runs SSD rounds anyway)", cfg.draft.device)
         # Halves make the draft chain while the target verifies: not on the target's GPU.
         return cls(spec.tree_levels, allow_ssd=allow_ssd, allow_sd=allow_sd, backup_auto=spec.backup == "auto",
                    allow_plain=cfg.sched.spec_policy == "adaptive", allow_halves=allow_sd and allow_ssd,

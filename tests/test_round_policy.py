@@ -554,14 +554,18 @@ def test_a_slow_first_probe_does_not_rule_out_the_fastest_option():
     ("cuda:0", "cuda:1", "auto", True),    # its own GPU
     ("cuda:0", "cuda:0", "always", True),  # pinned
     ("cpu", "cpu", "auto", True),
+    ("cuda:0", "cuda:1", "halves", False),  # halves only
 ])
 def test_no_ssd_rounds_for_a_draft_on_the_targets_gpu(target_dev, draft_dev, work_ahead, ssd):
+    """...and the draft prefetches no tree for a new sequence there (draft_proc/worker.py asks
+    cfg.ssd_rounds_possible): nothing would look it up, and it would run beside the target."""
     cfg = RuntimeConfig(spec=SpeculativeConfig(mode="ssd", k=4, work_ahead=work_ahead),
                         target=ModelConfig(path="t", device=target_dev), draft=ModelConfig(path="x", device=draft_dev))
     assert cfg.draft_shares_target_gpu == (target_dev == draft_dev == "cuda:0")
+    assert cfg.ssd_rounds_possible == ssd
     kinds = {o.kind for o in RoundPolicy.for_config(cfg).options(4)}
     assert ("ssd" in kinds) == ssd and ("sd" in kinds) == (work_ahead == "auto")
-    if not ssd:
+    if not ssd and work_ahead == "auto":
         p = RoundPolicy.for_config(cfg)
         simulate(p, 4, 50, **FITS)
         assert p.steps["ssd"] == 0 and p.summary()[4] == "sd"
