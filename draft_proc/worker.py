@@ -197,8 +197,8 @@ class DraftWorker:
         seq = DraftSeq(sid, slot, tokens, msg.temperature, msg.top_k, msg.top_p, msg.seed, num_cached=num_cached)
         self.seqs[sid] = seq
         self.speculator.add(seq)
-        if self.ssd is not None and self.cfg.spec.ssd_prefetch and self.cfg.ssd_rounds_possible:
-            self.fresh[sid] = None  # (no SSD rounds: a work-ahead nobody looks up, beside the target on its GPU)
+        if self.ssd is not None and self.cfg.spec.ssd_prefetch:
+            self.fresh[sid] = None
 
     def drop(self, sid: int) -> None:
         self.fresh.pop(sid, None)

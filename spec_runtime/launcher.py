@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import zmq
 
@@ -72,6 +72,15 @@ class _Child:
         return f"{self.role} process (pid {self.proc.pid})"
 
 
+def child_config(cfg: RuntimeConfig) -> RuntimeConfig:
+    """The config the children get: no tree prefetched for a new sequence where no SSD round can
+    run (cfg.ssd_rounds_possible, as the round policy reads it): nothing would look it up, and on
+    the target's GPU its work slows the target's steps (docs/benchmarks.md)."""
+    if cfg.spec.mode == "ssd" and cfg.spec.ssd_prefetch and not cfg.ssd_rounds_possible:
+        return cfg.replace(spec=replace(cfg.spec, ssd_prefetch=False))
+    return cfg
+
+
 def _spawn(role: str, module: str, control_addr: str, cfg: RuntimeConfig) -> subprocess.Popen:
     env = dict(os.environ)
     env["PYTHONPATH"] = _PROJECT_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -110,7 +119,7 @@ class Launcher:
         """child_modules: the module each role's process runs ({"draft": "draft_proc"} and
         {"target": "target_proc"} unless given; tests start fault-injecting children this way)."""
         cfg.check_shared_gpu()  # before anything starts
-        self.cfg = cfg
+        self.cfg = cfg = child_config(cfg)
         self.child_modules = {"target": "target_proc", "draft": "draft_proc", **(child_modules or {})}
         remove_stale_ipc_dirs()
         self.ipc_dir = private_ipc_dir()

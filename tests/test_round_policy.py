@@ -557,12 +557,14 @@ def test_a_slow_first_probe_does_not_rule_out_the_fastest_option():
     ("cuda:0", "cuda:1", "halves", False),  # halves only
 ])
 def test_no_ssd_rounds_for_a_draft_on_the_targets_gpu(target_dev, draft_dev, work_ahead, ssd):
-    """...and the draft prefetches no tree for a new sequence there (draft_proc/worker.py asks
-    cfg.ssd_rounds_possible): nothing would look it up, and it would run beside the target."""
+    """...and the launcher has the draft prefetch no tree for a new sequence there: nothing would
+    look it up, and it would run beside the target."""
+    from spec_runtime.launcher import child_config
+
     cfg = RuntimeConfig(spec=SpeculativeConfig(mode="ssd", k=4, work_ahead=work_ahead),
                         target=ModelConfig(path="t", device=target_dev), draft=ModelConfig(path="x", device=draft_dev))
     assert cfg.draft_shares_target_gpu == (target_dev == draft_dev == "cuda:0")
-    assert cfg.ssd_rounds_possible == ssd
+    assert cfg.ssd_rounds_possible == ssd and child_config(cfg).spec.ssd_prefetch == ssd
     kinds = {o.kind for o in RoundPolicy.for_config(cfg).options(4)}
     assert ("ssd" in kinds) == ssd and ("sd" in kinds) == (work_ahead == "auto")
     if not ssd and work_ahead == "auto":
