@@ -186,3 +186,25 @@ def test_the_ray_twins_follow_the_engine_counters_and_the_round_choice():
                                             ("preemptions", 1), ("sd_steps", 2), ("prefix_cache_queries", 6),
                                             ("sd_steps", 3)])
     assert ray_twin.choices == [{4: "sd"}, {4: "plain"}]
+
+
+@pytest.mark.parametrize("target_dev, draft_dev, tp", [("cuda", "cuda", 1), ("cuda:0", "cuda:1", 1), ("cuda:0", "cuda:2", 2)])
+def test_an_actor_with_whole_gpus_reads_the_other_role_as_elsewhere(target_dev, draft_dev, tp):
+    """Inside an actor its own model is on cuda:0 and the other role's keeps its host-wide name: with
+    target and draft both "cuda" (docs/ray.md's example), or the draft pinned beside a target on
+    cuda:0, the config read them as one GPU, and the target's round policy ran no SSD rounds. An
+    actor with whole GPUs of its own names the other role's device past its own."""
+    import dataclasses
+
+    from spec_runtime.config import ModelConfig, RuntimeConfig, SpeculativeConfig
+    from spec_runtime.ray.actors import pin_device
+    from target_proc.round_policy import RoundPolicy
+
+    cfg = RuntimeConfig(spec=SpeculativeConfig(mode="ssd", k=4), draft=ModelConfig(path="d", device=draft_dev),
+                        target=dataclasses.replace(ModelConfig(path="t", device=target_dev), tensor_parallel_size=tp))
+    for role in ("target", "draft"):
+        assert not pin_device(cfg, role, own_gpus=True).draft_shares_target_gpu
+        shared = pin_device(cfg, role).draft_shares_target_gpu  # a fractional GPU: it may be shared
+        assert shared == (role == "draft" or target_dev == draft_dev)
+    kinds = {o.kind for o in RoundPolicy.for_config(pin_device(cfg, "target", own_gpus=True)).options(4)}
+    assert "ssd" in kinds

@@ -42,16 +42,31 @@ def rank_of(role: str) -> int | None:
     return int(role[len(prefix):]) if role.startswith(prefix) and role[len(prefix):].isdigit() else None
 
 
-def pin_device(cfg, role: str):
+def pin_device(cfg, role: str, own_gpus: bool = False):
     """`cuda[:N]` -> `cuda:0` for this role: Ray's CUDA_VISIBLE_DEVICES shows the actor only
     the GPUs of its bundle, so the config's host-wide index (cuda:1 for the draft on a
     two-GPU host) means nothing inside it. Every rank of the target is on cuda:0 of its own
-    actor."""
-    model = cfg.draft if role == "draft" else cfg.target
+    actor. own_gpus: the actor holds whole GPUs, which Ray gives no other actor, so the other
+    role's model runs on none of them: its device is named past this actor's (the target's
+    cuda:1, the draft's cuda:T beside a target of T ranks), and RuntimeConfig.draft_shares_target_gpu
+    reads them apart (a host-wide cuda and cuda would read as one GPU: no SSD rounds)."""
+    key = "draft" if role == "draft" else "target"
+    model = getattr(cfg, key)
     if not model.device.startswith("cuda"):
         return cfg
-    pinned = dataclasses.replace(model, device="cuda:0")
-    return cfg.replace(**{"draft" if role == "draft" else "target": pinned})
+    pinned = {key: dataclasses.replace(model, device="cuda:0")}
+    other_key = "target" if key == "draft" else "draft"
+    other = getattr(cfg, other_key)
+    if own_gpus and other.device.startswith("cuda"):
+        index = 1 if key == "draft" else cfg.target.tensor_parallel_size
+        pinned[other_key] = dataclasses.replace(other, device=f"cuda:{index}")
+    return cfg.replace(**pinned)
+
+
+def holds_whole_gpus() -> bool:
+    """Whether Ray gave this actor whole GPUs (it gives those to no other actor)."""
+    gpus = ray.get_runtime_context().get_assigned_resources().get("GPU", 0.0)
+    return gpus >= 1 and float(gpus).is_integer()
 
 
 class RoleActor:
@@ -101,7 +116,7 @@ class RoleActor:
         from spec_runtime.cli_config import resolve_config_model_ids
 
         # A Hugging Face id loads from this node's cache.
-        cfg = pin_device(resolve_config_model_ids(decode_config(config)), self.role)
+        cfg = pin_device(resolve_config_model_ids(decode_config(config)), self.role, holds_whole_gpus())
         setup_logging(self.role, cfg.log_level)
         init = Init(protocol_version=PROTOCOL_VERSION, config=encode_config(cfg), spec_addr=spec_addr,
                     client_addr=client_addr if self.role == "target" else "")
@@ -127,7 +142,7 @@ class RoleActor:
         a thread. Returns once the runner is built: {"rank", "pid"}."""
         from target_proc.follower import join
 
-        cfg = pin_device(decode_config(config), self.role)
+        cfg = pin_device(decode_config(config), self.role, holds_whole_gpus())
         setup_logging(self.role, cfg.log_level)
         host, port = tp_rendezvous
         rank = rank_of(self.role)
