@@ -29,24 +29,24 @@ of an SD round's verify). Every `probe_every` steps another option is probed for
 stay current: first the choice last switched away from (a few slow steps of the host may have caused the switch, and
 its stale rate would keep it), then the one the model predicts fastest when that beats the choice's realized rate (a
 realized rate from a few steps of a transition must not rule an option out), else the runner-up (every fourth probe
-goes to the other options in turn), whose turn is skipped every other time while it realized a rate more than CLOSE
-below the choice. A probe discards the option's earlier realized rate; one that loses by less than CLOSE runs on until
-it has a full window (8 steps), as a few steps of SSD at small batch scatter too widely to decide between options this
-close. A probe's steps wait for steps that can measure (the choice runs meanwhile), and a probe whose bucket the batch
-left is dropped: its first three steps back measure nothing. A probe costs its steps and two switches, so one after
-which the choice stands (or one skipped) doubles the wait for the next (up to 8 x probe_every steps); a change of
-choice restores it. A choice that stood RANK_EVERY rankings in a row is ranked once in RANK_EVERY steps, then twice as
-far apart at each ranking that keeps it, up to MAX_HOLD steps: ranking every option is most of the policy's host time
-(0.16 ms with the caches cold, as between GPU steps). S, P, H and W are medians of their last 8 samples (the least of
-two); running means clamp each sample to within 4x of the mean: one stall does not skew them. A step measures an option
-only when the two requests before it named it (its wait answers the request one back, from the cache built after the
-request two back; a plain step queued ahead may name the next step's plan, target_proc/ahead.py), and no sequence of
-the batch is in its first STEADY_AFTER_ROUNDS rounds. A realized rate also needs the request three back: the first
-chain after SSD rounds feeds the draft the last hit's branch (its KV is in the tree's scratch rows), a switch's cost.
-Where no request waits, the batch drains: a step runs plain instead of the choice where the spread the choice adds
-between the sequences makes it MARGIN slower than plain steps (target_proc/drain.py), and a periodic probe starts only
-with DRAIN_PROBE_LEFT times its wait in tokens left (its switches and spread cost more than a short rest of the batch
-returns). `jit` is the only backup at batch 1; from 2 one miss holds up the batch: jit:N and none too.
+goes to the other options in turn), whose turn is skipped every other time while it rates more than CLOSE below the
+choice. A probe discards the option's earlier realized rate; one that loses by less than CLOSE runs on until it has a
+full window (8 steps), as a few steps of SSD at small batch scatter too widely to decide between options this close. A
+probe's steps wait for steps that can measure (the choice runs meanwhile), and a probe whose bucket the batch left is
+dropped: its first three steps back measure nothing. A probe costs its steps and two switches, so one after which the
+choice stands (or one skipped) doubles the wait for the next (up to 8 x probe_every steps); a change of choice restores
+it. A choice that stood RANK_EVERY rankings in a row is ranked once in RANK_EVERY steps, then twice as far apart at
+each ranking that keeps it, up to MAX_HOLD steps: ranking every option is most of the policy's host time (0.16 ms with
+the caches cold, as between GPU steps). S, P, H and W are medians of their last 8 samples (the least of two); running
+means clamp each sample to within 4x of the mean: one stall does not skew them. A step measures an option only when the
+two requests before it named it (its wait answers the request one back, from the cache built after the request two
+back; a plain step queued ahead may name the next step's plan, target_proc/ahead.py), and no sequence of the batch is
+in its first STEADY_AFTER_ROUNDS rounds. A realized rate also needs the request three back: the first chain after SSD
+rounds feeds the draft the last hit's branch (its KV is in the tree's scratch rows), a switch's cost. Where no request
+waits, the batch drains: a step runs plain instead of the choice where the spread the choice adds between the sequences
+makes it MARGIN slower than plain steps (target_proc/drain.py), and a periodic probe starts only with DRAIN_PROBE_LEFT
+times its wait in tokens left (its switches and spread cost more than a short rest of the batch returns). `jit` is the
+only backup at batch 1; from 2 one miss holds up the batch: jit:N and none too.
 
 A draft on one of the target's GPUs gets no SSD rounds (unless SD rounds are ruled out): its work-ahead would
 compete with the verify for the same GPU (docs/benchmarks.md measures it). Overrides pin what they name:
