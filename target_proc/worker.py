@@ -254,8 +254,8 @@ class TargetWorker(ClientRequests):
             return PLAIN
         if self.rounds is not None:  # steady: the step's record will measure (_record_step)
             steady = all(s.stats.num_rounds >= STEADY_AFTER_ROUNDS for s in seqs)
-            left = [min(s.sampling.max_tokens - s.num_generated, self.max_model_len - s.num_tokens) for s in seqs]
-            drain = batch_drain(left, len(self.waiting))  # None while a request waits
+            drain = None if self.waiting else batch_drain(  # the tokens each may still decode; none while one waits
+                [min(s.sampling.max_tokens - s.num_generated, self.max_model_len - s.num_tokens) for s in seqs], 0)
             return self.rounds.choose(len(seqs), self._context, steady, drain=drain)
         return SD if self.policy.use_speculation(len(seqs)) else PLAIN
 
