@@ -1,7 +1,8 @@
 """target_proc main loop: continuous batching, chain verification, acceptance, streaming.
 
 One step:
-  1. collect the speculations the draft sent for the running sequences (SD/SSD);
+  1. collect the speculations the draft sent for the running sequences (SD/SSD), with the
+     verify forward laid out while they come (target_proc/verify_forward.py);
   2. one verify forward over [x_n, d_1..d_m] per sequence (m = 0 is a plain decode);
   3. rejection-sample: accepted prefix j and a recovery/bonus token t per sequence;
   4. send the outcomes (j, t) to the draft at once, before any host post-processing,
@@ -27,7 +28,6 @@ from protocol.messages import (PLACEHOLDER_TOKEN_ID, EngineStats, RequestOutput,
                                add_totals)
 from protocol.sparse_q import DraftTokens
 from spec_runtime.config import RuntimeConfig, step_token_budget
-from spec_runtime.engine.forward_batch import ForwardItem
 from spec_runtime.engine.kv_blocks import KVBlocks
 from spec_runtime.rejection import rejection_sample
 from spec_runtime.structured import Grammars
@@ -45,7 +45,8 @@ from target_proc.sequence import Sequence, StopChecker
 from target_proc.round_policy import PLAIN, SD, STEADY_AFTER_ROUNDS, RoundPlan, RoundPolicy
 from target_proc.spec_policy import SpecPolicy
 from target_proc.verify import (SamplingCache, device_logprobs, logits_process, logprobs_at, logprobs_lists,
-                                output_logprobs, sampling_tensors, transform_rows, verify_inputs)
+                                output_logprobs, sampling_tensors, transform_rows)
+from target_proc.verify_forward import LaidOut, forward_laid_out, forward_after_answer, lay_out
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ class TargetWorker(ClientRequests):
         # The work_ahead flags of the last three requests: a step's answer comes from the cache built
         # after the request two back, or a chain when that one had no work-ahead (record_round).
         self._last_flags = (True, True, True)
-        self._halves, self._sampling = Halves(), SamplingCache(runner)
+        self._halves, self.sampling_cache = Halves(), SamplingCache(runner)
         # A plain step queued but not landed (target_proc/ahead.py), and when the last step landed.
         self._ahead: Launched | None = None
         self._landed_at, self._landed_step = 0.0, -1
@@ -192,8 +193,10 @@ class TargetWorker(ClientRequests):
                 self._land(prev)
             return True
         seqs = self._halves.next(seqs) if plan.kind == "halves" else seqs
+        # A speculating step's forward is laid out while the draft answers (target_proc/verify_forward.py).
+        laid = lay_out(self, seqs) if plan.speculate else None
         specs = self.draft.collect(seqs) if plan.speculate else {}
-        run = self._launch(seqs, specs, plan, batch, t0, prev if early else None)
+        run = self._launch(seqs, specs, plan, batch, t0, prev if early else None, laid)
         # The lead: the host's work since the last step landed, in the call before (outputs, clients,
         # admission), busy time of this step. One queued behind another is timed from that one's landing.
         if prev is None and self._landed_step == self.step_id - 1:
@@ -293,35 +296,18 @@ class TargetWorker(ClientRequests):
         self._last_flags = self._last_flags[1:] + (sent.work_ahead,)
 
     def _launch(self, seqs: list[Sequence], specs: dict[int, DraftTokens], plan: RoundPlan, batch: int, t0: float,
-                prev: Launched | None) -> Launched:
+                prev: Launched | None, laid: LaidOut | None = None) -> Launched:
         """Queue one verify forward over [x_n, d_1..d_m] per sequence (m = 0: a plain step),
         then rejection sampling; nothing waits on the GPU. prev: the plain step still on the
-        device whose sampled tokens feed the sequences it ran (target_proc/ahead.py)."""
+        device whose sampled tokens feed the sequences it ran (target_proc/ahead.py); laid: the
+        forward laid out while the draft answered (target_proc/verify_forward.py)."""
         t1 = time.perf_counter()
-        k_max = max((len(specs[s.seq_id].draft_token_ids) for s in seqs if s.seq_id in specs), default=0)
-        rows = ahead_of(prev, seqs)
-        # Each sequence feeds its real length; the runner pads to its graph's shape.
-        items, num_draft, q_lens, bases = [], [], [], []
-        for seq, r in zip(seqs, rows):
-            spec = specs.get(seq.seq_id)
-            n = seq.num_tokens + (r >= 0)  # ahead: its last token is prev's, on the device
-            # Never verify more than K (the KV rows reserved), past the context or past
-            # max_tokens (the last token is free).
-            m = 0 if spec is None else len(spec.draft_token_ids)
-            m = max(0, min(m, self.k, self.max_model_len - n, seq.sampling.max_tokens - seq.num_generated - 1))
-            fed = [seq.last_token_id] + (spec.draft_token_ids[:m].tolist() if m else [])
-            items.append(ForwardItem(fed, n - 1, self.kv.rows(seq.seq_id, n - 1 + len(fed)), "all"))
-            num_draft.append(m)
-            q_lens.append(len(fed))
-            bases.append(n)
-
-        # Upload the verify inputs before the forward is queued: then nothing between the
-        # forward and the acceptance kernels waits on the GPU.
-        self.sched.count_step_tokens(sum(q_lens))
-        inputs = verify_inputs(seqs, specs, num_draft, q_lens, k_max, self._sampling.get(seqs), self.runner.device,
-                               bases)
-        fill = fill_tokens(prev, rows) if prev is not None else None
-        flat_logits = transform_rows(self.logits_transform, self.runner.run(items, fill), seqs, q_lens, bases)
+        fwd = forward_laid_out(self, laid, specs) if laid is not None else None
+        if fwd is None:
+            rows = ahead_of(prev, seqs)
+            fwd = forward_after_answer(self, seqs, specs, rows, fill_tokens(prev, rows) if prev is not None else None)
+        self.sched.count_step_tokens(sum(fwd.q_lens))
+        flat_logits, inputs, num_draft = fwd.flat_logits, fwd.inputs, fwd.num_draft
         target_logits = flat_logits[inputs.gather]  # [sum(q_lens), V] -> [B, k_max + 1, V]
         proc = logits_process(seqs, self.runner)
         if proc is not None:

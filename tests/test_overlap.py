@@ -28,10 +28,10 @@ _RUNNERS: dict = {}
 
 
 def _worker(target: str, overlap: bool, *, mode: str = "ar", num_kv_blocks: int = 0, budget: int = 0,
-            draft=None, device: str = "cpu") -> tuple[TargetWorker, _Clients]:
+            draft=None, device: str = "cpu", k: int = 2) -> tuple[TargetWorker, _Clients]:
     cfg = RuntimeConfig(target=ModelConfig(path=target, device=device, gpu_memory_utilization=0.3),
                         draft=ModelConfig(path=target, device=device),
-                        spec=SpeculativeConfig(mode=mode, k=2),
+                        spec=SpeculativeConfig(mode=mode, k=k),
                         sched=SchedulerConfig(max_batch_size=4, max_model_len=MAX_LEN, block_size=4,
                                               num_kv_blocks=num_kv_blocks, max_num_batched_tokens=budget,
                                               overlap_schedule="on" if overlap else "off"))

@@ -18,7 +18,7 @@ role, pid and command line:
   - the idle time put down to the innermost range running on the host when each gap
     began ("GPU idle while the host did X");
   - each range's host time per step;
-  - torch's table of operators, by self CPU time.
+  - torch's table of operators, by self CPU time, and by self time on the GPU.
 
     source scripts/gpu_common.sh && set_up_run /tmp/prof_out
     PYTHONPATH=$PWD/scripts/profile_steps:$PYTHONPATH PROFILE_DIR=$OUT python3 scripts/bench_e2e.py ...
@@ -133,7 +133,12 @@ if _ROLE is not None and os.environ.get("PROFILE_STEPS", "40") != "0":
         with open(path) as f:
             trace = json.load(f)
         os.unlink(path)
-        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=45, max_name_column_width=60)
+        averages = prof.key_averages()
+        table = averages.table(sort_by="self_cpu_time_total", row_limit=45, max_name_column_width=60)
+        try:  # the kernels by their time on the GPU (the key's name differs between torch releases)
+            table += "\n\n" + averages.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=80)
+        except (AttributeError, KeyError, ValueError):
+            table += "\n\n" + averages.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=80)
         with _lock, open(os.path.join(_DIR, "profiles.txt"), "a") as out:
             out.write(f"===== {_ROLE} pid {os.getpid()}: {' '.join(sys.argv)[:300]}\n")
             out.write(_analyse(trace, top) + "\n\n" + table + "\n\n")

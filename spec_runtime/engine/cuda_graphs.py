@@ -242,6 +242,18 @@ class CudaGraphRunner:
         """Replay the graph for `batch`: final hidden [T, H] (or logits [T, V] with a
         logits_fn) of its tokens, or None if none fits. The result is a view of the
         graph's output buffer, valid until the next replay of that graph."""
+        g = self.load(batch)
+        return None if g is None else self.replay(g, batch)
+
+    def replay(self, g: _Graph, batch: ForwardBatch) -> torch.Tensor:
+        """Replay `g`, loaded with `batch`: `run`'s result."""
+        g.graph.replay()
+        return g.out[: batch.num_requests * g.q_len]
+
+    def load(self, batch: ForwardBatch) -> _Graph | None:
+        """Copy `batch` into the static inputs of the graph that fits it and plan its attention,
+        or None if none fits. Its replay (`replay`) reads them: no other batch may be loaded
+        in between, and token ids written into `input_ids` meanwhile are the ones it runs."""
         g = self.graph_for(batch)
         if g is None:
             return None
@@ -282,5 +294,4 @@ class CudaGraphRunner:
             kv_indptr[: r + 1] = batch.kv_indptr_cpu
             kv_indptr[r + 1:] = nnz + q * np.arange(1, b - r + 1)
             self.backend.begin_graph(g.attn, kv_indptr, self.kv_indices[:nnz_pad], g.batch, nnz_pad)
-        g.graph.replay()
-        return g.out[:n]
+        return g

@@ -136,7 +136,7 @@ class ForwardBatch:
         return self.max_q_len == 1
 
 
-def _upload(parts: Sequence[np.ndarray], device: torch.device | str) -> list[torch.Tensor]:
+def upload_int64(parts: Sequence[np.ndarray], device: torch.device | str) -> list[torch.Tensor]:
     """One host-to-device copy for all arrays (each copy costs a launch and, from pageable
     memory, a wait): int64 device views of one buffer, in order. input_ids, positions and
     kv_write_rows go first and back to back, so the graph runner refills all three with
@@ -183,7 +183,7 @@ def build_forward_batch(items: Sequence[ForwardItem], device: torch.device | str
             raise ValueError(f"logits must be last, all or none, got {it.logits!r}")
     logits_indices = np.concatenate(logit_idx) if logit_idx else np.zeros(0, dtype=np.int64)
 
-    ids_d, pos_d, write_d, qo_d, kv_d, kvi_d, logit_d = _upload(
+    ids_d, pos_d, write_d, qo_d, kv_d, kvi_d, logit_d = upload_int64(
         (input_ids, positions, write_rows, qo_indptr, kv_indptr, kv_indices, logits_indices), device)
 
     return ForwardBatch(
@@ -255,7 +255,7 @@ class TreeArrays:
     q_len: int
 
     def upload(self, device: torch.device | str) -> ForwardBatch:
-        ids_d, pos_d, write_d, adv_d, qo_d, kv_d, kvi_d, lo_d, hi_d, plen_d = _upload(
+        ids_d, pos_d, write_d, adv_d, qo_d, kv_d, kvi_d, lo_d, hi_d, plen_d = upload_int64(
             (self.input_ids, self.positions, self.write_rows, self.advance, self.qo_indptr, self.kv_indptr,
              self.kv_indices, self.lo, self.hi, self.prefix_len), device)
         return ForwardBatch(

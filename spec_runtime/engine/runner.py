@@ -271,12 +271,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             logits = self.graphs.run(batch) if self.graphs is not None else None  # [T, V]; None: no graph fits
             if logits is not None:
-                # The graph's buffer is overwritten by its next replay: hand out a copy.
-                # logits_indices are ascending and unique, so N == T means every row.
-                idx = batch.logits_indices
-                if idx.shape[0] == logits.shape[0]:
-                    return logits.clone() if rows is None else logits[rows]  # [N, V]
-                return logits[idx] if rows is None else logits[idx[rows]]
+                return _rows_of(batch, logits, rows)
         self.backend.begin(batch)
         hidden = self.model(batch.input_ids, batch.positions, batch)  # [T, H]
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [N, V]
@@ -304,6 +299,28 @@ class ModelRunner:
             fill(batch.input_ids)
         return self.forward(batch)
 
+    def prepare(self, items: Sequence[ForwardItem]) -> "Prepared | None":
+        """`run(items)` laid out ahead: its batch built, and loaded into its CUDA graph where
+        one fits, but not run. Token ids may still be written into `Prepared.input_ids` (flat
+        indices `Prepared.token_index(i, j)`: item i's token j); `run_prepared` runs it. Nothing
+        else may run on this runner in between (a graph's static inputs hold the batch). None
+        with tensor parallelism (the other ranks take their ids from the host)."""
+        if self.tp is not None:
+            return None
+        limit = self.layout.max_model_len
+        if any(it.start_pos + len(it.token_ids) > limit for it in items):
+            return None  # run() says why
+        batch = self._batch(items)
+        g = self.graphs.load(batch) if self.device.type == "cuda" and self.graphs is not None else None
+        return Prepared(batch, g, self.graphs.input_ids if g is not None else batch.input_ids,
+                        g.q_len if g is not None else 0)
+
+    def run_prepared(self, prep: "Prepared") -> torch.Tensor:
+        """Logits of a `prepare`d forward, as `run` returns them."""
+        if prep.graph is not None:
+            return _rows_of(prep.batch, self.graphs.replay(prep.graph, prep.batch), None)
+        return self.forward(prep.batch)
+
     def _batch(self, items: Sequence[ForwardItem]) -> ForwardBatch:
         """The batch of `items`, padded to a captured graph's shape where one fits: callers
         pass their real lengths and get the logits of their own rows back."""
@@ -316,3 +333,28 @@ class ModelRunner:
         (padded as rank 0 pads them, so the collectives see the same shapes)."""
         while (items := self.tp.recv_items()) is not None:
             self.forward(self._batch(items))
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A forward laid out by ModelRunner.prepare: its batch, and the graph loaded with it (or None: run eagerly)."""
+
+    batch: ForwardBatch
+    graph: object  # cuda_graphs._Graph or None
+    input_ids: torch.Tensor  # the token ids the forward reads (the graph's static buffer, or the batch's)
+    q_len: int  # the graph's tokens per request (items are padded to it), 0 without a graph
+
+    def token_index(self, item: int, token: int) -> int:
+        """The flat index in input_ids of item `item`'s token `token`."""
+        start = item * self.q_len if self.graph is not None else int(self.batch.qo_indptr_cpu[item])
+        return start + token
+
+
+def _rows_of(batch: ForwardBatch, logits: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """The logits rows `batch` asks for out of a graph's output [T, V], as ModelRunner.forward returns them."""
+    # The graph's buffer is overwritten by its next replay: hand out a copy.
+    # logits_indices are ascending and unique, so N == T means every row.
+    idx = batch.logits_indices
+    if idx.shape[0] == logits.shape[0]:
+        return logits.clone() if rows is None else logits[rows]  # [N, V]
+    return logits[idx] if rows is None else logits[idx[rows]]

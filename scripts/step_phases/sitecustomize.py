@@ -1,0 +1,110 @@
+"""Where a speculating step's verify spends its time before and on the GPU, without a profiler.
+
+Python imports `sitecustomize` at start-up from its path. With this folder first on
+PYTHONPATH, each target process times its speculating steps at batch 1 (every batch size
+with STEP_PHASES_ALL=1) with host clocks and CUDA events, and every 50 such steps appends the
+medians (after each run's first 10 steps) to $STEP_PHASES_DIR/phases.txt (default /tmp):
+
+  host pre-replay     TargetWorker._launch's start to the CUDA graph's replay call
+  host replay call    the replay call itself
+  host post-replay    the replay's return to the end of _launch (logits, rejection sampling queued)
+  gpu launch->replay  GPU time from an event recorded at _launch's start to one just before
+                      the replay: the GPU idles there, as the step before it has landed
+  gpu graph           the replay on the GPU
+  gpu post            what _launch queued after the replay
+  sync wait           the landing's wait for the step's tokens
+  launch->landed      _launch's start to the tokens on the host
+
+NO_LAYOUT=1 makes the worker build each verify once the answer is in, as it does where no
+CUDA graph would replay a layout (target_proc/verify_forward.py): the A/B of docs/benchmarks.md.
+
+    source scripts/gpu_common.sh && set_up_run /tmp/out
+    PYTHONPATH=$PWD/scripts/step_phases:$PYTHONPATH STEP_PHASES_DIR=$OUT python3 scripts/bench_e2e.py ...
+
+A CPU run records the host times only (no graph, no events).
+"""
+
+import collections
+import os
+import sys
+import time
+
+if "target" in sys.argv[:3]:  # the target child (spec_runtime.child_boot target ...)
+    import numpy as np
+    import torch
+
+    _NAMES = ("host pre-replay", "host replay call", "host post-replay", "gpu launch->replay", "gpu graph",
+              "gpu post", "sync wait", "launch->landed")
+    _rows: dict = collections.defaultdict(list)
+    _step: dict = {}
+
+    class _NoEvent:
+        def record(self) -> None:
+            pass
+
+        def elapsed_time(self, other) -> float:
+            return 0.0
+
+    def _event():
+        if not torch.cuda.is_available():
+            return _NoEvent()
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def _dump() -> None:
+        label = "no layout" if os.environ.get("NO_LAYOUT") else "layout"
+        with open(os.path.join(os.environ.get("STEP_PHASES_DIR", "/tmp"), "phases.txt"), "a") as f:
+            for kind, rows in _rows.items():
+                a = np.array(rows[10:] or rows)
+                f.write(f"pid {os.getpid()} {label} {kind} n={len(rows)} "
+                        + ", ".join(f"{name} {np.median(a[:, i]):.3f}" for i, name in enumerate(_NAMES)) + "\n")
+
+    def _install() -> None:
+        from target_proc import worker
+
+        W = worker.TargetWorker
+        launch, land, replay = W._launch, W._land, torch.cuda.CUDAGraph.replay
+        every = bool(os.environ.get("STEP_PHASES_ALL"))
+
+        def timed_launch(self, seqs, specs, plan, *rest):
+            _step.clear()
+            if plan.speculate and (every or len(seqs) == 1):
+                _step.update(on=True, e0=_event(), h0=time.perf_counter())
+            out = launch(self, seqs, specs, plan, *rest)
+            if _step:
+                _step.update(h3=time.perf_counter(), e3=_event(), kind=plan.kind)
+            return out
+
+        def timed_land(self, run, upcoming=None):
+            if not _step:
+                return land(self, run, upcoming)
+            if "h1" not in _step:  # no graph replayed
+                _step.update(h1=_step["h3"], h2=_step["h3"], e1=_step["e3"], e2=_step["e3"])
+            h = time.perf_counter()
+            if run.done is not None:
+                run.done.synchronize()
+            h4 = time.perf_counter()
+            s = dict(_step)
+            _step.clear()
+            out = land(self, run, upcoming)
+            rows = _rows[s["kind"]]
+            rows.append((1e3 * (s["h1"] - s["h0"]), 1e3 * (s["h2"] - s["h1"]), 1e3 * (s["h3"] - s["h2"]),
+                         s["e0"].elapsed_time(s["e1"]), s["e1"].elapsed_time(s["e2"]), s["e2"].elapsed_time(s["e3"]),
+                         1e3 * (h4 - h), 1e3 * (h4 - s["h0"])))
+            if len(rows) % 50 == 0:
+                _dump()
+            return out
+
+        def timed_replay(graph):
+            if _step:
+                _step.update(h1=time.perf_counter(), e1=_event())
+            replay(graph)
+            if _step:
+                _step.update(e2=_event(), h2=time.perf_counter())
+
+        W._launch, W._land, torch.cuda.CUDAGraph.replay = timed_launch, timed_land, timed_replay
+        if os.environ.get("NO_LAYOUT"):
+            worker.lay_out = lambda *a, **kw: None
+
+    _install()
