@@ -92,6 +92,7 @@ def run_mode(args, mode: str, alpha: float | None = None):
             r["sd_rounds"] = after.num_sd_rounds - before.num_sd_rounds
             r["halves_steps"] = after.num_halves_steps - before.num_halves_steps
             r["plain_steps"] = after.num_plain_steps - before.num_plain_steps
+            r["verifies_laid_out"] = after.num_verifies_laid_out - before.num_verifies_laid_out
             r["tree_shrinks"] = after.draft_tree_shrinks - before.draft_tree_shrinks
             r["tree_grows"] = after.draft_tree_grows - before.draft_tree_grows
             # SSD: the round policy's choice per batch size at the end of the point.

@@ -79,7 +79,7 @@ class TargetWorker(ClientRequests):
         self.totals = RequestStats(accepted_per_position=[0] * self.k, drafted_per_position=[0] * self.k)
         self.outputs: dict[bytes, list[RequestOutput]] = {}
         self.timing = dict.fromkeys(("verify_s", "draft_wait_s", "draft_work_s", "loop_s", "admit_s"), 0.0)
-        self.timing["num_steps"] = self.timing["num_steps_ahead"] = 0
+        self.timing["num_steps"] = self.timing["num_steps_ahead"] = self.timing["num_verifies_laid_out"] = 0
         self.timing["host_parts"] = dict.fromkeys(("poll", "outcomes", "accept", "record", "verify_launch", "land"),
                                                   0.0)
         self.policy = SpecPolicy(cfg.sched.spec_policy, cfg.sched.spec_policy_probe_every)
@@ -303,6 +303,7 @@ class TargetWorker(ClientRequests):
         forward laid out while the draft answered (target_proc/verify_forward.py)."""
         t1 = time.perf_counter()
         fwd = forward_laid_out(self, laid, specs) if laid is not None else None
+        self.timing["num_verifies_laid_out"] += fwd is not None
         if fwd is None:
             rows = ahead_of(prev, seqs)
             fwd = forward_after_answer(self, seqs, specs, rows, fill_tokens(prev, rows) if prev is not None else None)

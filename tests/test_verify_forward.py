@@ -75,6 +75,7 @@ def _run(target, requests, draft, monkeypatch, laid_out: bool | None, device: st
     worker, clients = _worker(target, False, mode="sd", draft=draft, k=K, device=device)
     worker.policy.use_speculation = lambda batch: True
     out, _ = _serve(worker, clients, requests)
+    assert worker.engine_stats().num_verifies_laid_out == sum(laid for laid, _ in used)
     return out, used
 
 

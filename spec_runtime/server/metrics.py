@@ -108,6 +108,8 @@ ENGINE_COUNTERS = (
      "SSD: moves of the draft's tree to more branches per sequence."),
     ("steps_ahead", "num_steps_ahead", "steps_queued_ahead",
      "Plain steps queued on the GPU before the host read the tokens of the step before them (--overlap-schedule)."),
+    ("verifies_laid_out", "num_verifies_laid_out", "spec_decode_verifies_laid_out",
+     "Speculating steps whose verify forward was laid out in a CUDA graph while the draft answered."),
     ("prefill_chunks", "num_prefill_chunks", "num_prefill_chunks",
      "Chunked prefill: prefill pieces that stopped short of their prompt's end, the rest left for later steps "
      "(--max-num-batched-tokens)."),
