@@ -242,8 +242,7 @@ class EngineStats(_Cold, tag="stats"):
     draft_num_cache_entries: int = -1
     # Timing totals (s) over num_steps steps: verify (forward + acceptance; a step queued ahead: from the landing
     # before it), speculation wait, reported work-ahead (SSD), loop_s and admit_s of the iterations that ran a
-    # step; host_parts: poll, outcomes, accept, record, verify_launch, land; num_steps_ahead and
-    # num_verifies_laid_out: docs/metrics.md.
+    # step; host_parts: poll, outcomes, accept, record, verify_launch, land; num_steps_ahead, ..._laid_out: metrics.md.
     num_steps: int = 0
     num_steps_ahead: int = 0
     num_verifies_laid_out: int = 0
