@@ -242,7 +242,8 @@ class EngineStats(_Cold, tag="stats"):
     draft_num_cache_entries: int = -1
     # Timing totals (s) over num_steps steps: verify (forward + acceptance; a step queued ahead: from the landing
     # before it), speculation wait, reported work-ahead (SSD), loop_s and admit_s of the iterations that ran a
-    # step; host_parts: poll, outcomes, accept, record, verify_launch, land; num_steps_ahead, ..._laid_out: metrics.md.
+    # step; host_parts: poll, outcomes, accept, record, verify_launch, land; num_steps_ahead and
+    # num_verifies_laid_out: docs/metrics.md.
     num_steps: int = 0
     num_steps_ahead: int = 0
     num_verifies_laid_out: int = 0
@@ -252,8 +253,7 @@ class EngineStats(_Cold, tag="stats"):
     loop_s: float = 0.0
     admit_s: float = 0.0
     host_parts: dict[str, float] = {}
-    # Steps the speculation policy ran as plain decoding (spec_policy="adaptive").
-    num_plain_steps: int = 0
+    num_plain_steps: int = 0  # steps the speculation policy ran as plain decoding (spec_policy="adaptive")
     # SSD: steps after a request with work-ahead (SSD rounds), without (SD rounds), and halves steps.
     num_ssd_rounds: int = 0
     num_sd_rounds: int = 0
@@ -276,8 +276,7 @@ class EngineStats(_Cold, tag="stats"):
     hits_by_depth: list[int] = []
     # Rounds that stopped waiting for the draft (late or gone; none waits again until it answers).
     num_draft_timeouts: int = 0
-    # The current draft timeout (seconds): --draft-timeout-s, or measured when unset.
-    draft_timeout_s: float = 0.0
+    draft_timeout_s: float = 0.0  # the draft timeout in force (s): --draft-timeout-s, or measured when unset
     # The target's paged KV pool: its size and the blocks free now (cached ones nobody uses included),
     # requests preempted, and prompt tokens looked up and found cached (vLLM's prefix_cache_queries/hits).
     num_kv_blocks: int = 0
