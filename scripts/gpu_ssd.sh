@@ -18,6 +18,8 @@
 #   LOG_LEVEL (DEBUG also writes the round policy's step records to $OUT/steps_$TAG.log; the draft
 #   names any message it took over 50 ms to handle in $OUT/e2e_$TAG.log),
 #   PROFILE=1 ($OUT/profiles.txt: where a window of steps spends its time in each process),
+#   PHASES=1 ($OUT/phases.txt: each speculating step's verify in phases, scripts/step_phases; NO_LAYOUT=1 builds
+#   every verify once the draft's answer is in, for A/B runs),
 #   TORCH_SAMPLING=1 (the target samples with torch ops, not kernels/race.py's kernels: A/B runs),
 #   OVERLAP (--overlap-schedule: auto, on, or off: every plain step reads its tokens before the next is queued).
 # Wheels found in .whl/ are installed into .site/ first; logs and JSON go under $OUT
@@ -66,6 +68,7 @@ case "${PART:-check}" in
     # (scripts/profile_steps/sitecustomize.py; PROFILE_SKIP, PROFILE_STEPS, PROFILE_MIN_BATCH, PROFILE_ROLES).
     [ -n "${PROFILE:-}" ] && export PYTHONPATH=$PWD/scripts/profile_steps:$PYTHONPATH PROFILE_DIR=$OUT
     [ -n "${TORCH_SAMPLING:-}" ] && export PYTHONPATH=$PWD/scripts/torch_sampling:$PYTHONPATH
+    [ -n "${PHASES:-}" ] && export PYTHONPATH=$PWD/scripts/step_phases:$PYTHONPATH STEP_PHASES_DIR=$OUT
     stamp "bench_e2e $PAIR K=$K"
     timeout "${RUN_TIMEOUT:-540}" python3 scripts/bench_e2e.py --target "$TARGET" --draft "$DRAFT" \
       --target-device cuda:0 --draft-device "$DRAFT_DEV" --target-gpu-memory-utilization "${TARGET_MEM:-0.85}" --modes "${MODES:-ssd,sd,ar}" --k "$K" \
