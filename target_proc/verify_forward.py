@@ -16,8 +16,8 @@ past them are computed and never read (`gather` stops at its last draft and
 num_draft_tokens masks the rest), and their K/V lands in rows the sequence reserved past
 its accepted tokens, where a rejected draft's K/V lands too. An answer the layout does
 not fit (its longest speculation shorter than the layout's, which a smaller graph would
-run) is laid out anew (`forward_after_answer`), as is every step that feeds tokens still on the
-device (target_proc/ahead.py).
+run) is built once it is in (`forward_after_answer`), as is every forward no CUDA graph
+would replay (the CPU, tensor parallelism, a batch past the largest graph: `lay_out`).
 """
 
 from __future__ import annotations
