@@ -41,8 +41,7 @@ def verify_inputs(seqs, specs, num_draft, q_lens, k_max, st, device, bases=None)
     position its first logits row predicts (default num_tokens; one more for a sequence
     that runs ahead, target_proc/ahead.py)."""
     m = np.asarray(num_draft, dtype=np.int64)
-    starts = np.concatenate([[0], np.cumsum(q_lens)[:-1]])
-    gather = starts[:, None] + np.minimum(np.arange(k_max + 1)[None, :], m[:, None])  # [B, k_max + 1]
+    gather = gather_rows(q_lens, m, k_max)
     # Each row verifies the first num_draft[i] drafts of its speculation.
     rows = [specs[s.seq_id].head(mi) if mi else NO_DRAFT for s, mi in zip(seqs, num_draft)]
     draft_ids, _, q_ids, q_probs = pack(rows, k_max)
@@ -59,6 +58,13 @@ def verify_inputs(seqs, specs, num_draft, q_lens, k_max, st, device, bases=None)
         st=st,
         positions=dev(np.array(bases if bases is not None else [s.num_tokens for s in seqs], dtype=np.int64)),
     )
+
+
+def gather_rows(q_lens, num_draft: np.ndarray, k_max: int) -> np.ndarray:
+    """[B, k_max + 1] int64: for each (sequence, verify position) its row of the flat logits
+    (sequence i has q_lens[i] rows), clamped to its row num_draft[i]."""
+    starts = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int64)
+    return starts[:, None] + np.minimum(np.arange(k_max + 1)[None, :], num_draft[:, None])
 
 
 def device_logprobs(seqs, logits: torch.Tensor, out_tokens: torch.Tensor):

@@ -30,7 +30,7 @@ import torch
 from protocol.sparse_q import NO_DRAFT, pack
 from spec_runtime.engine.forward_batch import ForwardItem, upload_int64
 from spec_runtime.sampling import to_device
-from target_proc.verify import VerifyInputs, transform_rows, verify_inputs
+from target_proc.verify import VerifyInputs, gather_rows, transform_rows, verify_inputs
 
 
 @dataclass
@@ -92,8 +92,8 @@ def lay_out(worker, seqs, eager: bool = False) -> LaidOut | None:
     limits = [draft_limit(s, s.num_tokens, k, worker.max_model_len) for s in seqs]
     items = [ForwardItem([s.last_token_id] * (1 + m), s.num_tokens - 1, worker.kv.rows(s.seq_id, s.num_tokens + m),
                          "all") for s, m in zip(seqs, limits)]
-    prep = runner.prepare(items)
-    if prep is None or (prep.graph is None and not eager):
+    prep = runner.prepare(items, eager)
+    if prep is None:
         return None
     # Draft j of sequence i (j below its limit) is token 1 + j of item i.
     index = [prep.token_index(i, 1 + j) for i, m in enumerate(limits) for j in range(m)]
@@ -118,9 +118,8 @@ def forward_laid_out(worker, lo: LaidOut, specs) -> VerifyForward | None:
     last = np.array([s.last_token_id for s in seqs], dtype=np.int64)[:, None]
     fed = np.where(draft_ids >= 0, draft_ids, last)[np.arange(k_max)[None, :] < np.asarray(limits)[:, None]]
     q_lens = [1 + m for m in limits]
-    starts = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int64)
     m = np.asarray(num_draft, dtype=np.int64)
-    gather = starts[:, None] + np.minimum(np.arange(k_max + 1)[None, :], m[:, None])  # [B, k_max + 1]
+    gather = gather_rows(q_lens, m, k_max)  # [B, k_max + 1], over the layout's rows
     parts = [fed, gather.reshape(-1), draft_ids.reshape(-1), m]
     if q_ids is not None:  # some sequence samples: its q's token ids in the same copy
         parts.append(q_ids.reshape(-1))

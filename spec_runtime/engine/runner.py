@@ -299,20 +299,25 @@ class ModelRunner:
             fill(batch.input_ids)
         return self.forward(batch)
 
-    def prepare(self, items: Sequence[ForwardItem]) -> "Prepared | None":
-        """`run(items)` laid out ahead: its batch built, and loaded into its CUDA graph where
-        one fits, but not run. Token ids may still be written into `Prepared.input_ids` (flat
-        indices `Prepared.token_index(i, j)`: item i's token j); `run_prepared` runs it. Nothing
-        else may run on this runner in between (a graph's static inputs hold the batch). None
-        with tensor parallelism (the other ranks take their ids from the host)."""
-        if self.tp is not None:
+    def prepare(self, items: Sequence[ForwardItem], eager: bool = False) -> "Prepared | None":
+        """`run(items)` laid out ahead: its batch built, and loaded into its CUDA graph, but not
+        run. Token ids may still be written into `Prepared.input_ids` (flat indices
+        `Prepared.token_index(i, j)`: item i's token j); `run_prepared` runs it. Nothing else may
+        run on this runner in between (a graph's static inputs hold the batch). None with tensor
+        parallelism (the other ranks take their ids from the host) and, unless `eager` (then it
+        runs without a graph), where no captured graph fits: checked before the batch is built
+        where the runner has none (the CPU)."""
+        graphs = self.graphs if self.device.type == "cuda" else None
+        if self.tp is not None or (graphs is None and not eager):
             return None
         limit = self.layout.max_model_len
         if any(it.start_pos + len(it.token_ids) > limit for it in items):
             return None  # run() says why
         batch = self._batch(items)
-        g = self.graphs.load(batch) if self.device.type == "cuda" and self.graphs is not None else None
-        return Prepared(batch, g, self.graphs.input_ids if g is not None else batch.input_ids,
+        g = graphs.load(batch) if graphs is not None else None
+        if g is None and not eager:
+            return None
+        return Prepared(batch, g, graphs.input_ids if g is not None else batch.input_ids,
                         g.q_len if g is not None else 0)
 
     def run_prepared(self, prep: "Prepared") -> torch.Tensor:
