@@ -15,6 +15,16 @@ medians (after each run's first 10 steps) to $STEP_PHASES_DIR/phases.txt (defaul
   sync wait           the landing's wait for the step's tokens
   launch->landed      _launch's start to the tokens on the host
 
+A laid-out verify's host pre-replay also splits into parts, written as a `parts` line:
+
+  pack                the answer's drafts packed into arrays (protocol.sparse_q.pack)
+  upload              their one host-to-device copy (forward_batch.upload_int64)
+  to replay           ModelRunner.run_prepared's entry to the replay call
+  rest                the rest: the arrays built around them, the ids written into the
+                      graph's inputs (index_copy_), the verify's inputs
+
+and `transform` after the replay (the benchmark oracle's logits, when it is set).
+
 NO_LAYOUT=1 makes the worker build each verify once the answer is in, as it does where no
 CUDA graph would replay a layout (target_proc/verify_forward.py): the A/B of docs/benchmarks.md.
 
@@ -35,7 +45,9 @@ if "target" in sys.argv[:3]:  # the target child (spec_runtime.child_boot target
 
     _NAMES = ("host pre-replay", "host replay call", "host post-replay", "gpu launch->replay", "gpu graph",
               "gpu post", "sync wait", "launch->landed")
+    _PARTS = ("pack", "upload", "to replay", "rest", "transform")
     _rows: dict = collections.defaultdict(list)
+    _parts: dict = collections.defaultdict(list)
     _step: dict = {}
 
     class _NoEvent:
@@ -59,11 +71,38 @@ if "target" in sys.argv[:3]:  # the target child (spec_runtime.child_boot target
                 a = np.array(rows[10:] or rows)
                 f.write(f"pid {os.getpid()} {label} {kind} n={len(rows)} "
                         + ", ".join(f"{name} {np.median(a[:, i]):.3f}" for i, name in enumerate(_NAMES)) + "\n")
+            for kind, rows in _parts.items():
+                a = np.array(rows[10:] or rows)
+                f.write(f"pid {os.getpid()} {label} {kind} parts n={len(rows)} "
+                        + ", ".join(f"{name} {np.median(a[:, i]):.3f}" for i, name in enumerate(_PARTS)) + "\n")
+
+    def _timed_part(name, fn):
+        """fn, its host time added to the step's part `name` (a speculating step's only)."""
+        def timed(*args, **kwargs):
+            if not _step:
+                return fn(*args, **kwargs)
+            t = time.perf_counter()
+            out = fn(*args, **kwargs)
+            _step[name] = _step.get(name, 0.0) + time.perf_counter() - t
+            return out
+        return timed
 
     def _install() -> None:
-        from target_proc import worker
+        from spec_runtime.engine import runner as runner_mod
+        from target_proc import verify_forward, worker
 
         W = worker.TargetWorker
+        run_prepared = runner_mod.ModelRunner.run_prepared
+
+        def timed_run_prepared(self, prep):
+            if _step:
+                _step["rp0"] = time.perf_counter()
+            return run_prepared(self, prep)
+
+        runner_mod.ModelRunner.run_prepared = timed_run_prepared
+        verify_forward.pack = _timed_part("pack", verify_forward.pack)
+        verify_forward.upload_int64 = _timed_part("upload", verify_forward.upload_int64)
+        verify_forward.transform_rows = _timed_part("transform", verify_forward.transform_rows)
         launch, land, replay = W._launch, W._land, torch.cuda.CUDAGraph.replay
         every = bool(os.environ.get("STEP_PHASES_ALL"))
 
@@ -92,6 +131,10 @@ if "target" in sys.argv[:3]:  # the target child (spec_runtime.child_boot target
             rows.append((1e3 * (s["h1"] - s["h0"]), 1e3 * (s["h2"] - s["h1"]), 1e3 * (s["h3"] - s["h2"]),
                          s["e0"].elapsed_time(s["e1"]), s["e1"].elapsed_time(s["e2"]), s["e2"].elapsed_time(s["e3"]),
                          1e3 * (h4 - h), 1e3 * (h4 - s["h0"])))
+            if "rp0" in s:  # laid out: the pre-replay's parts (ms)
+                pack, upload, to_replay = s.get("pack", 0.0), s.get("upload", 0.0), s["h1"] - s["rp0"]
+                _parts[s["kind"]].append(tuple(1e3 * x for x in (
+                    pack, upload, to_replay, s["h1"] - s["h0"] - pack - upload - to_replay, s.get("transform", 0.0))))
             if len(rows) % 50 == 0:
                 _dump()
             return out
