@@ -164,21 +164,33 @@ def _compare_on_gpu(target: str, monkeypatch) -> None:
 
 def test_the_step_phases_script_times_each_speculating_step(tiny_pair, tmp_path):
     """scripts/step_phases (docs/benchmarks.md's phases of a verify): a line of medians every 50
-    speculating steps at batch 1 from the target process; NO_LAYOUT names its runs."""
+    speculating steps at batch 1 from the target process; NO_LAYOUT names its runs. Laid out
+    (eagerly on the CPU: STEP_PHASES_EAGER), a parts line follows each line of phases."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=f"{root / 'scripts' / 'step_phases'}{os.pathsep}{root}",
-               STEP_PHASES_DIR=str(tmp_path), NO_LAYOUT="1")
-    subprocess.run([sys.executable, str(root / "scripts" / "bench_e2e.py"), "--target", tiny_pair.target, "--draft",
-                    tiny_pair.draft, "--target-device", "cpu", "--draft-device", "cpu", "--modes", "sd", "--k", "4",
-                    "--prompt-lens", "16", "--batch-sizes", "1", "--temperatures", "0", "--max-tokens", "60",
-                    "--warmup-tokens", "0", "--out", str(tmp_path / "e2e.json")],
-                   env=env, capture_output=True, text=True, timeout=300, check=True)
-    lines = (tmp_path / "phases.txt").read_text().splitlines()
+
+    def phases(**env_vars) -> list[str]:
+        out = tmp_path / "_".join(env_vars)
+        out.mkdir()
+        env = dict(os.environ, PYTHONPATH=f"{root / 'scripts' / 'step_phases'}{os.pathsep}{root}",
+                   STEP_PHASES_DIR=str(out), **env_vars)
+        subprocess.run([sys.executable, str(root / "scripts" / "bench_e2e.py"), "--target", tiny_pair.target,
+                        "--draft", tiny_pair.draft, "--target-device", "cpu", "--draft-device", "cpu", "--modes", "sd",
+                        "--k", "4", "--prompt-lens", "16", "--batch-sizes", "1", "--temperatures", "0",
+                        "--max-tokens", "60", "--warmup-tokens", "0", "--out", str(out / "e2e.json")],
+                       env=env, capture_output=True, text=True, timeout=300, check=True)
+        return (out / "phases.txt").read_text().splitlines()
+
+    lines = phases(NO_LAYOUT="1")
     assert lines and all(" no layout sd n=50 host pre-replay " in ln for ln in lines), lines
     launched = float(lines[0].split("launch->landed ")[1])
     assert launched > 0
+    lines = phases(STEP_PHASES_EAGER="1")
+    assert len(lines) >= 2 and " layout sd n=50 host pre-replay " in lines[0], lines
+    parts = dict(kv.rsplit(" ", 1) for kv in lines[1].split(" parts n=50 ")[1].split(", "))
+    assert list(parts) == ["pack", "upload", "to replay", "rest", "transform"], lines
+    assert float(parts["upload"]) > 0 and float(parts["pack"]) > 0, lines

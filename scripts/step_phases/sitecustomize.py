@@ -24,6 +24,8 @@ A laid-out verify's host pre-replay also splits into parts, written as a `parts`
                       graph's inputs (index_copy_), the verify's inputs
 
 and `transform` after the replay (the benchmark oracle's logits, when it is set).
+STEP_PHASES_EAGER=1 lays out forwards no graph replays too (as on the CPU), so their parts
+show as well.
 
 NO_LAYOUT=1 makes the worker build each verify once the answer is in, as it does where no
 CUDA graph would replay a layout (target_proc/verify_forward.py): the A/B of docs/benchmarks.md.
@@ -149,5 +151,8 @@ if "target" in sys.argv[:3]:  # the target child (spec_runtime.child_boot target
         W._launch, W._land, torch.cuda.CUDAGraph.replay = timed_launch, timed_land, timed_replay
         if os.environ.get("NO_LAYOUT"):
             worker.lay_out = lambda *a, **kw: None
+        elif os.environ.get("STEP_PHASES_EAGER"):
+            lay_out = worker.lay_out
+            worker.lay_out = lambda *a, **kw: lay_out(*a, **{**kw, "eager": True})
 
     _install()
