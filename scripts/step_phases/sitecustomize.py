@@ -19,7 +19,8 @@ A laid-out verify's host pre-replay also splits into parts, written as a `parts`
 
   pack                the answer's drafts packed into arrays (protocol.sparse_q.pack)
   upload              their one host-to-device copy (forward_batch.upload_int64)
-  to replay           ModelRunner.run_prepared's entry to the replay call
+  to replay           ModelRunner.run_prepared's entry to the replay call (with no graph,
+                      to the end of _launch: the eager forward's host time)
   rest                the rest: the arrays built around them, the ids written into the
                       graph's inputs (index_copy_), the verify's inputs
 
