@@ -89,6 +89,8 @@ def lay_out(worker, seqs, eager: bool = False) -> LaidOut | None:
     an eager forward gains little from it, and one of more tokens than the answer's rounds
     differently on a CPU (a graph runs the padded shape either way)."""
     k, runner = worker.k, worker.runner
+    if not runner.can_prepare(eager):  # nothing built per step where nothing would be laid out
+        return None
     limits = [draft_limit(s, s.num_tokens, k, worker.max_model_len) for s in seqs]
     items = [ForwardItem([s.last_token_id] * (1 + m), s.num_tokens - 1, worker.kv.rows(s.seq_id, s.num_tokens + m),
                          "all") for s, m in zip(seqs, limits)]

@@ -306,10 +306,10 @@ class ModelRunner:
         run on this runner in between (a graph's static inputs hold the batch). None with tensor
         parallelism (the other ranks take their ids from the host) and, unless `eager` (then it
         runs without a graph), where no captured graph fits: checked before the batch is built
-        where the runner has none (the CPU)."""
-        graphs = self.graphs if self.device.type == "cuda" else None
-        if self.tp is not None or (graphs is None and not eager):
+        where the runner has none (the CPU; `can_prepare`)."""
+        if not self.can_prepare(eager):
             return None
+        graphs = self.graphs if self.device.type == "cuda" else None
         limit = self.layout.max_model_len
         if any(it.start_pos + len(it.token_ids) > limit for it in items):
             return None  # run() says why
@@ -319,6 +319,11 @@ class ModelRunner:
             return None
         return Prepared(batch, g, graphs.input_ids if g is not None else batch.input_ids,
                         g.q_len if g is not None else 0)
+
+    def can_prepare(self, eager: bool = False) -> bool:
+        """Whether `prepare` may lay a forward out at all: not with tensor parallelism, and
+        without `eager` only on a runner with CUDA graphs (a batch may still fit none)."""
+        return self.tp is None and (eager or (self.device.type == "cuda" and self.graphs is not None))
 
     def run_prepared(self, prep: "Prepared") -> torch.Tensor:
         """Logits of a `prepare`d forward, as `run` returns them."""
