@@ -47,7 +47,8 @@ class ModelDrafter(Speculator):
         tensors (token_ids [R], q_token_ids [R, top] | None, q_probs [R, top] | None).
 
         transform: this step's transform of a chain (logits_transform.chain), if any.
-        depth: index of the token within its speculation (0..K-1). With Saguaro
+        positions: [R] host values or a device tensor. depth: index of the token within
+        its speculation (0..K-1). With Saguaro
         rescaling (SSD), q's top F_depth tokens, the ones the tree cache will fork at
         that depth, are scaled by the factor before sampling, and that rescaled q is
         what verification receives, so acceptance stays exact.
@@ -59,7 +60,7 @@ class ModelDrafter(Speculator):
         if st.all_greedy:
             # No q is sent for greedy rows (it is one-hot on the token): argmax is all.
             return logits.argmax(dim=-1), None, None
-        pos = to_device(torch.from_numpy(positions), logits.device)
+        pos = positions if isinstance(positions, torch.Tensor) else to_device(torch.from_numpy(positions), logits.device)
         rescale = None
         if self.cfg.mode == "ssd" and self.cfg.saguaro_rescale is not None:
             fan = self.cfg.fan_out_for(False)
@@ -87,11 +88,13 @@ class ModelDrafter(Speculator):
         return self.run_chain(make_batch, rows, positions, num_steps)
 
     def run_chain(self, make_batch, rows: list[DraftSeq], positions: np.ndarray, num_steps: int,
-                  select: torch.Tensor | None = None):
+                  select: torch.Tensor | None = None, offsets: tuple[torch.Tensor, int] | None = None):
         """The loop under decode_chain and the SSD tree decode. make_batch(i, prev) is
         step i's ForwardBatch, prev the [T] device tokens of step i - 1 (None at step 0).
         select: [R] device indices of the logits rows that belong to `rows` (a tree step
-        carries padding tokens); None: every row. Returns what decode_chain returns.
+        carries padding tokens); None: every row. offsets: ([R] device values in [0, most],
+        most): each row's positions lie that much past `positions` (the depths of forks
+        chosen on the device). Returns what decode_chain returns.
 
         The host builds step i + 1 while the GPU runs step i and syncs once per
         speculation instead of once per token (with flashinfer graphs, the backend's plan
@@ -102,14 +105,15 @@ class ModelDrafter(Speculator):
         tokens, q_ids, q_probs = [], [], []
         chain = getattr(self.logits_transform, "chain", None)
         steps_tf = [None] * num_steps
+        pos = positions if offsets is None else to_device(torch.from_numpy(positions), device) + offsets[0]
         prev = None
         for i in range(num_steps):
             batch = make_batch(i, prev)
             logits = self.runner.forward(batch, rows=select)  # [R, V]: `rows`' logits (every row without select)
             if i == 0 and chain is not None:
                 # Benchmark oracle for every step at once, while step 0 runs on the GPU.
-                steps_tf = chain(rows, positions, num_steps, self.runner.vocab_size, device)
-            tok, qi, qp = self.sample(logits, rows, positions + i, st, depth=i, transform=steps_tf[i])
+                steps_tf = chain(rows, positions, num_steps, self.runner.vocab_size, device, offsets=offsets)
+            tok, qi, qp = self.sample(logits, rows, pos + i, st, depth=i, transform=steps_tf[i])
             if select is None:
                 prev = tok
             else:  # padding tokens feed 0

@@ -47,6 +47,10 @@ def make_speculators(cfg):
             "none": None,
         }[spec.backup]
         ssd = SSDEngine(drafter, backup, spec)
+        if ssd.forks_on_device:
+            from draft_proc.fork_device import warm_up
+
+            warm_up(runner, spec)
     layout = runner.layout
     logger.info("draft: %d KV blocks of %d rows for up to %d sequences of up to %d tokens", layout.num_blocks,
                 layout.block_size, num_slots, layout.max_model_len)
@@ -72,7 +76,7 @@ def _draft_runner(cfg, num_slots: int, max_len: int):
     spec = cfg.spec
     scratch, shapes, local_rows = 0, (), 0
     if spec.mode == "ssd":
-        from draft_proc.ssd import scratch_rows_needed, tree_local_rows, tree_shapes
+        from draft_proc.tree_budget import scratch_rows_needed, tree_local_rows, tree_shapes
 
         scratch = scratch_rows_needed(spec, num_slots)
         shapes, local_rows = tree_shapes(spec, num_slots), tree_local_rows(spec)

@@ -8,6 +8,8 @@ Then, while the target verifies what it was just sent, the draft works ahead:
   glue:        one forward over [x_n, d_1..d_m] per sequence: writes their KV to the
                sequence's rows and yields the draft's distribution at every depth 0..m;
   fork:        the top-F_j tokens at depth j (excluding d_{j+1}), see tree_cache.py;
+               on a GPU chosen on the device (fork_device.py), so nothing waits for
+               the glue's ranking to reach the host;
   tree decode: K steps over all branches of all sequences in one batch; a branch
                attends to its sequence's rows [0, n + j) and its own scratch rows. The
                branches of a sequence are the tokens of one request under a
@@ -37,6 +39,7 @@ import time
 import numpy as np
 import torch
 
+from draft_proc.fork_device import DeviceForks, choose_on_device
 from draft_proc.speculator import Speculator
 from draft_proc.state import DraftSeq
 from draft_proc.tree_budget import TreeBudget
@@ -50,39 +53,6 @@ from spec_runtime.sampling import to_device
 logger = logging.getLogger(__name__)
 
 
-def max_branches(spec_cfg) -> int:
-    return spec_cfg.max_branches()
-
-
-def scratch_rows_needed(spec_cfg, num_slots: int) -> int:
-    return num_slots * max_branches(spec_cfg) * spec_cfg.k
-
-
-def branches_per_seq(spec_cfg, num_seqs: int) -> int:
-    """Branches each sequence gets when `num_seqs` work ahead together (SpeculativeConfig.branches_per_seq)."""
-    return spec_cfg.branches_per_seq(num_seqs)
-
-
-def tree_shapes(spec_cfg, max_seqs: int) -> list[tuple[int, int]]:
-    """(sequences, branches per sequence) of the tree-step CUDA graphs: one per power of
-    two up to max_seqs (and max_seqs), branches padded to a power of two; unless the
-    tree is pinned, also every smaller level of the ladder the round policy picks from."""
-    sizes, b = [], 1
-    while b < max_seqs:
-        sizes.append(b)
-        b *= 2
-    sizes.append(max_seqs)
-    shapes = []
-    for s in sizes:
-        shapes += [(s, pow2_at_least(q)) for q in spec_cfg.tree_levels(s)]
-    return sorted(set(shapes))
-
-
-def tree_local_rows(spec_cfg) -> int:
-    """Rows a branch sees beyond its sequence's prefix: up to K accepted drafts, then K scratch rows."""
-    return 2 * spec_cfg.k
-
-
 class SSDEngine:
     def __init__(self, drafter, backup: Speculator | None, spec_cfg):
         self.drafter = drafter
@@ -92,7 +62,7 @@ class SSDEngine:
         self.backup = backup
         self.cfg = spec_cfg
         self.k = spec_cfg.k
-        self.cache = TreeCache(max_branches(spec_cfg), spec_cfg.k, self.layout.scratch_base)
+        self.cache = TreeCache(spec_cfg.max_branches(), spec_cfg.k, self.layout.scratch_base)
         self.budget = TreeBudget(spec_cfg.branches_per_seq, "fixed" if spec_cfg.tree_pinned else "auto")
         self._requested_branches = 0  # this work-ahead's branches per sequence, as the request named (0: none)
         self._pending: dict[int, DraftTokens | None] = {}
@@ -100,6 +70,10 @@ class SSDEngine:
         self.num_hits = 0
         self.num_misses = 0
         self.last_work_s = 0.0
+        # Forks chosen where the glue ranks them (fork_device.py): on a GPU (a benchmark oracle
+        # then lays its steps out there too: DraftOracle.chain), or where a test asks.
+        oracle = drafter.logits_transform
+        self.forks_on_device = self.runner.device.type == "cuda" and (oracle is None or hasattr(oracle, "chain"))
         # Running per-token acceptance rate (accepted / attempted draft positions), which
         # weighs the outcome depths when forks compete for the budget.
         self._accepted = 7.0
@@ -169,10 +143,10 @@ class SSDEngine:
         if seqs:
             ranked = self._glue(seqs)
             groups = self._fork_groups(seqs)
-            # The first tree step is laid out while the glue's forward runs; _fork waits for it.
+            # The first tree step is laid out while the glue's forward runs, before the forks.
             layout = self._layout(seqs, fork_counts(groups, len(seqs), self._branches_per_seq(len(seqs))), k)
-            forks = self._fork(seqs, ranked, groups)
-            if forks:
+            forks = self._fork(seqs, ranked, groups, layout, k)
+            if len(forks):
                 self._tree_decode(seqs, forks, k, layout)
             else:
                 for s in seqs:
@@ -285,28 +259,42 @@ class SSDEngine:
             groups.setdefault((len(s.draft_token_ids), fan), []).append(i)
         return groups
 
-    def _fork(self, seqs: list[DraftSeq], ranked: tuple[torch.Tensor, torch.Tensor, np.ndarray], groups) -> Forks:
+    def _fork(self, seqs: list[DraftSeq], ranked: tuple[torch.Tensor, torch.Tensor, np.ndarray], groups,
+              layout: TreeLayout | None = None, k: int = 0) -> Forks | DeviceForks:
+        """On the device where the layout fixes the forks' shape and every branch runs k steps
+        (forks_on_device); on the host otherwise."""
+        per_seq = self._branches_per_seq(len(seqs))
+        end = max(s.num_tokens + len(s.draft_token_ids) for s in seqs) + 1 + k  # past the deepest branch
+        if self.forks_on_device and layout is not None and end <= self.layout.max_model_len:
+            forks = choose_on_device(ranked, groups, [s.draft_token_ids for s in seqs], per_seq, self.accept_rate,
+                                     layout)
+            if forks is not None:
+                return forks
         host = (ranked[0].cpu().numpy(), ranked[1].cpu().numpy(), ranked[2])  # sync: forks chosen on the host
-        return select_forks_groups(groups, seqs, host, self._branches_per_seq(len(seqs)), self.accept_rate)
+        return select_forks_groups(groups, seqs, host, per_seq, self.accept_rate)
 
-    def _tree_decode(self, seqs: list[DraftSeq], forks: Forks, k: int, layout: TreeLayout | None = None) -> None:
+    def _tree_decode(self, seqs: list[DraftSeq], forks: Forks | DeviceForks, k: int,
+                     layout: TreeLayout | None = None) -> None:
         """layout: the first step laid out for the forks expected (_layout); the shared-prefix
-        step uses it if the forks match it, a layout of their own if not."""
-        n = np.array([s.num_tokens for s in seqs], dtype=np.int64)[forks.seq]
+        step uses it if the forks match it, a layout of their own if not (forks chosen on the
+        device are the layout's, and every branch of theirs runs k steps: _fork)."""
+        on_device = isinstance(forks, DeviceForks)
+        n = layout.n if on_device else np.array([s.num_tokens for s in seqs], dtype=np.int64)[forks.seq]
         # Outcome (j, t) leaves the sequence with n + j + 1 tokens; its speculation is
         # capped like the chain drafter's, at max_model_len - (n + j + 1).
-        lens = np.clip(np.minimum(k, self.layout.max_model_len - (n + forks.depth + 1)), 0, None)
+        lens = (np.full(len(forks), k) if on_device
+                else np.clip(np.minimum(k, self.layout.max_model_len - (n + forks.depth + 1)), 0, None))
         sampled = any(s.temperature > 0 for s in seqs)
         top = self.cfg.draft_top_k
         tokens = np.full((len(forks), k), -1, dtype=np.int64)
         q_ids = np.zeros((len(forks), k, top), dtype=np.int64) if sampled else None
         q_probs = np.zeros((len(forks), k, top), dtype=np.float32) if sampled else None
         if k > 0 and (lens == k).all():
-            if layout is None or not layout.matches(forks):
+            if not on_device and (layout is None or not layout.matches(forks)):
                 layout = self._layout(seqs, np.bincount(forks.seq, minlength=len(seqs)), k)
             if layout is not None:
-                self._tree_decode_shared(seqs, forks, layout, n, k, tokens, q_ids, q_probs, sampled)
-                self._store(seqs, forks, lens, tokens, q_ids, q_probs, sampled)
+                forks, valid = self._tree_decode_shared(seqs, forks, layout, n, k, tokens, q_ids, q_probs, sampled)
+                self._store(seqs, forks, lens, tokens, q_ids, q_probs, sampled, valid)
                 return
         # All branches of all sequences step together (one batch per step); branches near
         # the context limit are shorter, so there is one pipelined chain per length.
@@ -360,29 +348,40 @@ class SSDEngine:
         scratch = self.cache.scratch_base + slot * self.cache.max_branches * self.cache.k  # branch 0's rows
         return TreeLayout(prefixes, counts, n, accepted, scratch, self.cache.k, k, q_len, self.runner.dummy_row)
 
-    def _tree_decode_shared(self, seqs, forks: Forks, layout: TreeLayout, n, k, tokens, q_ids, q_probs,
-                            sampled) -> None:
+    def _tree_decode_shared(self, seqs, forks: Forks | DeviceForks, layout: TreeLayout, n, k, tokens, q_ids,
+                            q_probs, sampled) -> tuple[Forks, np.ndarray | None]:
         """K tree steps with one request per sequence and its branches as the request's
         tokens; the prefix [0, n) is shared (n [F]: each fork's sequence length), each
-        branch sees its accepted drafts [n, n + j) and its scratch rows."""
-        first = layout.batch(forks, self.runner.device)
-        select_d = to_device(torch.from_numpy(layout.arrays.token), self.runner.device)
+        branch sees its accepted drafts [n, n + j) and its scratch rows. Returns the forks
+        on the host and, for forks the device chose (read back with the tokens), which of
+        them are valid (None: every fork)."""
+        device = self.runner.device
+        if isinstance(forks, DeviceForks):  # written with the forks; positions move on by their depths there
+            first, select_d = forks.first, forks.token_index
+            positions, offsets = n + 1, (forks.depth, max(len(s.draft_token_ids) for s in seqs))
+        else:
+            first = layout.batch(forks, device)
+            select_d = to_device(torch.from_numpy(layout.arrays.token), device)
+            positions, offsets = n + forks.depth + 1, None
 
         def make_batch(i, prev):
             return first if i == 0 else tree_step_batch(first, i, prev)
 
         rows = [seqs[i] for i in forks.seq.tolist()]
-        toks, qi, qp = self.drafter.run_chain(make_batch, rows, n + forks.depth + 1, k, select=select_d)
+        toks, qi, qp = self.drafter.run_chain(make_batch, rows, positions, k, select=select_d, offsets=offsets)
         tokens[:] = toks
         if sampled:  # greedy branches in a sampled batch get a one-hot q
             put_q(q_ids, q_probs, (slice(None), slice(None)), toks, qi, qp)
+        return forks.to_host() if isinstance(forks, DeviceForks) else (forks, None)
 
-    def _store(self, seqs, forks: Forks, lens, tokens, q_ids, q_probs, sampled) -> None:
-        """Each branch's row of this work-ahead's arrays under its outcome."""
+    def _store(self, seqs, forks: Forks, lens, tokens, q_ids, q_probs, sampled, valid=None) -> None:
+        """Each branch's row of this work-ahead's arrays under its outcome (valid [F]: only
+        where True; None: every branch)."""
         table = BranchTable(tokens, q_ids if sampled else None, q_probs if sampled else None, lens, forks.rank)
         keys: list[dict[tuple[int, int], int]] = [{} for _ in seqs]
         for b, (i, j, t) in enumerate(zip(forks.seq.tolist(), forks.depth.tolist(), forks.token_id.tolist())):
-            keys[i][(j, t)] = b
+            if valid is None or valid[b]:
+                keys[i][(j, t)] = b
         for s, k in zip(seqs, keys):
             self.cache.replace_rows(s.seq_id, k, table)
 

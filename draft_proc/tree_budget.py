@@ -33,6 +33,32 @@ from spec_runtime.config import tree_ladder as ladder
 
 logger = logging.getLogger(__name__)
 
+
+def scratch_rows_needed(spec_cfg, num_slots: int) -> int:
+    """The draft's scratch rows: K per branch of every slot's largest tree."""
+    return num_slots * spec_cfg.max_branches() * spec_cfg.k
+
+
+def tree_shapes(spec_cfg, max_seqs: int) -> list[tuple[int, int]]:
+    """(sequences, branches per sequence) of the tree-step CUDA graphs: one per power of
+    two up to max_seqs (and max_seqs), branches padded to a power of two; unless the
+    tree is pinned, also every smaller level of the ladder the round policy picks from."""
+    sizes, b = [], 1
+    while b < max_seqs:
+        sizes.append(b)
+        b *= 2
+    sizes.append(max_seqs)
+    shapes = []
+    for s in sizes:
+        shapes += [(s, _pow2_at_least(q)) for q in spec_cfg.tree_levels(s)]
+    return sorted(set(shapes))
+
+
+def tree_local_rows(spec_cfg) -> int:
+    """Rows a branch sees beyond its sequence's prefix: up to K accepted drafts, then K scratch rows."""
+    return 2 * spec_cfg.k
+
+
 _DECAY = 0.8  # weight of the running means' past
 _OVERRUN_S = 1e-4  # a wait this short means the request was already queued
 _PAUSE = 16  # rounds at a level before trying the one above

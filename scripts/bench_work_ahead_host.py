@@ -39,8 +39,9 @@ def main() -> None:
     from tiny_models import save_tiny_model
 
     from draft_proc.drafter import ModelDrafter
-    from draft_proc.ssd import SSDEngine, scratch_rows_needed
+    from draft_proc.ssd import SSDEngine
     from draft_proc.state import DraftSeq
+    from draft_proc.tree_budget import scratch_rows_needed
     from spec_runtime.config import ModelConfig, SpeculativeConfig
     from spec_runtime.engine.runner import ModelRunner
 

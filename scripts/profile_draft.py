@@ -48,8 +48,9 @@ def main() -> None:
 
     from draft_proc.drafter import ModelDrafter
     from spec_runtime.bench.oracle import draft_oracle
-    from draft_proc.ssd import SSDEngine, scratch_rows_needed, tree_local_rows, tree_shapes
+    from draft_proc.ssd import SSDEngine
     from draft_proc.state import DraftSeq
+    from draft_proc.tree_budget import scratch_rows_needed, tree_local_rows, tree_shapes
     from spec_runtime.config import ModelConfig, SpeculativeConfig
     from spec_runtime.engine.runner import ModelRunner
 

@@ -3,6 +3,7 @@
 points), so the host time that leaves the GPU idle shows as such.
 
     python scripts/work_ahead_phases.py BATCH BRANCHES CONTEXT [nooracle] [--timeline] [--layouts early,late]
+        [--forks device,host]
 
 draft-1b, K=4, fan-out 3 per depth, BRANCHES the tree budget (per work-ahead), CONTEXT
 tokens of random prompt per sequence, the synthetic oracle unless `nooracle`, one CUDA
@@ -11,14 +12,17 @@ after five untimed ones, the median host time of each phase:
   - glue prep: the glue's entry to its forward's (items, page table, upload);
   - glue after forward: the forward's return to the glue's (oracle, ranking);
   - layout: the first tree step laid out while the glue's forward runs (tree_layout.py);
-  - fork (the ranking read back: a sync), tree prep (the tree decode's entry to its
-    steps'), steps, store;
+  - fork (on the host: the ranking read back, a sync; on the device: the choice's
+    launches), tree prep (the tree decode's entry to its steps'), steps, store;
   - work-ahead: the whole, and forwards GPU: the five forwards' GPU time (entry to exit
     event of each, the GPU's own time where it was busy before the entry).
 With --timeline, the last work-ahead's marks: host and GPU ms since the start; where the
-GPU's time equals the host's, the GPU waited for the host. --layouts: in turn, twice
-each, in one process: `early` as SSDEngine does it, `late` with the step laid out only
-once the forks are chosen (the layout made before the forks is dropped).
+GPU's time equals the host's, the GPU waited for the host. --layouts and --forks: every
+pair in turn, twice each, in one process. Layouts: `early` as SSDEngine does it, `late`
+with the step laid out only once the forks are chosen (the layout made before the forks
+is dropped). Forks: chosen on the `device` as SSDEngine does on a GPU (fork_device.py),
+or on the `host` after reading the ranking back (tree_cache.py; a late layout always
+chooses there).
 """
 
 from __future__ import annotations
@@ -37,8 +41,9 @@ SPANS = (("glue prep", "glue>", "fwd>"), ("glue after forward", "fwd<", "glue<")
 
 def build(batch: int, budget: int, ctx: int, oracle: bool):
     from draft_proc.drafter import ModelDrafter
-    from draft_proc.ssd import SSDEngine, scratch_rows_needed, tree_local_rows, tree_shapes
+    from draft_proc.ssd import SSDEngine
     from draft_proc.state import DraftSeq
+    from draft_proc.tree_budget import scratch_rows_needed, tree_local_rows, tree_shapes
     from spec_runtime.bench.oracle import draft_oracle
     from spec_runtime.config import ModelConfig, SpeculativeConfig
     from spec_runtime.engine.runner import ModelRunner
@@ -122,6 +127,7 @@ def main() -> None:
     p.add_argument("oracle", nargs="?", default="oracle", choices=("oracle", "nooracle"))
     p.add_argument("--timeline", action="store_true")
     p.add_argument("--layouts", default="early,late")
+    p.add_argument("--forks", default="device")
     args = p.parse_args()
     torch.set_num_threads(1)
     runner, drafter, ssd, seqs = build(args.batch, args.branches, args.context, args.oracle == "oracle")
@@ -139,12 +145,15 @@ def main() -> None:
         calls.append(1)
         return None if len(calls) % 2 else early(seqs, counts, k)
 
-    for order in args.layouts.split(",") * 2:
+    pairs = [(order, forks) for order in args.layouts.split(",") for forks in args.forks.split(",")]
+    for order, forks in pairs * 2:
         calls.clear()
         ssd._layout = early if order == "early" else late
+        ssd.forks_on_device = forks == "device"
         got, rows = measure(ssd, seqs, marks, mark)
         print(f"batch {args.batch}, {args.branches} branches, context {args.context}, {args.oracle}, layout {order}, "
-              "medians of 15 work-aheads (host ms): " + ", ".join(f"{n} {np.median(v):.3f}" for n, v in got.items()))
+              f"forks on the {forks}, medians of 15 work-aheads (host ms): "
+              + ", ".join(f"{n} {np.median(v):.3f}" for n, v in got.items()))
         if args.timeline:
             print(f"{'mark':<16}{'host ms':>9}{'gpu ms':>9}")
             for n, h, g in rows:

@@ -138,6 +138,23 @@ def test_chain_transform_equals_per_step_transform():
         assert torch.equal(step(logits), tf(logits, seqs, positions + i))
 
 
+def test_a_chain_with_offsets_on_the_device_is_the_chain_at_those_positions():
+    """Forks chosen on the device move each row's positions on by its depth (offsets); the
+    chain's steps are the per-call oracle at positions + offset + i."""
+    from types import SimpleNamespace
+
+    tf = draft_oracle((0.8, 0.5, 0.2, 0.1))
+    seqs = [SimpleNamespace(seed=s) for s in (3, 7, 7, -5, 11)]
+    positions = np.array([10, 10, 400, 0, 33])
+    offsets = np.array([0, 3, 1, 2, 3])
+    vocab, steps = 97, 4
+    chained = tf.chain(seqs, positions, steps, vocab, torch.device("cpu"), offsets=(torch.from_numpy(offsets), 3))
+    assert len(chained) == steps
+    for i, step in enumerate(chained):
+        logits = torch.randn(len(seqs), vocab)
+        assert torch.equal(step(logits), tf(logits, seqs, positions + offsets + i))
+
+
 def test_config_field_builds_each_half_or_none():
     assert target_oracle(()) is None and draft_oracle(()) is None
     tf = draft_oracle((0.7, 0.2))

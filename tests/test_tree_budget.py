@@ -7,8 +7,7 @@ import logging
 
 import pytest
 
-from draft_proc.ssd import branches_per_seq, tree_shapes
-from draft_proc.tree_budget import _PAUSE, TreeBudget, bucket_of, ladder
+from draft_proc.tree_budget import _PAUSE, TreeBudget, bucket_of, ladder, tree_shapes
 from spec_runtime.config import SpeculativeConfig
 
 
@@ -78,7 +77,7 @@ def test_tree_graph_shapes_cover_every_level(shape):
     spec = SpeculativeConfig(mode="ssd", k=4, tree_shape=shape, **pins)
     shapes = set(tree_shapes(spec, 16))
     for b in (1, 2, 4, 8, 16):
-        top = branches_per_seq(spec, b)
+        top = spec.branches_per_seq(b)
         levels = ladder(top) if shape == "auto" else [top]
         for q in levels:
             assert (b, 1 << max(0, (q - 1).bit_length())) in shapes
@@ -95,10 +94,10 @@ def test_default_budget_grows_with_the_batch():
     # 64 branches up to batch 4, then 16 per sequence, at most 256 in all; fan-out 3 at
     # each of 9 depths allows 27 per sequence.
     spec = SpeculativeConfig(mode="ssd", k=8, fan_out=(3,) * 9)
-    assert [branches_per_seq(spec, b) for b in (1, 2, 3, 4, 8, 16, 32, 64)] == [27, 27, 16, 16, 16, 16, 8, 4]
+    assert [spec.branches_per_seq(b) for b in (1, 2, 3, 4, 8, 16, 32, 64)] == [27, 27, 16, 16, 16, 16, 8, 4]
     assert spec.tree_levels(16) == [16, 8, 4]
     pinned = SpeculativeConfig(mode="ssd", k=8, fan_out=(3,) * 9, tree_budget=64)
-    assert [branches_per_seq(pinned, b) for b in (1, 4, 16, 32)] == [27, 16, 4, 2]
+    assert [pinned.branches_per_seq(b) for b in (1, 4, 16, 32)] == [27, 16, 4, 2]
     assert pinned.tree_levels(16) == [4]
     # The tree graphs cover the largest tree step the default allows, 16 x 16.
     assert max(b * q for b, q in tree_shapes(spec, 32)) == 256

@@ -17,9 +17,10 @@ import torch
 
 from conftest import save_tiny_model
 from draft_proc.drafter import ModelDrafter
-from draft_proc.ssd import SSDEngine, scratch_rows_needed
+from draft_proc.ssd import SSDEngine
 from draft_proc.state import DraftSeq
 from draft_proc.tree_cache import Forks, select_forks_batch
+from draft_proc.tree_budget import scratch_rows_needed
 from draft_proc.tree_layout import TreeLayout, fork_count
 from spec_runtime.bench.oracle import draft_oracle
 from spec_runtime.config import ModelConfig, SpeculativeConfig
@@ -92,11 +93,12 @@ def model_dir(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("tree_layout") / "m", "llama")
 
 
-def _engine(model_dir, spec, per_branch):
+def _engine(model_dir, spec, per_branch, forks_on_device=False):
     runner = ModelRunner(ModelConfig(path=model_dir), num_slots=3, max_model_len=128,
                          num_scratch_rows=scratch_rows_needed(spec, 3))
     drafter = ModelDrafter(runner, spec, logits_transform=draft_oracle(spec.synthetic_acceptance))
     engine = SSDEngine(drafter, drafter, spec)
+    engine.forks_on_device = forks_on_device
     if per_branch:
         engine.tree_q_len = lambda *a: None
     return engine
@@ -139,7 +141,8 @@ def _rounds(engines, temperature, rounds=6):
                                                          (0.0, (0.8, 0.5, 0.2), False), (0.8, (), True)])
 def test_the_laid_out_tree_leaves_the_per_branch_layouts_cache(model_dir, temperature, oracle, mismatch):
     """mismatch: every layout laid out before the forks expects one fork fewer for the
-    first sequence, so the step lays out one of its own."""
+    first sequence, so the step lays out one of its own (forks chosen on the host, as
+    everywhere but on a GPU)."""
     spec = SpeculativeConfig(mode="ssd", k=K, fan_out=(3, 2, 2, 1), draft_top_k=16, synthetic_acceptance=oracle)
     engines = [_engine(model_dir, spec, per_branch) for per_branch in (True, False)]
     laid_out = []
@@ -165,6 +168,27 @@ def test_the_laid_out_tree_leaves_the_per_branch_layouts_cache(model_dir, temper
     assert len(laid_out) == (12 if mismatch else 6) and all(x is not None for x in laid_out)
 
 
+@pytest.mark.parametrize("temperature,oracle", [(0.0, ()), (0.8, ()), (0.0, (0.8, 0.5, 0.2)), (0.8, (0.8, 0.5, 0.2))])
+def test_forks_chosen_on_the_device_leave_the_hosts_cache(model_dir, temperature, oracle):
+    """The work-aheads of forks chosen where the glue ranks them (fork_device.py; a GPU's
+    way, run here on CPU tensors) leave the cache that forks chosen on the host leave, with
+    the benchmark oracle's steps picked by depth on the device as well."""
+    spec = SpeculativeConfig(mode="ssd", k=K, fan_out=(3, 2, 2, 1), draft_top_k=16, synthetic_acceptance=oracle)
+    engines = [_engine(model_dir, spec, False, on_device) for on_device in (False, True)]
+    chosen = []
+    choose = engines[1]._fork
+    engines[1]._fork = lambda *a: chosen.append(choose(*a)) or chosen[-1]
+    for a, b in _rounds(engines, temperature):
+        assert [[key for key, _ in row] for row in a] == [[key for key, _ in row] for row in b]
+        for row_a, row_b in zip(a, b):
+            for (_, ea), (_, eb) in zip(row_a, row_b):
+                assert ea.draft_token_ids.tolist() == eb.draft_token_ids.tolist()
+                assert ea.hit_rank == eb.hit_rank
+                if temperature > 0:
+                    np.testing.assert_allclose(_dense(ea), _dense(eb), atol=1e-5)
+    assert len(chosen) == 6 and all(type(f).__name__ == "DeviceForks" for f in chosen)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
@@ -172,23 +196,28 @@ def test_on_the_gpu_the_laid_out_tree_drafts_the_per_branch_layouts_tokens(tmp_p
     """One work-ahead of three sequences on CUDA, the laid-out step replayed from a tree
     graph (Triton attention) against the per-branch layout run eagerly: the same forks,
     and the same tokens but where bf16 arithmetic over the two layouts tips an argmax
-    or a draw."""
-    from draft_proc.ssd import tree_local_rows, tree_shapes
+    or a draw; with forks chosen on the device, the laid-out step's own cache exactly."""
+    from draft_proc.tree_budget import tree_local_rows, tree_shapes
 
     path = save_tiny_model(tmp_path / "m", "llama", hidden_size=1024, num_attention_heads=8, num_key_value_heads=2,
                            intermediate_size=2048, num_hidden_layers=4, initializer_range=0.02)
     spec = SpeculativeConfig(mode="ssd", k=K, fan_out=(3, 2, 2, 1), draft_top_k=16)
     engines = []
-    for per_branch in (True, False):
+    for per_branch, on_device in ((True, False), (False, True), (False, False)):
         runner = ModelRunner.build(ModelConfig(path=path, device="cuda", gpu_memory_utilization=0.2), num_slots=3,
                                    max_model_len=128, num_scratch_rows=scratch_rows_needed(spec, 3), max_batch_size=4,
                                    graph_q_lens=(1, 2, K + 1), tree_shapes=tree_shapes(spec, 3),
                                    tree_local_rows=tree_local_rows(spec))
         drafter = ModelDrafter(runner, spec)
         engines.append(SSDEngine(drafter, drafter, spec))
+        assert engines[-1].forks_on_device  # a GPU's default
+        engines[-1].forks_on_device = on_device
         if per_branch:
             engines[-1].tree_q_len = lambda *a: None
-    a, b = _rounds(engines, temperature, rounds=1)[0]
+    a, b, host = _rounds(engines, temperature, rounds=1)[0]
+    # Forks chosen on the device replay the same graph as forks chosen on the host: the same cache.
+    assert [[(key, e.draft_token_ids.tolist()) for key, e in row] for row in b] == \
+        [[(key, e.draft_token_ids.tolist()) for key, e in row] for row in host]
     assert [[key for key, _ in row] for row in a] == [[key for key, _ in row] for row in b]
     pairs = [(ea, eb) for row_a, row_b in zip(a, b) for (_, ea), (_, eb) in zip(row_a, row_b)]
     same = sum(ea.draft_token_ids.tolist() == eb.draft_token_ids.tolist() for ea, eb in pairs)

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from spec_runtime.engine.forward_batch import upload_int64
 from spec_runtime.sampling import hash32, hash_to_unit, to_device
 
 STREAM_ORACLE_TOKEN = 101
@@ -201,13 +202,25 @@ class DraftOracle:
     def __call__(self, logits: torch.Tensor, seqs, positions: np.ndarray) -> torch.Tensor:
         return draft_oracle_logits(logits, *_seeds_positions(seqs, positions), self.alpha, self.ranks)
 
-    def chain(self, seqs, positions: np.ndarray, num_steps: int, vocab: int, device):
+    def chain(self, seqs, positions: np.ndarray, num_steps: int, vocab: int, device, offsets=None):
         """Per-step transforms for steps 0..num_steps-1 of a chain whose step i predicts
-        positions + i ([R]): a list of functions logits [R, V] -> logits."""
+        positions + i ([R]): a list of functions logits [R, V] -> logits. offsets: ([R] device
+        values in [0, most], most): each row's positions lie that much further on (SSD forks
+        chosen on the device). Their slots are made once per (seed, position) the rows share
+        (a sequence's branches), for every offset, and each row's are picked on the device."""
         seeds, pos = _seeds_positions(seqs, positions)
-        pos = pos[None, :] + np.arange(num_steps)[:, None]  # [steps, R]
-        tokens, slot_logits = _slots(seeds[None, :], pos, vocab, self.alpha, self.ranks, TOP_LOGIT, GAP)
-        tokens = to_device(torch.from_numpy(tokens), device)  # [steps, R, slots]
+        if offsets is None:
+            pos = pos[None, :] + np.arange(num_steps)[:, None]  # [steps, R]
+            tokens, slot_logits = _slots(seeds[None, :], pos, vocab, self.alpha, self.ranks, TOP_LOGIT, GAP)
+            tokens = to_device(torch.from_numpy(tokens), device)  # [steps, R, slots]
+        else:
+            rows, row_of = np.unique(np.stack([seeds, pos], 1), axis=0, return_inverse=True)  # [U, 2], [R]
+            span = rows[None, :, 1] + np.arange(num_steps + offsets[1])[:, None]  # [steps + most, U]
+            tokens, slot_logits = _slots(rows[None, :, 0], span, vocab, self.alpha, self.ranks, TOP_LOGIT, GAP)
+            tokens, row_of = upload_int64((tokens.ravel(), row_of.ravel()), device)
+            tokens = tokens.view(span.shape[0], len(rows), -1)
+            steps = offsets[0][None, :] + torch.arange(num_steps, device=tokens.device)[:, None]  # [steps, R]
+            tokens = tokens[steps, row_of[None, :]]  # [steps, R, slots]
         slot_logits = to_device(torch.from_numpy(slot_logits), device)
         return [lambda logits, t=tokens[i]: scatter_slots(logits, t, slot_logits) for i in range(num_steps)]
 

@@ -104,7 +104,7 @@ class TreeMask:
     hi: torch.Tensor  # [T] int32
     prefix_len_cpu: np.ndarray  # [R] host copies, for the CPU backend's mask
     lo_cpu: np.ndarray  # [T]
-    hi_cpu: np.ndarray  # [T]
+    hi_cpu: np.ndarray | None  # [T]; None: only on the device (a step whose forks the device chose)
     advance: torch.Tensor  # [T] int64: 1 for a real branch (moves on each step), 0 for padding
     advance_cpu: np.ndarray  # [T]
 
@@ -327,8 +327,12 @@ def tree_step_batch(first: ForwardBatch, step: int, input_ids: torch.Tensor) -> 
         input_ids=packed[0], positions=packed[1], kv_write_rows=packed[2],
         qo_indptr=first.qo_indptr, kv_indptr=first.kv_indptr, kv_indices=first.kv_indices,
         logits_indices=first.logits_indices, qo_indptr_cpu=first.qo_indptr_cpu, kv_indptr_cpu=first.kv_indptr_cpu,
-        max_q_len=first.max_q_len, logits_positions_cpu=first.logits_positions_cpu + step * tr.advance_cpu,
+        max_q_len=first.max_q_len, logits_positions_cpu=_moved(first.logits_positions_cpu, step * tr.advance_cpu),
         tree=TreeMask(prefix_len=tr.prefix_len, lo=tr.lo, hi=hi, prefix_len_cpu=tr.prefix_len_cpu, lo_cpu=tr.lo_cpu,
-                      hi_cpu=tr.hi_cpu + (step * tr.advance_cpu).astype(np.int32), advance=tr.advance,
+                      hi_cpu=_moved(tr.hi_cpu, (step * tr.advance_cpu).astype(np.int32)), advance=tr.advance,
                       advance_cpu=tr.advance_cpu),
     )
+
+
+def _moved(host: np.ndarray | None, by: np.ndarray) -> np.ndarray | None:
+    return None if host is None else host + by
