@@ -2,10 +2,10 @@
 
 draft_proc/fork_device.py states the choice in torch (select_forks_device, the torch
 statement of tree_cache.select_forks_batch) and the step's writes (write_first_step);
-in torch they are about sixty small kernels, each launched from the host, and on a GPU
-host that launches them for longer than the host chooses on its own. `fork_and_lay_out`
-does both in one program per sequence, with the same float64 estimates and the same
-orders:
+in torch they are dozens of small kernels, each launched from the host, which took the
+host 3 ms on an H200 host, longer than choosing on the host (docs/benchmarks.md, "Forks
+chosen on the device"). `fork_and_lay_out` does both in one program per sequence, with
+the same float64 estimates and the same orders:
 
   1. each candidate c (depth c // R, rank c % R of the glue's ranking) gets its estimate:
      the excluded draft's probability at its depth and how many usable candidates of
