@@ -105,7 +105,9 @@ class ModelDrafter(Speculator):
         tokens, q_ids, q_probs = [], [], []
         chain = getattr(self.logits_transform, "chain", None)
         steps_tf = [None] * num_steps
-        pos = positions if offsets is None else to_device(torch.from_numpy(positions), device) + offsets[0]
+        # A greedy chain samples by argmax: only a sampled one reads the positions (the oracle has its own).
+        moved = offsets is not None and not st.all_greedy
+        pos = to_device(torch.from_numpy(positions), device) + offsets[0] if moved else positions
         prev = None
         for i in range(num_steps):
             batch = make_batch(i, prev)

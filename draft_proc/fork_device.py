@@ -36,24 +36,29 @@ _FIELDS = ("start", "m", "count", "f0", "want", "excl", "numer", "tok", "own", "
 @dataclass
 class DeviceForks:
     """Forks [F] in a TreeLayout's order: sequence and branch index on the host (the
-    layout's); depth, token, rank by estimate and validity on the device; the first tree
-    step written with them, and each fork's token index in it (on the device)."""
+    layout's); on the device their table [4, F] int64 (depth, token, rank by estimate,
+    valid 0/1), the first tree step written with them, and each fork's token index in it."""
 
     seq: np.ndarray
     branch: np.ndarray
-    depth: torch.Tensor
-    token_id: torch.Tensor
-    rank: torch.Tensor
-    valid: torch.Tensor
+    table: torch.Tensor
     first: ForwardBatch
     token_index: torch.Tensor
 
     def __len__(self) -> int:
         return len(self.seq)
 
+    @property
+    def depth(self) -> torch.Tensor:
+        return self.table[0]
+
+    @property
+    def token_id(self) -> torch.Tensor:
+        return self.table[1]
+
     def to_host(self) -> tuple[Forks, np.ndarray]:
         """The forks on the host (a sync), and which of them are valid [F] bool."""
-        d = torch.stack([self.depth, self.token_id, self.rank, self.valid.to(torch.int64)]).cpu().numpy()
+        d = self.table.cpu().numpy()
         return Forks(seq=self.seq, depth=d[0], token_id=d[1], branch=self.branch, rank=d[2]), d[3].astype(bool)
 
 
@@ -106,13 +111,13 @@ def choose_on_device(ranked: tuple[torch.Tensor, torch.Tensor, np.ndarray], grou
         from spec_runtime.kernels.forks import fork_and_lay_out
 
         step = (first.input_ids, first.positions, first.tree.hi, first.kv_indices)
-        out = fork_and_lay_out(ids, probs, v, step, len(drafts), depths, layout.k, layout.width, layout.dummy_row)
-        depth, token, rank, valid = out[0], out[1], out[2], out[3].bool()
+        table = fork_and_lay_out(ids, probs, v, step, len(drafts), depths, layout.k, layout.width, layout.dummy_row)
         first.tree.hi_cpu = first.logits_positions_cpu = None  # what the forks decide is on the device only
     else:
         depth, token, rank, valid = select_forks_device(ids, probs, v, per_seq, depths)
         write_first_step(first, v, depth, token, layout)
-    return DeviceForks(layout.seq, layout.branch, depth, token, rank, valid, first, v["tok"])
+        table = torch.stack([depth, token, rank, valid.to(torch.int64)])
+    return DeviceForks(layout.seq, layout.branch, table, first, v["tok"])
 
 
 def warm_up(runner, spec_cfg) -> None:
