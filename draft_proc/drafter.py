@@ -101,20 +101,21 @@ class ModelDrafter(Speculator):
         waits for the previous plan's copy: attention/cuda.py).
         """
         device = self.runner.device
-        st = self.sampling_tensors(rows)
         tokens, q_ids, q_probs = [], [], []
         chain = getattr(self.logits_transform, "chain", None)
         steps_tf = [None] * num_steps
-        # A greedy chain samples by argmax: only a sampled one reads the positions (the oracle has its own).
-        moved = offsets is not None and not st.all_greedy
-        pos = to_device(torch.from_numpy(positions), device) + offsets[0] if moved else positions
-        prev = None
+        prev = st = pos = None
         for i in range(num_steps):
             batch = make_batch(i, prev)
             logits = self.runner.forward(batch, rows=select)  # [R, V]: `rows`' logits (every row without select)
-            if i == 0 and chain is not None:
-                # Benchmark oracle for every step at once, while step 0 runs on the GPU.
-                steps_tf = chain(rows, positions, num_steps, self.runner.vocab_size, device, offsets=offsets)
+            if i == 0:
+                # What sampling reads, built while step 0 runs on the GPU: its launch waits for none of it.
+                st = self.sampling_tensors(rows)
+                # A greedy chain samples by argmax: only a sampled one reads the positions (the oracle has its own).
+                moved = offsets is not None and not st.all_greedy
+                pos = to_device(torch.from_numpy(positions), device) + offsets[0] if moved else positions
+                if chain is not None:  # the benchmark oracle of every step at once
+                    steps_tf = chain(rows, positions, num_steps, self.runner.vocab_size, device, offsets=offsets)
             tok, qi, qp = self.sample(logits, rows, pos + i, st, depth=i, transform=steps_tf[i])
             if select is None:
                 prev = tok

@@ -26,7 +26,7 @@ import torch
 from draft_proc.tree_cache import Forks
 from draft_proc.tree_layout import TreeLayout
 from protocol.messages import PLACEHOLDER_TOKEN_ID
-from spec_runtime.engine.forward_batch import ForwardBatch, upload_int64
+from spec_runtime.engine.forward_batch import ForwardBatch
 
 # The arrays of one choice, in the order of their upload (per sequence, then per fork).
 _FIELDS = ("start", "m", "count", "f0", "want", "excl", "numer", "tok", "own", "n", "scratch", "lo", "acc", "seq",
@@ -91,6 +91,17 @@ def _inputs(groups, drafts: list[list[int]], per_seq: int, accept_rate: float, s
             layout.seq, layout.branch], depths
 
 
+def rank(logits: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The glue's ranking, topk(softmax(logits), width): ids and probs [N, width], in two
+    kernels on a GPU (spec_runtime/kernels/rank.py)."""
+    if logits.is_cuda:
+        from spec_runtime.kernels.rank import top_probs
+
+        return top_probs(logits, width)
+    top = torch.topk(torch.softmax(logits.float(), dim=-1), width, dim=-1)
+    return top.indices, top.values
+
+
 def choose_on_device(ranked: tuple[torch.Tensor, torch.Tensor, np.ndarray], groups, drafts: list[list[int]],
                      per_seq: int, accept_rate: float, layout: TreeLayout) -> DeviceForks | None:
     """The forks of B sequences chosen where the glue's ranking lies, and the layout's first
@@ -104,8 +115,8 @@ def choose_on_device(ranked: tuple[torch.Tensor, torch.Tensor, np.ndarray], grou
     if host is None:
         return None
     arrays, depths = host
-    first = layout.arrays.upload(ids.device)
-    v = dict(zip(_FIELDS, upload_int64(arrays, ids.device)))
+    first, views = layout.arrays.upload_with(ids.device, arrays)  # the step and the choice's arrays in one copy
+    v = dict(zip(_FIELDS, views))
     v["numer"] = v["numer"].view(torch.float64)
     if ids.is_cuda:
         from spec_runtime.kernels.forks import fork_and_lay_out
@@ -121,15 +132,19 @@ def choose_on_device(ranked: tuple[torch.Tensor, torch.Tensor, np.ndarray], grou
 
 
 def warm_up(runner, spec_cfg) -> None:
-    """Compile the kernel's variants on the runner's GPU now, not in the first work-aheads
-    that meet them (spec_runtime/kernels/forks.py); the time is a start-up phase."""
+    """Compile the ranking's and the choice's kernel variants on the runner's GPU now, not in
+    the first work-aheads that meet them (spec_runtime/kernels/rank.py, forks.py); the time
+    is a start-up phase."""
     import time
 
     from spec_runtime.kernels.forks import warm_up as compile_forks
+    from spec_runtime.kernels.rank import warm_up as compile_rank
 
     t0 = time.perf_counter()
     ranked = max(max(spec_cfg.fan_out_for(True)), max(spec_cfg.fan_out_for(False))) + 1  # the glue's ranking
-    compile_forks(runner.device, spec_cfg.k, max(ranked, spec_cfg.max_branches()))
+    widest = max(ranked, spec_cfg.max_branches())  # m = 0 ranks a sequence's whole budget
+    compile_rank(runner.device, runner.vocab_size, widest)
+    compile_forks(runner.device, spec_cfg.k, widest)
     runner.startup_phases["fork_kernel_s"] = time.perf_counter() - t0
 
 

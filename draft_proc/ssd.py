@@ -39,7 +39,7 @@ import time
 import numpy as np
 import torch
 
-from draft_proc.fork_device import DeviceForks, choose_on_device
+from draft_proc.fork_device import DeviceForks, choose_on_device, rank
 from draft_proc.speculator import Speculator
 from draft_proc.state import DraftSeq
 from draft_proc.tree_budget import TreeBudget
@@ -240,14 +240,14 @@ class SSDEngine:
         width = max(max(self.cfg.fan_out_for(True)), max(self.cfg.fan_out_for(False))) + 1
         if any(not s.draft_token_ids for s in seqs):
             width = max(width, self._branches_per_seq(len(seqs)))  # m = 0 forks its whole budget at depth 0
-        top = torch.topk(torch.softmax(logits.float(), dim=-1), min(width, logits.shape[-1]), dim=-1)
+        ids, probs = rank(logits, min(width, logits.shape[-1]))
         starts = np.zeros(len(seqs), dtype=np.int64)  # each sequence's first row of the ranking
         start = 0
         for i, s in enumerate(seqs):
             starts[i] = start
             start += len(s.draft_token_ids) + 1
             s.num_cached = s.num_tokens + len(s.draft_token_ids)
-        return top.indices, top.values, starts
+        return ids, probs, starts
 
     def _fork_groups(self, seqs: list[DraftSeq]) -> dict[tuple[int, tuple[int, ...]], list[int]]:
         """(drafts count m, fan-out) -> the indices of the sequences that fork with them."""

@@ -4,6 +4,7 @@ points), so the host time that leaves the GPU idle shows as such.
 
     python scripts/work_ahead_phases.py BATCH BRANCHES CONTEXT [nooracle] [--timeline] [--layouts early,late]
         [--forks device,host]
+    python scripts/work_ahead_phases.py --configs 1:15:512:nooracle,16:112:512:oracle [...]
 
 draft-1b, K=4, fan-out 3 per depth, BRANCHES the tree budget (per work-ahead), CONTEXT
 tokens of random prompt per sequence, the synthetic oracle unless `nooracle`, one CUDA
@@ -121,16 +122,29 @@ def measure(ssd, seqs, marks: list, mark) -> tuple[dict[str, list[float]], list]
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("batch", type=int)
-    p.add_argument("branches", type=int)
-    p.add_argument("context", type=int)
+    p.add_argument("batch", type=int, nargs="?")
+    p.add_argument("branches", type=int, nargs="?")
+    p.add_argument("context", type=int, nargs="?")
     p.add_argument("oracle", nargs="?", default="oracle", choices=("oracle", "nooracle"))
+    p.add_argument("--configs", default="", help="BATCH:BRANCHES:CONTEXT:oracle|nooracle,... in turn in one "
+                                                 "process (instead of the positional arguments)")
     p.add_argument("--timeline", action="store_true")
     p.add_argument("--layouts", default="early,late")
     p.add_argument("--forks", default="device")
     args = p.parse_args()
     torch.set_num_threads(1)
-    runner, drafter, ssd, seqs = build(args.batch, args.branches, args.context, args.oracle == "oracle")
+    configs = [tuple(c.split(":")) for c in args.configs.split(",") if c]
+    if not configs:
+        if args.context is None:
+            p.error("give BATCH BRANCHES CONTEXT or --configs")
+        configs = [(args.batch, args.branches, args.context, args.oracle)]
+    for batch, branches, context, oracle in configs:
+        run(int(batch), int(branches), int(context), oracle, args)
+        torch.cuda.empty_cache()
+
+
+def run(batch: int, branches: int, context: int, oracle: str, args) -> None:
+    runner, drafter, ssd, seqs = build(batch, branches, context, oracle == "oracle")
     for _ in range(5):  # untimed
         for s in seqs:
             ssd.note_outcome(s, 0, 5)
@@ -151,9 +165,9 @@ def main() -> None:
         ssd._layout = early if order == "early" else late
         ssd.forks_on_device = forks == "device"
         got, rows = measure(ssd, seqs, marks, mark)
-        print(f"batch {args.batch}, {args.branches} branches, context {args.context}, {args.oracle}, layout {order}, "
+        print(f"batch {batch}, {branches} branches, context {context}, {oracle}, layout {order}, "
               f"forks on the {forks}, medians of 15 work-aheads (host ms): "
-              + ", ".join(f"{n} {np.median(v):.3f}" for n, v in got.items()))
+              + ", ".join(f"{n} {np.median(v):.3f}" for n, v in got.items()), flush=True)
         if args.timeline:
             print(f"{'mark':<16}{'host ms':>9}{'gpu ms':>9}")
             for n, h, g in rows:

@@ -16,10 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from draft_proc.fork_device import _FIELDS, _inputs, choose_on_device, select_forks_device, write_first_step
+from draft_proc.fork_device import _FIELDS, _inputs, choose_on_device, rank, select_forks_device, write_first_step
 from draft_proc.tree_cache import select_forks_groups
 from draft_proc.tree_layout import TreeLayout, fork_counts
-from spec_runtime.engine.forward_batch import upload_int64
 
 
 def _case(rng, wide: bool):
@@ -124,8 +123,8 @@ def kernel_against_torch(device: str, rng, trials: int) -> tuple[int, int]:
         arrays, depths = host
         got, want = [], []
         for out, dev in ((got, device), (want, "cpu")):
-            first = layout.arrays.upload(dev)
-            v = dict(zip(_FIELDS, upload_int64(arrays, dev)))
+            first, views = layout.arrays.upload_with(dev, arrays)  # as choose_on_device uploads them
+            v = dict(zip(_FIELDS, views))
             v["numer"] = v["numer"].view(torch.float64)
             t_ids, t_probs = torch.from_numpy(ids).to(dev), torch.from_numpy(probs).to(dev)
             if out is got:
@@ -152,3 +151,15 @@ def test_on_the_gpu_the_kernel_chooses_and_writes_what_the_torch_statement_does(
     warm_up(torch.device("cuda"), 4, 13)  # every variant the cases below can meet
     checked, narrow = kernel_against_torch("cuda", np.random.default_rng(9), trials=300)
     assert checked > 150 and narrow > 10
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_the_gpu_the_ranking_kernels_rank_as_topk_of_softmax():
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for n, vocab, width in ((1, 128256, 4), (5, 128256, 4), (112, 151936, 16), (3, 1000, 7)):
+        logits = torch.randn((n, vocab), generator=gen, device="cuda") * 4
+        ids, probs = rank(logits, width)
+        top = torch.topk(torch.softmax(logits, dim=-1), width, dim=-1)
+        assert torch.equal(ids, top.indices), (n, vocab, width)
+        torch.testing.assert_close(probs, top.values, rtol=1e-5, atol=1e-7)

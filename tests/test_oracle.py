@@ -155,6 +155,27 @@ def test_a_chain_with_offsets_on_the_device_is_the_chain_at_those_positions():
         assert torch.equal(step(logits), tf(logits, seqs, positions + offsets + i))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_the_gpu_the_draft_oracle_writes_the_hosts_logits():
+    """The draft oracle's kernel (per call and per chain step, with offsets) makes the
+    logits its NumPy statement makes on the CPU, bit for bit."""
+    from types import SimpleNamespace
+
+    for values in ((0.8, 0.5, 0.2, 0.1), (0.6,), (1.0,), (0.0, 1.0)):
+        tf = draft_oracle(values)
+        seqs = [SimpleNamespace(seed=s) for s in (3, 7, 7, -5, 11, 2**62 + 9)]
+        positions = np.array([10, 10, 400, 0, 33, 8191])
+        offsets = np.array([0, 3, 1, 2, 3, 0])
+        for vocab in (97, 128256):
+            logits = torch.randn(len(seqs), vocab)
+            assert torch.equal(tf(logits.cuda(), seqs, positions).cpu(), tf(logits, seqs, positions))
+            chained = tf.chain(seqs, positions, 4, vocab, torch.device("cuda"),
+                               offsets=(torch.from_numpy(offsets).cuda(), 3))
+            for i, step in enumerate(chained):
+                assert torch.equal(step(logits.cuda()).cpu(), tf(logits, seqs, positions + offsets + i))
+
+
 def test_config_field_builds_each_half_or_none():
     assert target_oracle(()) is None and draft_oracle(()) is None
     tf = draft_oracle((0.7, 0.2))

@@ -19,11 +19,13 @@ acceptance follows configured rates through the real machinery:
              slots o_t does not take are pseudo-random: consecutive ids (mod vocab) after
              a hashed offset, all distinct from o_t and from each other.
 
-Performance: seeds and positions are host values while the logits live on the GPU. The
-per-row hashing runs on the host in NumPy over a few tiny arrays (about a third of the time
-of the same ops in torch on the CPU; on the GPU it would be ~75 kernel launches a call),
-and only one copy and one scatter touch the device: the oracle is not part of what a
-benchmark measures, so it keeps off the draft's critical path as far as it can.
+Performance: the oracle is not part of what a benchmark measures, so it keeps off the
+critical paths as far as it can. The target's hashing runs on the host in NumPy over a few
+tiny arrays (about a third of the time of the same ops in torch on the CPU; in torch ops on
+the GPU it would be ~75 kernel launches a call), then one copy and one scatter touch the
+device. The draft's, which sits on the draft's critical path, is one kernel on a GPU
+(oracle_device.py) with the same hash bits, so a transform costs the host a launch; off a
+GPU it hashes in NumPy as the target does.
 
 Every choice is a pure function of (request seed, t), through the counter-based hash of
 `spec_runtime.sampling` on streams of its own, so every SSD branch that shares the true
@@ -114,11 +116,16 @@ def draft_oracle_rank(seeds, positions, alpha: float, ranks: tuple[float, ...]) 
     return torch.from_numpy(_rank(_host(seeds), _host(positions), alpha, ranks))
 
 
-def _slots(seeds: np.ndarray, positions: np.ndarray, vocab: int, alpha: float, ranks: tuple[float, ...],
-           top_logit: float, gap: float) -> tuple[np.ndarray, np.ndarray]:
+def _num_slots(vocab: int, ranks: tuple[float, ...]) -> int:
     num_slots = min(max(MIN_DRAFT_SLOTS, len(ranks) + 2), vocab - 1)
     if num_slots < len(ranks) + 1:
         raise ValueError(f"vocab {vocab} too small for {len(ranks) + 1} ranks")
+    return num_slots
+
+
+def _slots(seeds: np.ndarray, positions: np.ndarray, vocab: int, alpha: float, ranks: tuple[float, ...],
+           top_logit: float, gap: float) -> tuple[np.ndarray, np.ndarray]:
+    num_slots = _num_slots(vocab, ranks)
     if not gap > 0.0:
         raise ValueError(f"gap must be > 0, got {gap}")
     o = _token(seeds, positions, vocab)[..., None]  # [*N, 1]
@@ -191,24 +198,45 @@ class TargetOracle:
 class DraftOracle:
     """The draft half: o_t at the draft's rank drawn from (alpha, ranks).
 
-    `chain` computes the slots of every step of a chain at once (they depend on (seed,
-    position) only), so each step costs one scatter on the device and no host work.
+    `chain` makes the transforms of every step of a chain at once (they depend on (seed,
+    position) only), so a step costs no host work beyond its launch. On a GPU each
+    transform is one kernel that hashes and writes the rows (oracle_device.py); elsewhere
+    the slots are hashed on the host and scattered.
     """
 
     def __init__(self, cfg: OracleConfig) -> None:
         self.alpha = cfg.alpha
         self.ranks = tuple(cfg.ranks)
+        self._bounds: dict[torch.device, torch.Tensor] = {}
 
     def __call__(self, logits: torch.Tensor, seqs, positions: np.ndarray) -> torch.Tensor:
+        if logits.is_cuda:
+            seeds, pos = upload_int64(_seeds_positions(seqs, positions), logits.device)
+            return self._on_device(logits, seeds, pos, 0)
         return draft_oracle_logits(logits, *_seeds_positions(seqs, positions), self.alpha, self.ranks)
+
+    def _on_device(self, logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, step: int):
+        from spec_runtime.bench.oracle_device import cumulative_bounds, draft_logits
+
+        if logits.device not in self._bounds:
+            self._bounds[logits.device] = torch.from_numpy(cumulative_bounds(self.alpha, self.ranks)).to(logits.device)
+        return draft_logits(logits, seeds, positions, self._bounds[logits.device],
+                            _num_slots(logits.shape[-1], self.ranks), MASKED_LOGIT, TOP_LOGIT, GAP,
+                            (STREAM_ORACLE_TOKEN, STREAM_ORACLE_RANK, STREAM_ORACLE_FILL), step)
 
     def chain(self, seqs, positions: np.ndarray, num_steps: int, vocab: int, device, offsets=None):
         """Per-step transforms for steps 0..num_steps-1 of a chain whose step i predicts
         positions + i ([R]): a list of functions logits [R, V] -> logits. offsets: ([R] device
         values in [0, most], most): each row's positions lie that much further on (SSD forks
-        chosen on the device). Their slots are made once per (seed, position) the rows share
-        (a sequence's branches), for every offset, and each row's are picked on the device."""
+        chosen on the device). Off a GPU their slots are made once per (seed, position) the
+        rows share (a sequence's branches), for every offset, and each row's are picked on the
+        device."""
         seeds, pos = _seeds_positions(seqs, positions)
+        if torch.device(device).type == "cuda":
+            seeds_d, pos_d = upload_int64((seeds, pos), device)
+            if offsets is not None:
+                pos_d = pos_d + offsets[0]
+            return [lambda logits, i=i: self._on_device(logits, seeds_d, pos_d, i) for i in range(num_steps)]
         if offsets is None:
             pos = pos[None, :] + np.arange(num_steps)[:, None]  # [steps, R]
             tokens, slot_logits = _slots(seeds[None, :], pos, vocab, self.alpha, self.ranks, TOP_LOGIT, GAP)

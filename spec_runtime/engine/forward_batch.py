@@ -35,6 +35,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from spec_runtime.engine.staging import upload_int64
+
 
 @dataclass(frozen=True)
 class SlotLayout:
@@ -136,21 +138,6 @@ class ForwardBatch:
         return self.max_q_len == 1
 
 
-def upload_int64(parts: Sequence[np.ndarray], device: torch.device | str) -> list[torch.Tensor]:
-    """One host-to-device copy for all arrays (each copy costs a launch and, from pageable
-    memory, a wait): int64 device views of one buffer, in order. input_ids, positions and
-    kv_write_rows go first and back to back, so the graph runner refills all three with
-    one copy."""
-    packed = torch.from_numpy(np.concatenate([a.astype(np.int64, copy=False) for a in parts]))
-    if torch.device(device).type == "cuda":
-        packed = packed.pin_memory().to(device, non_blocking=True)
-    views, start = [], 0
-    for a in parts:
-        views.append(packed[start : start + len(a)])
-        start += len(a)
-    return views
-
-
 def build_forward_batch(items: Sequence[ForwardItem], device: torch.device | str) -> ForwardBatch:
     """Flatten items into one ForwardBatch; one host-to-device copy per array."""
     if not items:
@@ -183,16 +170,17 @@ def build_forward_batch(items: Sequence[ForwardItem], device: torch.device | str
             raise ValueError(f"logits must be last, all or none, got {it.logits!r}")
     logits_indices = np.concatenate(logit_idx) if logit_idx else np.zeros(0, dtype=np.int64)
 
-    ids_d, pos_d, write_d, qo_d, kv_d, kvi_d, logit_d = upload_int64(
-        (input_ids, positions, write_rows, qo_indptr, kv_indptr, kv_indices, logits_indices), device)
+    # input_ids, positions and kv_write_rows back to back: the graph runner refills all three in one copy.
+    ids_d, pos_d, write_d, logit_d, qo_d, kv_d, kvi_d = upload_int64(
+        (input_ids, positions, write_rows, logits_indices, qo_indptr, kv_indptr, kv_indices), device, int32_tail=3)
 
     return ForwardBatch(
         input_ids=ids_d,
         positions=pos_d,
         kv_write_rows=write_d,
-        qo_indptr=qo_d.to(torch.int32),
-        kv_indptr=kv_d.to(torch.int32),
-        kv_indices=kvi_d.to(torch.int32),
+        qo_indptr=qo_d,
+        kv_indptr=kv_d,
+        kv_indices=kvi_d,
         logits_indices=logit_d,
         qo_indptr_cpu=qo_indptr,
         kv_indptr_cpu=kv_indptr,
@@ -255,19 +243,24 @@ class TreeArrays:
     q_len: int
 
     def upload(self, device: torch.device | str) -> ForwardBatch:
-        ids_d, pos_d, write_d, adv_d, qo_d, kv_d, kvi_d, lo_d, hi_d, plen_d = upload_int64(
-            (self.input_ids, self.positions, self.write_rows, self.advance, self.qo_indptr, self.kv_indptr,
-             self.kv_indices, self.lo, self.hi, self.prefix_len), device)
-        return ForwardBatch(
-            input_ids=ids_d, positions=pos_d, kv_write_rows=write_d,
-            qo_indptr=qo_d.to(torch.int32), kv_indptr=kv_d.to(torch.int32), kv_indices=kvi_d.to(torch.int32),
-            logits_indices=torch.arange(len(self.input_ids), device=ids_d.device),
-            qo_indptr_cpu=self.qo_indptr, kv_indptr_cpu=self.kv_indptr, max_q_len=self.q_len,
-            logits_positions_cpu=self.positions,
-            tree=TreeMask(prefix_len=plen_d.to(torch.int32), lo=lo_d.to(torch.int32), hi=hi_d.to(torch.int32),
-                          prefix_len_cpu=self.prefix_len, lo_cpu=self.lo, hi_cpu=self.hi, advance=adv_d,
-                          advance_cpu=self.advance),
+        return self.upload_with(device, ())[0]
+
+    def upload_with(self, device: torch.device | str,
+                    extra: Sequence[np.ndarray]) -> tuple[ForwardBatch, list[torch.Tensor]]:
+        """The step's ForwardBatch, and `extra` int64 arrays on the device, in one copy."""
+        t = len(self.input_ids)
+        ids_d, pos_d, write_d, adv_d, logit_d, *rest = upload_int64(
+            (self.input_ids, self.positions, self.write_rows, self.advance, np.arange(t), *extra, self.qo_indptr,
+             self.kv_indptr, self.kv_indices, self.lo, self.hi, self.prefix_len), device, int32_tail=6)
+        extra_d, (qo_d, kv_d, kvi_d, lo_d, hi_d, plen_d) = rest[: len(extra)], rest[len(extra):]
+        batch = ForwardBatch(
+            input_ids=ids_d, positions=pos_d, kv_write_rows=write_d, qo_indptr=qo_d, kv_indptr=kv_d,
+            kv_indices=kvi_d, logits_indices=logit_d, qo_indptr_cpu=self.qo_indptr, kv_indptr_cpu=self.kv_indptr,
+            max_q_len=self.q_len, logits_positions_cpu=self.positions,
+            tree=TreeMask(prefix_len=plen_d, lo=lo_d, hi=hi_d, prefix_len_cpu=self.prefix_len, lo_cpu=self.lo,
+                          hi_cpu=self.hi, advance=adv_d, advance_cpu=self.advance),
         )
+        return batch, extra_d
 
 
 def tree_arrays(prefixes: Sequence[np.ndarray], request: np.ndarray, token_ids: np.ndarray, positions: np.ndarray,
