@@ -59,21 +59,31 @@ def _ring(device: torch.device) -> _Ring:
 def upload_int64(parts: Sequence[np.ndarray], device: torch.device | str, int32_tail: int = 0) -> list[torch.Tensor]:
     """The arrays on `device` in one host-to-device copy: views of one buffer, in order,
     int64, except the last `int32_tail` arrays, which come back int32 (one conversion on
-    the device for all of them). Every array must be an integer (or bool) array."""
+    the device for all of them), each starting 16 bytes into the converted buffer's
+    alignment, as a tensor of its own would (Triton compiles its kernels per pointer
+    alignment). Every array must be an integer (or bool) array."""
     device = torch.device(device)
     if not parts:
         return []
-    sizes = [len(a) for a in parts]
-    total = sum(sizes)
-    if device.type == "cuda":
-        packed = _ring(device).copy([np.asarray(a).ravel() for a in parts], total)
-    else:
-        packed = torch.from_numpy(np.concatenate([np.asarray(a, dtype=np.int64).ravel() for a in parts])).to(device)
     split = len(parts) - int32_tail
-    tail_start = sum(sizes[:split])
+    flat = [np.asarray(a).ravel() for a in parts]
+    sizes = [len(a) for a in flat]
+    pieces, starts, at = [], [], 0
+    for i, a in enumerate(flat):
+        if i > split:  # an int32 array after the first: padded to a 16-byte boundary
+            pad = -(at - tail_start) % 4
+            if pad:
+                pieces.append(np.zeros(pad, dtype=np.int64))
+                at += pad
+        if i == split:
+            tail_start = at
+        starts.append(at)
+        pieces.append(a)
+        at += len(a)
+    if device.type == "cuda":
+        packed = _ring(device).copy(pieces, at)
+    else:
+        packed = torch.from_numpy(np.concatenate([np.asarray(a, dtype=np.int64) for a in pieces])).to(device)
     tail = packed[tail_start:].to(torch.int32) if int32_tail else None
-    views, start = [], 0
-    for i, n in enumerate(sizes):
-        views.append(packed[start : start + n] if i < split else tail[start - tail_start : start - tail_start + n])
-        start += n
-    return views
+    return [packed[s : s + n] if i < split else tail[s - tail_start : s - tail_start + n]
+            for i, (s, n) in enumerate(zip(starts, sizes))]
