@@ -3,8 +3,9 @@
 oracle.py computes the draft's top slots at each (seed, position) with NumPy on the host
 and scatters them into a [R, V] tensor of MASKED_LOGIT. On the draft that host work sits
 where a real draft has none: between the SSD glue's forward and the forks it ranks for, and
-before the tree steps' first sampling (about 1.7 ms of a draft-1b work-ahead at batch 1
-on an H200, docs/benchmarks.md). `draft_logits` computes the same slots from the same
+before the tree steps' first sampling (a draft-1b work-ahead at batch 1 took 8.47 ms with
+it and 6.68-6.78 ms without the oracle on an H200: docs/benchmarks.md, "The work-ahead's
+host path"). `draft_logits` computes the same slots from the same
 counter-based hash bits in a kernel (spec_runtime/kernels/race.py's `_row_key`, the
 uniform's float64 value) and writes the whole rows, so a transform costs the host one
 launch and the seeds' and positions' copy.

@@ -139,7 +139,7 @@ class ForwardBatch:
 
 
 def build_forward_batch(items: Sequence[ForwardItem], device: torch.device | str) -> ForwardBatch:
-    """Flatten items into one ForwardBatch; one host-to-device copy per array."""
+    """Flatten items into one ForwardBatch, its arrays in one host-to-device copy."""
     if not items:
         raise ValueError("a forward needs at least one request")
     q_lens = np.fromiter((len(it.token_ids) for it in items), dtype=np.int64, count=len(items))
