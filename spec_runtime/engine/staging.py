@@ -5,7 +5,9 @@ one int64 buffer: one copy instead of one per array. The copy leaves from pinned
 so it does not wait for the GPU to drain; pinning a fresh tensor each time costs an
 allocation and a copy on the host, so the arrays are written straight into one of a few
 pinned buffers, each reused once the copy that last read it has run (a CUDA event; with
-the GPU more than `SLOTS` copies behind, the host waits for it there).
+the GPU more than `SLOTS` copies behind, the host waits for it there). A buffer grows to
+the largest upload it has carried (8 bytes a value: a prefill of 32 sequences of 8K
+tokens lists 256K KV rows, 2 MiB) and is kept for the thread's life.
 """
 
 from __future__ import annotations
