@@ -61,9 +61,9 @@ def _ring(device: torch.device) -> _Ring:
 def upload_int64(parts: Sequence[np.ndarray], device: torch.device | str, int32_tail: int = 0) -> list[torch.Tensor]:
     """The arrays on `device` in one host-to-device copy: views of one buffer, in order,
     int64, except the last `int32_tail` arrays, which come back int32 (one conversion on
-    the device for all of them), each starting 16 bytes into the converted buffer's
-    alignment, as a tensor of its own would (Triton compiles its kernels per pointer
-    alignment). Every array must be an integer (or bool) array."""
+    the device for all of them), each starting on a 16-byte boundary as a tensor of its
+    own does (Triton compiles its kernels per pointer alignment). Every array must be an
+    integer (or bool) array."""
     device = torch.device(device)
     if not parts:
         return []
