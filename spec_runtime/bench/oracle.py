@@ -103,8 +103,12 @@ def _rank(seeds: np.ndarray, positions: np.ndarray, alpha: float, ranks: tuple[f
     if not 0.0 <= alpha <= 1.0 or any(r < 0 for r in ranks) or sum(ranks) > 1.0 + 1e-9:
         raise ValueError(f"need alpha in [0, 1], ranks >= 0, sum(ranks) <= 1; got {alpha}, {ranks}")
     u = hash_to_unit(hash32(seeds, positions, STREAM_ORACLE_RANK, _INDEX0))  # [*N, 1]: uniform()'s bits
-    bounds = np.array([alpha + (1.0 - alpha) * sum(ranks[:i]) for i in range(len(ranks) + 1)])  # cumulative
-    return (u >= bounds).sum(-1)  # [*N]
+    return (u >= cumulative_bounds(alpha, ranks)).sum(-1)  # [*N]
+
+
+def cumulative_bounds(alpha: float, ranks: tuple[float, ...]) -> np.ndarray:
+    """The rank of o_t is how many of these u reaches: alpha, then alpha + (1 - alpha) * P2, ..."""
+    return np.array([alpha + (1.0 - alpha) * sum(ranks[:i]) for i in range(len(ranks) + 1)], dtype=np.float64)
 
 
 def draft_oracle_rank(seeds, positions, alpha: float, ranks: tuple[float, ...]) -> torch.Tensor:
@@ -216,7 +220,7 @@ class DraftOracle:
         return draft_oracle_logits(logits, *_seeds_positions(seqs, positions), self.alpha, self.ranks)
 
     def _on_device(self, logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, step: int):
-        from spec_runtime.bench.oracle_device import cumulative_bounds, draft_logits
+        from spec_runtime.bench.oracle_device import draft_logits
 
         if logits.device not in self._bounds:
             self._bounds[logits.device] = torch.from_numpy(cumulative_bounds(self.alpha, self.ranks)).to(logits.device)

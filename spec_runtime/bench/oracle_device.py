@@ -13,7 +13,6 @@ launch and the seeds' and positions' copy.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -63,8 +62,8 @@ def draft_logits(like: torch.Tensor, seeds: torch.Tensor, positions: torch.Tenso
                  step: int = 0) -> torch.Tensor:
     """oracle.draft_oracle_logits on the device: logits of like's shape [R, V] and dtype,
     MASKED except each row's slots. seeds, positions [R] int64 on like's device (row r
-    predicts positions[r] + step); bounds [len(ranks) + 1] float64 (oracle._rank's
-    cumulative bounds); streams: the token's, the rank's and the fillers' hash streams."""
+    predicts positions[r] + step); bounds [len(ranks) + 1] float64
+    (oracle.cumulative_bounds); streams: the token's, the rank's and the fillers' hash streams."""
     r, vocab = like.shape
     out = torch.empty_like(like)
     if r:
@@ -75,7 +74,3 @@ def draft_logits(like: torch.Tensor, seeds: torch.Tensor, positions: torch.Tenso
                                    CHUNK=CHUNK)
     return out
 
-
-def cumulative_bounds(alpha: float, ranks: tuple[float, ...]) -> np.ndarray:
-    """oracle._rank's bounds: the rank is how many of them u reaches."""
-    return np.array([alpha + (1.0 - alpha) * sum(ranks[:i]) for i in range(len(ranks) + 1)], dtype=np.float64)
