@@ -43,6 +43,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     p.add_argument("--trace", default=None, help="write a chrome trace of work-aheads here (.json.gz)")
+    p.add_argument("--top", type=int, default=15, help="rows of the profiler's table of kernels")
     args = p.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
 
@@ -142,7 +143,7 @@ def main() -> None:
             ssd.work_ahead(seqs, args.k)
         torch.cuda.synchronize()
     avg = prof.key_averages()
-    print(avg.table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60))
+    print(avg.table(sort_by="self_cuda_time_total", row_limit=args.top, max_name_column_width=60))
 
 
 def _labelled(fn, name: str):

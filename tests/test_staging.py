@@ -1,6 +1,7 @@
 """spec_runtime.engine.staging.upload_int64: the arrays come back in order, as int64 views of
-one buffer, the last int32_tail of them as int32 views each aligned to 16 bytes; on a GPU
-through pinned buffers reused in turn, the copies a later reuse overwrites having run."""
+one buffer, the last int32_tail of them as int32 views, each aligned to 16 bytes but the
+`packed` ones, which lie back to back; on a GPU through pinned buffers reused in turn, the
+copies a later reuse overwrites having run."""
 
 from __future__ import annotations
 
@@ -22,11 +23,14 @@ def test_views_in_order_with_an_int32_tail():
     assert [v.dtype for v in views] == [torch.int64] * 4 + [torch.int32] * 2
     assert views[0].untyped_storage().data_ptr() == views[2].untyped_storage().data_ptr()
     assert views[4].untyped_storage().data_ptr() == views[5].untyped_storage().data_ptr()
-    assert [v.storage_offset() % 4 for v in views[4:]] == [0, 0]  # each int32 array 16-byte aligned
+    assert [v.storage_offset() * v.element_size() % 16 for v in views] == [0] * 6  # each 16-byte aligned
     want = [a.astype(np.int64) for a in parts]
     want[4] = want[4].astype(np.int32)  # 2**40 wraps, as any int32 conversion does
     for v, w in zip(views, want):
         assert v.tolist() == w.tolist()
+    packed = upload_int64(parts, "cpu", int32_tail=2, packed=3)
+    assert [v.storage_offset() for v in packed[:4]] == [0, 3, 5, 10]  # three back to back, then aligned
+    assert [v.tolist() for v in packed] == [v.tolist() for v in views]
     assert upload_int64([], "cpu") == []
     assert [v.tolist() for v in upload_int64(parts[:2], "cpu")] == [[1, -2, 3], [1, 0]]
 

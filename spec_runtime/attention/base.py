@@ -74,6 +74,10 @@ class AttentionBackend(ABC):
         """Whether a tree step (ForwardBatch.tree) of q_len branches per request can run."""
         return True
 
+    def warm_up(self, trees: bool) -> None:
+        """Compile the kernel variants forwards can meet (trees: tree steps' too) now, not in
+        the step that first meets one. Nothing to compile here."""
+
     def make_graph_attention(self, batch_size: int, q_len: int, max_kv_rows: int,
                              tree: bool = False) -> GraphAttention:
         """The attention of a CUDA graph for `batch_size` requests of `q_len` tokens each."""

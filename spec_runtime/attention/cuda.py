@@ -37,6 +37,7 @@ import torch
 
 from spec_runtime.attention.base import AttentionBackend, GraphAttention
 from spec_runtime.kernels.paged import MAX_TILE_M, num_splits_for, paged_attention
+from spec_runtime.kernels.paged import warm_up as paged_warm_up
 
 if TYPE_CHECKING:  # types only: the engine's data structures, which the engine hands in
     from spec_runtime.engine.forward_batch import ForwardBatch
@@ -173,6 +174,15 @@ class CudaAttentionBackend(AttentionBackend):
     def supports_tree(self, q_len: int) -> bool:
         """Tree steps run on the Triton kernel only (flashinfer 0.5.2 has no per-token window)."""
         return self.graph_attention == "triton" and q_len * (self.num_heads // self.num_kv_heads) <= MAX_TILE_M
+
+    def warm_up(self, trees: bool) -> None:
+        """Compile the Triton kernel's variants that this backend's forwards can meet (every
+        tile of up to MAX_TRITON_Q_LEN queries, the tree tiles where `trees`, the merge at
+        every split count) now, not in the step that first meets one (kernels/paged.py)."""
+        if self.graph_attention == "triton":
+            group = self.num_heads // self.num_kv_heads
+            paged_warm_up(self.device, self.num_heads, self.num_kv_heads, self.head_dim, self.dtype,
+                          max_q_len=MAX_TRITON_Q_LEN, tree_q_len=MAX_TILE_M // group if trees else 0)
 
     def begin(self, batch: ForwardBatch) -> None:
         """Plan `batch` (host work; no device sync). Triton batches need no plan."""

@@ -172,7 +172,8 @@ def build_forward_batch(items: Sequence[ForwardItem], device: torch.device | str
 
     # input_ids, positions and kv_write_rows back to back: the graph runner refills all three in one copy.
     ids_d, pos_d, write_d, logit_d, qo_d, kv_d, kvi_d = upload_int64(
-        (input_ids, positions, write_rows, logits_indices, qo_indptr, kv_indptr, kv_indices), device, int32_tail=3)
+        (input_ids, positions, write_rows, logits_indices, qo_indptr, kv_indptr, kv_indices), device, int32_tail=3,
+        packed=3)
 
     return ForwardBatch(
         input_ids=ids_d,
@@ -251,7 +252,7 @@ class TreeArrays:
         t = len(self.input_ids)
         ids_d, pos_d, write_d, adv_d, logit_d, *rest = upload_int64(
             (self.input_ids, self.positions, self.write_rows, self.advance, np.arange(t), *extra, self.qo_indptr,
-             self.kv_indptr, self.kv_indices, self.lo, self.hi, self.prefix_len), device, int32_tail=6)
+             self.kv_indptr, self.kv_indices, self.lo, self.hi, self.prefix_len), device, int32_tail=6, packed=3)
         extra_d, (qo_d, kv_d, kvi_d, lo_d, hi_d, plen_d) = rest[: len(extra)], rest[len(extra):]
         batch = ForwardBatch(
             input_ids=ids_d, positions=pos_d, kv_write_rows=write_d, qo_indptr=qo_d, kv_indptr=kv_d,

@@ -58,12 +58,15 @@ def _ring(device: torch.device) -> _Ring:
     return rings[key]
 
 
-def upload_int64(parts: Sequence[np.ndarray], device: torch.device | str, int32_tail: int = 0) -> list[torch.Tensor]:
+def upload_int64(parts: Sequence[np.ndarray], device: torch.device | str, int32_tail: int = 0,
+                 packed: int = 0) -> list[torch.Tensor]:
     """The arrays on `device` in one host-to-device copy: views of one buffer, in order,
     int64, except the last `int32_tail` arrays, which come back int32 (one conversion on
-    the device for all of them), each starting on a 16-byte boundary as a tensor of its
-    own does (Triton compiles its kernels per pointer alignment). Every array must be an
-    integer (or bool) array."""
+    the device for all of them). Each starts on a 16-byte boundary, as a tensor of its own
+    does: Triton compiles a kernel per pointer alignment, so a view at another offset
+    would meet a variant not compiled at start-up. The first `packed` arrays are laid
+    back to back instead (a caller that copies them on in one piece), the first of them
+    aligned. Every array must be an integer (or bool) array."""
     device = torch.device(device)
     if not parts:
         return []
@@ -72,20 +75,22 @@ def upload_int64(parts: Sequence[np.ndarray], device: torch.device | str, int32_
     sizes = [len(a) for a in flat]
     pieces, starts, at = [], [], 0
     for i, a in enumerate(flat):
-        if i > split:  # an int32 array after the first: padded to a 16-byte boundary
-            pad = -(at - tail_start) % 4
-            if pad:
-                pieces.append(np.zeros(pad, dtype=np.int64))
-                at += pad
         if i == split:
-            tail_start = at
+            tail_start, pad = at, 0  # the int32 arrays are a tensor of their own from here
+        elif i > split:
+            pad = -(at - tail_start) % 4  # 16 bytes: 4 int32 values
+        else:
+            pad = at % 2 if i >= packed else 0  # 16 bytes: 2 int64 values
+        if pad:
+            pieces.append(np.zeros(pad, dtype=np.int64))
+            at += pad
         starts.append(at)
         pieces.append(a)
         at += len(a)
     if device.type == "cuda":
-        packed = _ring(device).copy(pieces, at)
+        buf = _ring(device).copy(pieces, at)
     else:
-        packed = torch.from_numpy(np.concatenate([np.asarray(a, dtype=np.int64) for a in pieces])).to(device)
-    tail = packed[tail_start:].to(torch.int32) if int32_tail else None
-    return [packed[s : s + n] if i < split else tail[s - tail_start : s - tail_start + n]
+        buf = torch.from_numpy(np.concatenate([np.asarray(a, dtype=np.int64) for a in pieces])).to(device)
+    tail = buf[tail_start:].to(torch.int32) if int32_tail else None
+    return [buf[s : s + n] if i < split else tail[s - tail_start : s - tail_start + n]
             for i, (s, n) in enumerate(zip(starts, sizes))]

@@ -241,6 +241,42 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
+
+def tile_variants(num_heads: int, num_kv_heads: int, max_q_len: int) -> dict[int, int]:
+    """The split kernel's tile sizes (BLOCK_M) that forwards of up to `max_q_len` queries per
+    request meet, each with the least q_len that meets it."""
+    group = num_heads // num_kv_heads
+    tiles: dict[int, int] = {}
+    for q_len in range(1, min(max_q_len, MAX_TILE_M // group) + 1):
+        tiles.setdefault(max(16, triton.next_power_of_2(q_len * group)), q_len)
+    return tiles
+
+
+def warm_up(device, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, *,
+            max_q_len: int, tree_q_len: int = 0) -> int:
+    """Compile (or load from Triton's cache) every variant of the split and merge kernels
+    that forwards of up to `max_q_len` queries per request (tree steps: up to `tree_q_len`
+    branches) can meet, the merge at every split count up to 32, now rather than in the
+    step that first needs one: an eager forward's split count follows its batch and
+    context, so a serving loop would meet new merge variants long after start-up, each a
+    compile of hundreds of milliseconds on a fresh host. Returns the launches made."""
+    rows = 64
+    kv = torch.zeros(rows, num_kv_heads, head_dim, dtype=dtype, device=device)
+    indptr = torch.tensor([0, rows], dtype=torch.int32, device=device)
+    indices = torch.arange(rows, dtype=torch.int32, device=device)
+    launches = 0
+    for limit, trees in ((max_q_len, False), (tree_q_len, True)):
+        for q_len in tile_variants(num_heads, num_kv_heads, limit).values():
+            q = torch.zeros(q_len, num_heads, head_dim, dtype=dtype, device=device)
+            lo = torch.arange(rows - q_len, rows, dtype=torch.int32, device=device)
+            tree = (torch.tensor([rows - q_len], dtype=torch.int32, device=device), lo, lo + 1) if trees else None
+            for splits in (1, 3, 5, 9, 17):  # merge tiles (BLOCK_S) of 2, 4, 8, 16 and 32 splits
+                paged_attention(q, kv, kv, indptr, indices, q_len=q_len, num_splits=splits, scale=1.0, tree=tree)
+                launches += 1
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return launches
+
 @triton.jit
 def _rope_store_kernel(
     qkv_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, rows_ptr, q_norm_ptr, k_norm_ptr,
