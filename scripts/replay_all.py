@@ -9,6 +9,8 @@ policies. --seeded starts each simulated policy with S, P, c and W[n] taken from
 a calibration at start-up would measure them (h and a cold). --per-point replays each point
 of a log (a prompt length and temperature at a batch size, between bench_e2e's result
 lines) on its own costs, where a log of several points at one batch size would pool them.
+--seeded-rates seeds the hit rates and tokens per round as well: the share of a cold
+run's loss that knowing every rate up front would take away.
 
     python scripts/replay_all.py bench/results/round_policy_steps_*alpha08*.log.gz --levels 15,7,3 --k 4
 """
@@ -50,6 +52,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seeded", action="store_true",
                    help="the policy starts with S, P, c and W[n] taken from the log, as a calibration at start-up "
                         "would measure them; h and a cold")
+    p.add_argument("--seeded-rates", action="store_true",
+                   help="--seeded, and the hit rates and tokens per round too, as the log's rounds realized them: "
+                        "a policy that knows every rate before it runs an option (no start-up can measure them)")
     p.add_argument("--per-point", action="store_true",
                    help="replay each point of a log (its records up to a bench_e2e result line) on its own")
     args = p.parse_args(argv)
@@ -63,8 +68,8 @@ def main(argv: list[str] | None = None) -> None:
             if sum(1 for r in records if r[2]["steady"]) < MIN_STEADY or best is None:
                 continue
             try:
-                rates = [simulate(records, batch, levels, args.k, args.steps, seed, args.warm, seeded=args.seeded)[0]
-                         for seed in range(args.repeats)]
+                rates = [simulate(records, batch, levels, args.k, args.steps, seed, args.warm, seeded=args.seeded,
+                                  seed_rates=args.seeded_rates)[0] for seed in range(args.repeats)]
             except SystemExit as e:  # an option the log never ran and nothing stands in for
                 print(f"{name} batch {batch}: not simulated ({e})")
                 continue

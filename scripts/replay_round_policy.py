@@ -38,6 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from target_proc.drain import short_jit_len  # noqa: E402
 from target_proc.round_model import MIN_SAMPLES, OUTLIER  # noqa: E402
 from target_proc.round_policy import HALVES, PLAIN, SD, SHORT_JIT_DIV, RoundPlan, RoundPolicy, predict  # noqa: E402
 
@@ -114,13 +115,16 @@ def read_records(log: Path | str, batch: int) -> list[tuple[RoundPlan, int, dict
     return [(plan, context, kw, tokens) for b, context, _, plan, kw, tokens in step_records(log) if b == batch]
 
 
-def seed_costs(policy: RoundPolicy, records, batch: int, context: int, levels: list[int]) -> None:
+def seed_costs(policy: RoundPolicy, records, batch: int, context: int, levels: list[int],
+               rates: bool = False) -> None:
     """Fill `policy`'s costs of (`batch`, `context`) from the steady records of `batch`: the
     best case of a calibration at start-up, which measures the target's verify S (beside a
     work-ahead and without), a plain step's time P, the chain wait c and the draft's
     work-ahead W[n] at each tree shape n, but not the hit rates h[n] or the tokens per
     round a (those depend on the requests' text). S, P and W[n] are medians, c the least
-    wait of the SD steps; what the log never ran stays unmeasured."""
+    wait of the SD steps; what the log never ran stays unmeasured. rates: h[n] and a too,
+    as the log's rounds realized them (a's window from its last full-length rounds): a
+    policy that knows every rate before it runs an option, which no start-up can give."""
     steady = [(plan, kw) for plan, _, kw, _ in records if kw["steady"]]
     ssd = [kw for plan, kw in steady if plan.kind == "ssd"]
     sd = [kw for plan, kw in steady if plan.kind == "sd"]
@@ -139,18 +143,29 @@ def seed_costs(policy: RoundPolicy, records, batch: int, context: int, levels: l
         if work:
             c.work_s[n] = statistics.median(work)
             c.samples[("w", n)] = MIN_SAMPLES
+    if not rates:
+        return
+    for plan, kw in steady:
+        if kw["num_drafted"] and not short_jit_len(plan.backup):  # full-length speculations, as record counts them
+            c.add_tokens(kw["drafted_tokens"], kw["num_drafted"])
+    for n in levels:
+        looked = [(kw["num_hits"], kw["num_specs"]) for plan, kw in steady
+                  if plan.kind == "ssd" and plan.branches == n and kw["num_specs"]]
+        if looked:
+            c.hit_rate[n] = sum(h for h, _ in looked) / sum(s for _, s in looked)
 
 
 def simulate(records, batch: int, levels: list[int], k: int, steps: int, seed: int,
-             warm: int = 0, seeded: bool = False) -> tuple[float, Counter, dict]:
+             warm: int = 0, seeded: bool = False, seed_rates: bool = False) -> tuple[float, Counter, dict]:
     """A fresh RoundPolicy run for `warm` + `steps` steps on costs drawn from `records` (the
     module doc): (tokens/s of the last `steps`, their steps per plan label, {plan the log
-    lacks: the plan that stood in}). seeded: the policy starts with seed_costs's costs."""
+    lacks: the plan that stood in}). seeded: the policy starts with seed_costs's costs
+    (seed_rates: and its rates)."""
     pools = _pools(records)
     context = int(statistics.median(c for _, c, _, _ in records))
     policy = RoundPolicy(lambda b: levels, k=k, short_jit=k // SHORT_JIT_DIV)
-    if seeded:
-        seed_costs(policy, records, batch, context, levels)
+    if seeded or seed_rates:
+        seed_costs(policy, records, batch, context, levels, rates=seed_rates)
     rng, stand_in = random.Random(seed), {}
     before, seconds, total, ran = [None, None], 0.0, 0.0, Counter()
     for step in range(warm + steps):

@@ -1074,6 +1074,11 @@ def test_replay_all_seeded_starts_the_policy_with_the_calibrated_costs(tmp_path,
     assert c.ssd_wait(4, 16, "jit", 4) is None  # h[16] unmeasured
     c.hit_rate[16] = 0.9  # once measured, W[16] counts: its samples stand in for MIN_SAMPLES steps
     assert c.ssd_wait(4, 16, "jit", 4) == pytest.approx(0.025 - 0.016 + (1 - 0.9 ** 4) * 0.010)
+    knows = _policy(levels=[16, 8], k=4)  # rates too: a and h[n] as the log's steady rounds realized them
+    replay.seed_costs(knows, records, 4, 600, [16, 8, 4], rates=True)
+    r = knows.costs(4, 600)
+    assert r.tokens == pytest.approx(3.0) and r.hit_rate == {16: pytest.approx(0.75), 8: pytest.approx(1.0)}
+    assert r.work_s == c.work_s and r.chain_s == c.chain_s
     real, passed = replay_all.simulate, []
     replay_all.simulate = lambda *a, **kw: passed.append(kw["seeded"]) or real(*a, **kw)
     replay_all.main([str(log), "--levels", "16,8", "--k", "4", "--repeats", "2", "--steps", "50", "--seeded"])
