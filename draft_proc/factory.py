@@ -35,6 +35,7 @@ def make_speculators(cfg):
         from spec_runtime.bench.oracle import draft_oracle
 
         transform = draft_oracle(spec.synthetic_acceptance)
+        transform.warm_up(runner.device, runner.vocab_size)
     drafter = ModelDrafter(runner, spec, logits_transform=transform, kv=kv)
     ssd = None
     if spec.mode == "ssd":

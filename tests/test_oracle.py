@@ -176,6 +176,53 @@ def test_on_the_gpu_the_draft_oracle_writes_the_hosts_logits():
                 assert torch.equal(step(logits.cuda()).cpu(), tf(logits, seqs, positions + offsets + i))
 
 
+_WARM_UP = r"""
+import json
+from types import SimpleNamespace
+import numpy as np
+import torch
+from triton import knobs
+from spec_runtime.bench.oracle import draft_oracle
+
+met = {"warm_up": [], "serving": []}
+phase = "warm_up"
+knobs.runtime.jit_cache_hook = lambda *a, **kw: met[phase].append(kw["fn"].name)
+tf, vocab = draft_oracle((0.8, 0.5, 0.2, 0.1)), 128256
+tf.warm_up("cuda", vocab)
+phase = "serving"
+for batch in (1, 3, 16, 37):
+    seqs = [SimpleNamespace(seed=s) for s in range(batch)]
+    positions = np.arange(batch) + 500
+    tf(torch.zeros(batch, vocab, device="cuda"), seqs, positions)
+    for step in tf.chain(seqs, positions, 3, vocab, torch.device("cuda")):
+        step(torch.zeros(batch, vocab, device="cuda"))
+torch.cuda.synchronize()
+print(json.dumps(met))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_the_gpu_the_draft_oracle_compiles_nothing_after_its_warm_up():
+    """In a fresh process, DraftOracle.warm_up (the draft's start-up) meets the transform's
+    kernel, and the transforms of batches of 1 to 37 rows after it meet no variant Triton
+    has not compiled yet."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the kernel tests' interpreter
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-c", _WARM_UP], env=env, cwd=root, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    met = json.loads(r.stdout.strip().splitlines()[-1])
+    assert met == {"warm_up": ["_draft_logits_kernel"], "serving": []}
+
+
 def test_config_field_builds_each_half_or_none():
     assert target_oracle(()) is None and draft_oracle(()) is None
     tf = draft_oracle((0.7, 0.2))

@@ -213,6 +213,15 @@ class DraftOracle:
         self.ranks = tuple(cfg.ranks)
         self._bounds: dict[torch.device, torch.Tensor] = {}
 
+    def warm_up(self, device: torch.device | str, vocab: int) -> None:
+        """On a GPU, compile the transform's kernel now (one launch on one row), not in the
+        first forward that meets it. Nothing to do elsewhere."""
+        device = torch.device(device)
+        if device.type == "cuda":
+            zero = torch.zeros(1, dtype=torch.int64, device=device)
+            self._on_device(torch.zeros(1, vocab, device=device), zero, zero, 0)
+            torch.cuda.synchronize(device)
+
     def __call__(self, logits: torch.Tensor, seqs, positions: np.ndarray) -> torch.Tensor:
         if logits.is_cuda:
             seeds, pos = upload_int64(_seeds_positions(seqs, positions), logits.device)
