@@ -241,7 +241,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
-
 def tile_variants(num_heads: int, num_kv_heads: int, max_q_len: int) -> dict[int, int]:
     """The split kernel's tile sizes (BLOCK_M) that forwards of up to `max_q_len` queries per
     request meet, each with the least q_len that meets it."""
@@ -259,8 +258,8 @@ def warm_up(device, num_heads: int, num_kv_heads: int, head_dim: int, dtype: tor
     branches) can meet, the merge at every split count up to 32, now rather than in the
     step that first needs one: an eager forward's split count follows its batch and
     context, so a serving loop would meet new merge variants long after start-up, each a
-    compile of hundreds of milliseconds on a fresh host. Returns the launches made."""
-    rows = 64
+    compile of tens to hundreds of milliseconds on a fresh host. Returns the launches made."""
+    rows = MAX_TILE_M + 64  # more than any tile's queries: every query sees rows
     kv = torch.zeros(rows, num_kv_heads, head_dim, dtype=dtype, device=device)
     indptr = torch.tensor([0, rows], dtype=torch.int32, device=device)
     indices = torch.arange(rows, dtype=torch.int32, device=device)
@@ -276,6 +275,7 @@ def warm_up(device, num_heads: int, num_kv_heads: int, head_dim: int, dtype: tor
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
     return launches
+
 
 @triton.jit
 def _rope_store_kernel(
