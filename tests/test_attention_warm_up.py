@@ -10,13 +10,9 @@ kernel tests load Triton's interpreter, which has no specialization."""
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from fresh_python import run_json
 
 # Not imported here: Triton reads TRITON_INTERPRET once, at its import, and the kernel tests
 # that run under its interpreter set it when they are collected, after this file.
@@ -87,12 +83,7 @@ print(json.dumps(result))
 
 
 def _run(script: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[1]
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    r = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    return json.loads(r.stdout)
+    return run_json(script, timeout=600)
 
 
 @pytest.fixture(scope="module")

@@ -207,19 +207,9 @@ def test_on_the_gpu_the_draft_oracle_compiles_nothing_after_its_warm_up():
     """In a fresh process, DraftOracle.warm_up (the draft's start-up) meets the transform's
     kernel, and the transforms of batches of 1 to 37 rows after it meet no variant Triton
     has not compiled yet."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from fresh_python import run_json
 
-    root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the kernel tests' interpreter
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    r = subprocess.run([sys.executable, "-c", _WARM_UP], env=env, cwd=root, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    met = json.loads(r.stdout.strip().splitlines()[-1])
+    met = run_json(_WARM_UP)
     assert met == {"warm_up": ["_draft_logits_kernel"], "serving": []}
 
 

@@ -8,12 +8,9 @@ which has no specialization."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from fresh_python import run_json
 
 pytest.importorskip("triton")
 
@@ -61,13 +58,7 @@ print(json.dumps({"keys": keys, "warm": warm, "serving_meta": serving_meta}))
 
 
 def _keys(mode: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[1]
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    r = subprocess.run([sys.executable, "-c", KEYS, mode], env=env, cwd=root, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    return json.loads(r.stdout)
+    return run_json(KEYS, mode)
 
 
 def test_each_sampling_kernel_has_one_specialization_for_every_batch():
