@@ -33,13 +33,13 @@ import re
 import statistics
 import sys
 import time
-from collections import Counter
+from collections import Counter, deque
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from target_proc.drain import short_jit_len  # noqa: E402
-from target_proc.round_model import MIN_SAMPLES, OUTLIER  # noqa: E402
+from target_proc.round_model import HITS_WINDOW, MIN_SAMPLES, OUTLIER  # noqa: E402
 from target_proc.round_policy import HALVES, PLAIN, SD, SHORT_JIT_DIV, RoundPlan, RoundPolicy, predict  # noqa: E402
 
 STEP = re.compile(r"step batch (\d+) context (\d+): (.*?)( \(first rounds\))?, wait ([\d.]+) ms, busy ([\d.]+) ms, "
@@ -153,6 +153,7 @@ def seed_costs(policy: RoundPolicy, records, batch: int, context: int, levels: l
                   if plan.kind == "ssd" and plan.branches == n and kw["num_specs"]]
         if looked:
             c.hit_rate[n] = sum(h for h, _ in looked) / sum(s for _, s in looked)
+            c.hit_window[n] = deque(looked[-HITS_WINDOW:], maxlen=HITS_WINDOW)
 
 
 def simulate(records, batch: int, levels: list[int], k: int, steps: int, seed: int,

@@ -38,7 +38,8 @@ The model ranks options nobody has run yet. Once an option has run, its realized
 stands in for the prediction: the expected tokens of its last 8 steps (B a for SD and for
 SSD with jit, B for plain steps, the model's mix of hits and misses for the other
 backups) over those steps' wait and busy time (a halves step's as in H), stalled steps
-left out (Costs.realized_rate). Only steps of about the current batch size
+left out (Costs.realized_rate; SSD steps with and without a miss weighed by the long-run hit
+rate, where the window holds both). Only steps of about the current batch size
 count (within an eighth of it): a bucket spans batch sizes up to twice apart, and steps
 run while a batch filled up would rate an option at the full batch far too low. Below the
 batch size of its last steps (sequences finished since), the model is scaled by what the
@@ -64,6 +65,7 @@ REALIZED_MIN = 3  # steps before a realized rate counts
 STALL = 3.0  # an SSD step this many times the window's median is a stall, left out of a realized rate
 STEADY_STALL = 1.5  # the same for the other plans, whose steps take about the same time each
 TOKENS_WINDOW = 32  # steps behind the mean tokens per sequence per round
+HITS_WINDOW = 64  # look-up rounds behind a tree shape's long-run hit rate (realized_rate's weights)
 MARGIN = 0.03  # the round policy's choice changes only for a prediction this much faster
 PLAIN_PRIOR_SLACK = 1.5  # plain decoding is measured once its floor estimate comes this close to the best
 HALVES_SLACK = 0.85  # an unmeasured halves step is estimated at this share of two half-batch steps
@@ -126,11 +128,12 @@ class Costs:
     chain_window: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     work_s: dict[int, float] = field(default_factory=dict)
     hit_rate: dict[int, float] = field(default_factory=dict)
+    hit_window: dict = field(default_factory=dict)  # branches -> deque of (hits, looked up) of its last rounds
     tokens: float | None = None
     tokens_window: deque = field(default_factory=lambda: deque(maxlen=TOKENS_WINDOW))
     extra_s: float = 0.0
     samples: Counter = field(default_factory=Counter)
-    realized: dict = field(default_factory=dict)  # RoundPlan -> deque of (sequences, tokens, seconds) of its steps
+    realized: dict = field(default_factory=dict)  # RoundPlan -> deque of (sequences, tokens, seconds, missed)
     steady: dict = field(default_factory=dict)  # S, P, H and W[n]: the last WINDOW samples of each (_steady)
 
     def _steady(self, key, seconds: float) -> float:
@@ -167,9 +170,11 @@ class Costs:
         """One SSD round's look-ups in a tree of `branches` (h[branches]); where each hit's rank
         came (DraftTokens.hit_rank), also h of the smaller `shapes`: a tree of n holds ranks < n."""
         self.hit_rate[branches] = running_mean(self.hit_rate.get(branches), hits / looked_up)
+        self.hit_window.setdefault(branches, deque(maxlen=HITS_WINDOW)).append((hits, looked_up))
         for n in shapes if ranks is not None and min(ranks, default=0) >= 0 else ():
             if 0 < n < branches:
-                self.hit_rate[n] = running_mean(self.hit_rate.get(n), sum(r < n for r in ranks) / looked_up)
+                self.hit_rate[n] = running_mean(self.hit_rate.get(n), (n_hits := sum(r < n for r in ranks)) / looked_up)
+                self.hit_window.setdefault(n, deque(maxlen=HITS_WINDOW)).append((n_hits, looked_up))
 
     def add_chain(self, wait_s: float) -> None:
         """One wait for a chain drafted on request. c is the least of the last WINDOW: a
@@ -217,27 +222,40 @@ class Costs:
         batch: count only steps of about this many sequences (within an eighth). A bucket
         holds batch sizes up to twice apart, and a rate realized while a batch was filling
         (9 sequences) says little about the full one (16): the step's fixed costs are
-        spread over fewer tokens."""
+        spread over fewer tokens.
+
+        An SSD step with a miss waits for the jit chain, one without does not: 8 steps at a
+        hit rate of 0.84 hold 1.3 misses, give or take 1, which moves their time by 7% at batch
+        1. Where the window holds both kinds of steps at one batch size B, and the shape has
+        HITS_WINDOW rounds of look-ups, the step time is their two means weighed by h^B, the
+        chance that no sequence misses, with h over those rounds."""
         window = self.realized.get(plan)
         if window and batch is not None:
             window = [e for e in window if abs(e[0] - batch) <= batch // 8]
         if not window or len(window) < REALIZED_MIN:
             return None
-        cap = (STALL if plan.work_ahead else STEADY_STALL) * _median([s for _, _, s in window])
-        sequences = tokens = seconds = 0.0
-        for n, t, s in window:
-            if s <= cap:
-                sequences, tokens, seconds = sequences + n, tokens + t, seconds + s
+        cap = (STALL if plan.work_ahead else STEADY_STALL) * _median([e[2] for e in window])
+        kept = [e for e in window if e[2] <= cap]
+        sequences, tokens, seconds = (sum(e[i] for e in kept) for i in range(3))
         per_seq = self.tokens_per_sequence(plan, k)
-        return (tokens if per_seq is None else per_seq * sequences) / seconds
+        tokens = tokens if per_seq is None else per_seq * sequences
+        hits = self.hit_window.get(plan.branches, ())
+        split = [[e[2] for e in kept if e[3] is m] for m in (False, True)]
+        if all(split) and per_seq is not None and len(hits) == HITS_WINDOW and len({e[0] for e in kept}) == 1:
+            q = (sum(h for h, _ in hits) / sum(n for _, n in hits)) ** kept[0][0]
+            hit_s, miss_s = (sum(x) / len(x) for x in split)
+            return tokens / len(kept) / (q * hit_s + (1 - q) * miss_s)
+        return tokens / seconds
 
     def realized_steps(self, plan: "RoundPlan", batch: int) -> int:
         """How many of `plan`'s realized steps ran about `batch` sequences (as realized_rate counts them)."""
         return sum(1 for e in self.realized.get(plan, ()) if abs(e[0] - batch) <= batch // 8)
 
-    def add_realized(self, plan: "RoundPlan", sequences: int, tokens: float, seconds: float) -> None:
+    def add_realized(self, plan: "RoundPlan", sequences: int, tokens: float, seconds: float,
+                     missed: bool | None = None) -> None:
+        """One step of `plan`; missed: an SSD step where a sequence missed the tree (None: not one)."""
         if seconds > 0:
-            self.realized.setdefault(plan, deque(maxlen=WINDOW)).append((sequences, tokens, seconds))
+            self.realized.setdefault(plan, deque(maxlen=WINDOW)).append((sequences, tokens, seconds, missed))
 
     def verify(self, work_ahead: bool) -> float | None:
         v = self.verify_s[work_ahead]

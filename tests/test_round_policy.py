@@ -417,6 +417,35 @@ def test_a_realized_rate_stands_in_for_the_model():
     assert predict(SD, 1, c) == pytest.approx(3.0 * 2 / 0.11)
 
 
+def test_a_realized_rate_weighs_hit_and_miss_steps_by_the_long_run_hit_rate():
+    """Eight SSD steps at batch 1 that happened to miss four times (10 ms a hit, 15 ms a
+    miss): with 64 rounds of look-ups at 0.75, the step takes 0.75 x 10 + 0.25 x 15 ms, not
+    the window's 12.5; from fewer look-ups, or with one kind of step only, the window's mean
+    time stands. At batch 2 no sequence misses with chance 0.75 ** 2."""
+    ssd = RoundPlan("ssd", 15, "jit")
+    c = Costs(tokens=3.0)
+    for i in range(8):
+        c.add_realized(ssd, 1, 3, 0.015 if i % 2 else 0.010, missed=bool(i % 2))
+    for i in range(1, 64):
+        c.add_hits(15, int(i % 4 != 0), 1)
+    assert c.realized_rate(ssd) == pytest.approx(3.0 / 0.0125)
+    c.add_hits(15, 0, 1)  # 64 rounds: 48 hits
+    assert c.realized_rate(ssd) == pytest.approx(3.0 / (0.75 * 0.010 + 0.25 * 0.015))
+    assert c.realized_rate(ssd, batch=2) is None  # no step of about 2 sequences
+    only_hits = RoundPlan("ssd", 15, "none")
+    for _ in range(4):
+        c.add_realized(only_hits, 1, 3, 0.010, missed=False)
+    c.hit_rate[15] = 1.0
+    assert c.realized_rate(only_hits) == pytest.approx(3.0 / 0.010)
+    pair = Costs(tokens=3.0)
+    for i in range(6):
+        pair.add_realized(ssd, 2, 6, 0.015 if i % 2 else 0.010, missed=bool(i % 2))
+    for _ in range(64):
+        pair.add_hits(15, 3, 4)
+    q = 0.75 ** 2
+    assert pair.realized_rate(ssd) == pytest.approx(6.0 / (q * 0.010 + (1 - q) * 0.015))
+
+
 def test_a_realized_rate_counts_expected_tokens_not_the_steps_own():
     """Three SD steps that happened to accept nothing: SD's rate is still a per step
     time, while a configured backup (whose tokens the model cannot tell) counts its own."""
@@ -1078,6 +1107,7 @@ def test_replay_all_seeded_starts_the_policy_with_the_calibrated_costs(tmp_path,
     replay.seed_costs(knows, records, 4, 600, [16, 8, 4], rates=True)
     r = knows.costs(4, 600)
     assert r.tokens == pytest.approx(3.0) and r.hit_rate == {16: pytest.approx(0.75), 8: pytest.approx(1.0)}
+    assert sum(h for h, _ in r.hit_window[16]) / sum(n for _, n in r.hit_window[16]) == pytest.approx(0.75)
     assert r.work_s == c.work_s and r.chain_s == c.chain_s
     real, passed = replay_all.simulate, []
     replay_all.simulate = lambda *a, **kw: passed.append(kw["seeded"]) or real(*a, **kw)
