@@ -154,6 +154,7 @@ def seed_costs(policy: RoundPolicy, records, batch: int, context: int, levels: l
         if looked:
             c.hit_rate[n] = sum(h for h, _ in looked) / sum(s for _, s in looked)
             c.hit_window[n] = deque(looked[-HITS_WINDOW:], maxlen=HITS_WINDOW)
+            c.hit_sums[n] = tuple(map(sum, zip(*c.hit_window[n])))
 
 
 def simulate(records, batch: int, levels: list[int], k: int, steps: int, seed: int,

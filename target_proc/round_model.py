@@ -129,6 +129,7 @@ class Costs:
     work_s: dict[int, float] = field(default_factory=dict)
     hit_rate: dict[int, float] = field(default_factory=dict)
     hit_window: dict = field(default_factory=dict)  # branches -> deque of (hits, looked up) of its last rounds
+    hit_sums: dict = field(default_factory=dict)  # branches -> (hits, looked up) summed over hit_window
     tokens: float | None = None
     tokens_window: deque = field(default_factory=lambda: deque(maxlen=TOKENS_WINDOW))
     extra_s: float = 0.0
@@ -168,13 +169,17 @@ class Costs:
 
     def add_hits(self, branches: int, hits: int, looked_up: int, ranks=None, shapes=()) -> None:
         """One SSD round's look-ups in a tree of `branches` (h[branches]); where each hit's rank
-        came (DraftTokens.hit_rank), also h of the smaller `shapes`: a tree of n holds ranks < n."""
-        self.hit_rate[branches] = running_mean(self.hit_rate.get(branches), hits / looked_up)
-        self.hit_window.setdefault(branches, deque(maxlen=HITS_WINDOW)).append((hits, looked_up))
-        for n in shapes if ranks is not None and min(ranks, default=0) >= 0 else ():
-            if 0 < n < branches:
-                self.hit_rate[n] = running_mean(self.hit_rate.get(n), (n_hits := sum(r < n for r in ranks)) / looked_up)
-                self.hit_window.setdefault(n, deque(maxlen=HITS_WINDOW)).append((n_hits, looked_up))
+        came (DraftTokens.hit_rank), also h of the smaller `shapes`: a tree of n holds ranks < n.
+        Each shape's last HITS_WINDOW rounds of look-ups are kept too, with their sums."""
+        ranked = ranks is not None and min(ranks, default=0) >= 0
+        for n, n_hits in [(branches, hits)] + [(n, sum(r < n for r in ranks)) for n in shapes
+                                               if ranked and 0 < n < branches]:
+            self.hit_rate[n] = running_mean(self.hit_rate.get(n), n_hits / looked_up)
+            window = self.hit_window.setdefault(n, deque(maxlen=HITS_WINDOW))
+            old = window[0] if len(window) == HITS_WINDOW else (0, 0)
+            window.append((n_hits, looked_up))
+            h, m = self.hit_sums.get(n, (0, 0))
+            self.hit_sums[n] = (h + n_hits - old[0], m + looked_up - old[1])
 
     def add_chain(self, wait_s: float) -> None:
         """One wait for a chain drafted on request. c is the least of the last WINDOW: a
@@ -224,11 +229,10 @@ class Costs:
         (9 sequences) says little about the full one (16): the step's fixed costs are
         spread over fewer tokens.
 
-        An SSD step with a miss waits for the jit chain, one without does not: 8 steps at a
-        hit rate of 0.84 hold 1.3 misses, give or take 1, which moves their time by 7% at batch
-        1. Where the window holds both kinds of steps at one batch size B, and the shape has
-        HITS_WINDOW rounds of look-ups, the step time is their two means weighed by h^B, the
-        chance that no sequence misses, with h over those rounds."""
+        An SSD step with a miss waits for the jit chain: 8 steps at a hit rate of 0.84 hold 1.3
+        misses, give or take 1 (7% of their time at batch 1). Where the window holds steps with
+        and without one at one batch size B, and the shape HITS_WINDOW rounds of look-ups, the
+        step time is the two kinds' means weighed by h^B (no sequence misses), h over those."""
         window = self.realized.get(plan)
         if window and batch is not None:
             window = [e for e in window if abs(e[0] - batch) <= batch // 8]
@@ -239,10 +243,11 @@ class Costs:
         sequences, tokens, seconds = (sum(e[i] for e in kept) for i in range(3))
         per_seq = self.tokens_per_sequence(plan, k)
         tokens = tokens if per_seq is None else per_seq * sequences
-        hits = self.hit_window.get(plan.branches, ())
-        split = [[e[2] for e in kept if e[3] is m] for m in (False, True)]
-        if all(split) and per_seq is not None and len(hits) == HITS_WINDOW and len({e[0] for e in kept}) == 1:
-            q = (sum(h for h, _ in hits) / sum(n for _, n in hits)) ** kept[0][0]
+        hits = self.hit_window.get(plan.branches, ()) if plan.work_ahead and per_seq is not None else ()
+        split = [[e[2] for e in kept if e[3] is m] for m in (False, True)] if len(hits) == HITS_WINDOW else ()
+        if split and all(split) and len({e[0] for e in kept}) == 1:
+            h, n = self.hit_sums[plan.branches]
+            q = (h / n) ** kept[0][0]
             hit_s, miss_s = (sum(x) / len(x) for x in split)
             return tokens / len(kept) / (q * hit_s + (1 - q) * miss_s)
         return tokens / seconds

@@ -346,7 +346,7 @@ class RoundPolicy:
         if p3 == p2 == p1 == plan and k3 == key:
             # Sequences without a draft (a miss with no backup) produce one token.
             c.add_realized(plan, batch, drafted_tokens + batch - num_drafted, wait_s + busy_s,
-                           num_hits < num_specs if plan.work_ahead else None)
+                           bool(num_hits < num_specs) if plan.work_ahead else None)
         if p2.kind == p1.kind == "sd":  # a chain drafted on request; the first after other steps also takes in
             c.add_chain(wait_s)  # their outcomes (on the target's GPU at once: 52.9 ms against about 8 on an H200)
         if p2.work_ahead and p2.branches == plan.branches and p1 == p2 and plan == p2:
