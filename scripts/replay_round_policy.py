@@ -33,7 +33,7 @@ import re
 import statistics
 import sys
 import time
-from collections import Counter, deque
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -151,10 +151,10 @@ def seed_costs(policy: RoundPolicy, records, batch: int, context: int, levels: l
     for n in levels:
         looked = [(kw["num_hits"], kw["num_specs"]) for plan, kw in steady
                   if plan.kind == "ssd" and plan.branches == n and kw["num_specs"]]
+        for h, s in looked[-HITS_WINDOW:]:  # the long-run window of look-ups, as the rounds would fill it
+            c.add_hits(n, h, s)
         if looked:
             c.hit_rate[n] = sum(h for h, _ in looked) / sum(s for _, s in looked)
-            c.hit_window[n] = deque(looked[-HITS_WINDOW:], maxlen=HITS_WINDOW)
-            c.hit_sums[n] = tuple(map(sum, zip(*c.hit_window[n])))
 
 
 def simulate(records, batch: int, levels: list[int], k: int, steps: int, seed: int,
