@@ -37,16 +37,16 @@ dropped: its first three steps back measure nothing. A probe costs its steps and
 choice stands (or one skipped) doubles the wait for the next (up to 8 x probe_every steps); a change of choice restores
 it. A choice that stood RANK_EVERY rankings in a row is ranked once in RANK_EVERY steps, then twice as far apart at
 each ranking that keeps it, up to MAX_HOLD steps: ranking every option is most of the policy's host time (0.16 ms with
-the caches cold, as between GPU steps). S, P, H and W are medians of their last 8 samples (the least of two); running
-means clamp each sample to within 4x of the mean: one stall does not skew them. A step measures an option only when the
-two requests before it named it (its wait answers the request one back, from the cache built after the request two
-back; a plain step queued ahead may name the next step's plan, target_proc/ahead.py), and no sequence of the batch is
-in its first STEADY_AFTER_ROUNDS rounds. A realized rate also needs the request three back: the first chain after SSD
-rounds feeds the draft the last hit's branch (its KV is in the tree's scratch rows), a switch's cost. Where no request
-waits, the batch drains: a step runs plain instead of the choice where the spread the choice adds between the sequences
-makes it MARGIN slower than plain steps (target_proc/drain.py), and a periodic probe starts only with DRAIN_PROBE_LEFT
-times its wait in tokens left (its switches and spread cost more than a short rest of the batch returns). `jit` is the
-only backup at batch 1; from 2 one miss holds up the batch: jit:N and none too.
+the caches cold, as between GPU steps). A step measures an option only when the two requests before it named it (its
+wait answers the request one back, from the cache built after the request two back; a plain step queued ahead may name
+the next step's plan, target_proc/ahead.py), and no sequence of the batch is in its first STEADY_AFTER_ROUNDS rounds. A
+realized rate also needs the request three back: the first chain after SSD rounds feeds the draft the last hit's branch
+(its KV is in the tree's scratch rows), a switch's cost. Where no request waits, the batch drains: a step runs plain
+instead of the choice where the spread the choice adds between the sequences makes it MARGIN slower than plain steps
+(target_proc/drain.py) or no sequence has two tokens to go, a bucket without its first measurements runs plain with
+fewer tokens left than they take, and a periodic probe starts only with DRAIN_PROBE_LEFT times its wait in tokens left
+(its switches and spread cost more than a short rest of the batch returns). `jit` is the only backup at batch 1; from 2
+one miss holds up the batch: jit:N and none too.
 
 A draft on one of the target's GPUs gets no SSD rounds (unless SD rounds are ruled out): its work-ahead would
 compete with the verify for the same GPU (docs/benchmarks.md measures it). Overrides pin what they name:
@@ -123,8 +123,8 @@ class RoundPolicy:
         self._current: dict[int, tuple[int, int]] = {}  # batch bucket -> the key of its last step
         self._history: deque = deque([(0, None)] * 3, maxlen=3)  # (bucket, plan) of the last three steps
         self._visit: tuple = ((0, 0), 0, 0, None)  # the last step's bucket and batch, steps at it, what came before
-        self.steps, self.num_switches = Counter(), 0  # steps per plan kind, changes of a bucket's choice
-        self.host_s = 0.0  # time spent in choose and record_step (the worker's calls)
+        # Steps per plan kind, changes of a bucket's choice, time spent in choose and record_step (the worker's calls).
+        self.steps, self.num_switches, self.host_s = Counter(), 0, 0.0
 
     @classmethod
     def for_config(cls, cfg) -> "RoundPolicy":
@@ -149,23 +149,20 @@ class RoundPolicy:
 
     def shapes(self, batch: int) -> list[int]:
         """The tree shapes of this batch size's SSD options, largest first (one pinned: [0])."""
-        levels = self.tree_levels(batch)
-        return levels if len(levels) > 1 else [0]
+        return levels if len(levels := self.tree_levels(batch)) > 1 else [0]
 
     def options(self, batch: int) -> list[RoundPlan]:
         """Every plan allowed at this batch size: SSD shapes (largest first) x backups, SD, halves, plain."""
-        if batch not in self._options:
-            self._options[batch] = self._list_options(batch)
-        return self._options[batch]
-
-    def _list_options(self, batch: int) -> list[RoundPlan]:
+        if (cached := self._options.get(batch)) is not None:
+            return cached
         shapes = self.shapes(batch)
         short = [f"jit:{self.short_jit}"] if self.short_jit else []
         auto = ["jit", *short, "none"] if batch >= JIT_ONLY_BELOW else ["jit"]
         backups = auto if self.backup_auto else [""]
         out = [RoundPlan("ssd", n, b) for b in backups for n in shapes] if self.allow_ssd else []
         halves = self.allow_halves and (batch >= HALVES_FROM_BATCH or not (self.allow_ssd or self.allow_sd))
-        return out + [SD] * self.allow_sd + [HALVES] * halves + [PLAIN] * self.allow_plain
+        self._options[batch] = out = out + [SD] * self.allow_sd + [HALVES] * halves + [PLAIN] * self.allow_plain
+        return out
 
     # ---------------------------------------------------------------- choosing
 
@@ -190,16 +187,17 @@ class RoundPolicy:
         if b.probe and key != last:  # its bucket was left (module doc): drop it
             b.probe.clear()
             b.probed = None
+        if drain and drain[0] <= 1 and PLAIN in opts:  # no sequence has two tokens to go: a round yields no more
+            return PLAIN
         if b.probe:
             stand_in = b.choice if b.choice in opts else PLAIN if self.allow_plain else None
             return b.probe.popleft() if steady or stand_in is None else stand_in
         if b.hold and b.choice in opts:  # (a batch that shrank may not offer it)
-            b.hold -= 1
-            b.steps_since_probe += 1
+            b.hold, b.steps_since_probe = b.hold - 1, b.steps_since_probe + 1
             return self._drained(b.choice, batch, b.costs, drain)
         b.hold = 0
         c, first = b.costs, first_option(batch, opts)
-        if (plan := self._first_measurements(b, first, steady, opts)) is not None:
+        if (plan := self._first_measurements(b, first, steady, opts, drain)) is not None:
             return plan
         if c.halves_s is None and HALVES in opts and (half := self._buckets.get(self.key((batch + 1) // 2, context))):
             c.halves_est_s = halves_estimate(half.costs)  # unmeasured: H from half the batch's bucket
@@ -254,10 +252,11 @@ class RoundPolicy:
         b.probed, b.extended = target, False
         return self._start_probe(b, target)
 
-    def _first_measurements(self, b: _Bucket, first: RoundPlan, steady: bool, opts: list) -> RoundPlan | None:
+    def _first_measurements(self, b: _Bucket, first: RoundPlan, steady: bool, opts: list, drain) -> RoundPlan | None:
         """What the bucket lacks (the largest tree, then c) is measured first, or None. A step of a
         filling batch measures nothing, and as a round would wait for the draft's prefill: plain.
-        Until the batch size stood SETTLE_STEPS steps, the previous bucket's choice stands (not SSD)."""
+        Until the batch size stood SETTLE_STEPS steps, the previous bucket's choice stands (not SSD).
+        A drain with fewer tokens left than a first measurement's steps (warmup + 3) runs plain."""
         c = b.costs
         unmeasured = first.kind == "ssd" and c.samples[("w", first.branches)] < max(self.warmup, _MIN_SAMPLES)
         no_chain = self.allow_sd and c.chain_s is None
@@ -269,6 +268,8 @@ class RoundPolicy:
         came = SD if came == HALVES and HALVES not in opts else came
         if steps < SETTLE_STEPS and came is not None and not came.work_ahead and came in opts:
             return came
+        if drain and drain[0] < self.warmup + 3 and self.allow_plain:
+            return PLAIN
         return first if unmeasured else self._start_probe(b, SD)
 
     def _extend_probe(self, b: _Bucket, batch: int, best: RoundPlan, rates: dict) -> bool:
@@ -290,8 +291,7 @@ class RoundPolicy:
     def _set_choice(self, key: tuple[int, int], b: _Bucket, plan: RoundPlan, rates: dict) -> None:
         if plan == b.choice:
             return
-        if b.choice is not None:
-            self.num_switches += 1
+        self.num_switches += b.choice is not None
         b.backoff = 1  # the costs moved: probe at the full rate again
         b.left, b.choice = b.choice, plan
         others = ", ".join(f"{p.label()} {r:.0f}" for p, r in sorted(rates.items(), key=lambda x: -x[1]) if p != plan)
@@ -383,8 +383,7 @@ class RoundPolicy:
         return self._bucket(self.key(batch, context)).costs
 
     def _bucket(self, key: tuple[int, int], came_from: tuple[int, int] | None = None) -> _Bucket:
-        b = self._buckets.get(key)  # no new _Bucket (and Costs) built per call for setdefault
-        if b is None:
+        if (b := self._buckets.get(key)) is None:  # no new _Bucket (and Costs) built per call for setdefault
             b = self._buckets[key] = _Bucket()
             src = self._buckets.get(came_from) if came_from else None  # (the same batch bucket)
             if src is not None and src.choice is not None and key[1] in (2 * came_from[1], came_from[1] // 2):

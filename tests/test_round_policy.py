@@ -939,6 +939,32 @@ def test_a_draining_batch_keeps_the_choice_of_the_bucket_it_left():
     assert [q.choose(b) for b in (15, 12, 9, 8, 7, 5, 3)] == [HALVES] * 4 + [SD] * 3  # 8: a bucket of its own
 
 
+def test_a_drain_measures_no_bucket_in_its_last_steps():
+    """SSD rounds win at batch 16, plain steps at 32. As batch 32 drains, bucket 16 runs plain
+    steps instead of its SSD choice (the spread its rounds would add costs more than they
+    return over the few tokens left), and the buckets below, never measured, run plain too
+    while fewer tokens are left than their first measurements take (warmup + 3 steps), rather
+    than measuring the largest tree for a step or two; with more left they measure it. Where no
+    sequence has two tokens to go a round yields no more than a plain step: plain, in a
+    measured bucket too."""
+    p = _policy(k=4)
+    simulate(p, 16, 300, verify_s=0.010, chain_s=0.015, work_s={16: 0.011, 8: 0.010, 4: 0.009},
+             hit_rate={16: 0.8, 8: 0.7, 4: 0.6}, tokens=2.2, plain_s=0.008)
+    simulate(p, 32, 300, verify_s=0.010, chain_s=0.015, work_s={16: 0.030, 8: 0.025, 4: 0.020},
+             hit_rate={16: 0.5, 8: 0.4, 4: 0.3}, tokens=1.5, plain_s=0.009)
+    assert p.summary() == {16: "ssd 16 branches, backup none", 32: "plain"}
+    drain = [p.choose(b, drain=(left, 0.0)) for b, left in [(20, 30), (15, 10), (10, 8), (7, 6), (5, 5), (3, 3),
+                                                           (2, 2), (1, 1)]]
+    assert drain == [PLAIN] * len(drain)
+    assert p.choose(2, drain=(7, 0.0)) == RoundPlan("ssd", LEVELS[0], "jit")  # enough left to measure
+    q = _policy(k=4)
+    simulate(q, 1, 200, verify_s=0.010, chain_s=0.004, work_s={16: 0.008, 8: 0.007, 4: 0.006},
+             hit_rate={16: 0.9, 8: 0.8, 4: 0.7})
+    best = RoundPlan("ssd", 16, "jit")
+    assert q.summary() == {1: best.label()}
+    assert [q.choose(1, drain=(left, 0.0)) for left in (3, 2, 1)] == [best, best, PLAIN]
+
+
 @pytest.mark.parametrize("tokens, faster", [(1.3, "plain"), (3.0, "ssd")])
 def test_replay_simulates_a_fresh_policy_on_the_recorded_costs(tmp_path, capsys, tokens, faster):
     """--simulate: a fresh policy run on costs drawn from the records; it finds what the
