@@ -3,7 +3,8 @@ launches a graph could be captured with: for each model shape, batch, q_len (dec
 verify, or with --tree a tree step's branches per request) and context length, us per
 layer at the split count the runtime picks (kernels/paged.py::num_splits_for) and at
 each of CANDIDATES; with --block-ns, --warps or --stages also at each of those kv
-blocks and launches (the runtime's at each split count first). Needs a CUDA GPU.
+blocks and launches (the runtime's at each split count first); --splits names other split
+counts than CANDIDATES. Needs a CUDA GPU.
 
 Each point is captured in a CUDA graph of calls cycling over enough layers' KV (at least
 COPY_BYTES) that it streams from memory as in a forward; the figure is us per call, and
@@ -149,7 +150,7 @@ def _point(torch, args, shape, bs, q_len, ctx, kv, num_sms, launches):
     runtime = num_splits_for(bs, hkv, num_sms, rows_per_req, tile_rows=tile, head_dim=d)
     keys = dict.fromkeys([(runtime, kv_block(d, tile), 4, None)] + [
         (splits, block_n or kv_block(d, tile), warps or 4, stages)
-        for splits in sorted({runtime, *CANDIDATES}) for block_n, warps, stages in launches])
+        for splits in sorted({runtime, *(args.splits or CANDIDATES)}) for block_n, warps, stages in launches])
     us = {}
     for key in keys:
         splits, block_n, warps, stages = key
@@ -172,6 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--contexts", default="512,2048,4096,8192")
     p.add_argument("--tree", action="store_true", help="tree steps: q_len branches per request under the tree mask")
     p.add_argument("--cascade", action="store_true", help="tree points also through flashinfer's cascade (module doc)")
+    p.add_argument("--splits", type=_ints, default=None, help="split counts to time (default: CANDIDATES)")
     p.add_argument("--block-ns", default=None, help="kv blocks to time (default: the runtime's, kv_block)")
     p.add_argument("--warps", default=None, help="num_warps to time (default: the runtime's, 4)")
     p.add_argument("--stages", default=None, help="num_stages to time (default: Triton's)")

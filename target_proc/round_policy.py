@@ -43,10 +43,11 @@ the next step's plan, target_proc/ahead.py), and no sequence of the batch is in 
 realized rate also needs the request three back: the first chain after SSD rounds feeds the draft the last hit's branch
 (its KV is in the tree's scratch rows), a switch's cost. Where no request waits, the batch drains: a step runs plain
 instead of the choice where the spread the choice adds between the sequences makes it MARGIN slower than plain steps
-(target_proc/drain.py) or no sequence has two tokens to go, a bucket without its first measurements runs plain with
-fewer tokens left than they take, and a periodic probe starts only with DRAIN_PROBE_LEFT times its wait in tokens left
-(its switches and spread cost more than a short rest of the batch returns). `jit` is the only backup at batch 1; from 2
-one miss holds up the batch: jit:N and none too.
+(target_proc/drain.py) or no sequence has two tokens to go, a step after a plain one stays plain with fewer tokens left
+than warmup + 3 (the first rounds after a switch find no tree: they would not pay), and a periodic probe starts only
+with DRAIN_PROBE_LEFT times its wait in tokens left (its switches and spread cost more than a short rest of the batch
+returns; alone, a sequence adds no spread: its wait). `jit` is the only backup at batch 1; from 2 one miss holds up the
+batch: jit:N and none too.
 
 A draft on one of the target's GPUs gets no SSD rounds (unless SD rounds are ruled out): its work-ahead would
 compete with the verify for the same GPU (docs/benchmarks.md measures it). Overrides pin what they name:
@@ -123,6 +124,7 @@ class RoundPolicy:
         self._current: dict[int, tuple[int, int]] = {}  # batch bucket -> the key of its last step
         self._history: deque = deque([(0, None)] * 3, maxlen=3)  # (bucket, plan) of the last three steps
         self._visit: tuple = ((0, 0), 0, 0, None)  # the last step's bucket and batch, steps at it, what came before
+        self._last: RoundPlan | None = None  # the last step's plan
         # Steps per plan kind, changes of a bucket's choice, time spent in choose and record_step (the worker's calls).
         self.steps, self.num_switches, self.host_s = Counter(), 0, 0.0
 
@@ -170,7 +172,7 @@ class RoundPolicy:
         """The plan of the step over `batch` sequences of `context` tokens on average; steady: as `record`'s; drain:
         (left, spread) of the sequences' remaining tokens where no request waits (drain.batch_drain), else None."""
         t0 = time.perf_counter()
-        plan = self._choose(batch, context, steady, drain)
+        plan = self._last = self._choose(batch, context, steady, drain)
         self.host_s += time.perf_counter() - t0
         self.steps[plan.kind] += 1
         return plan
@@ -187,8 +189,8 @@ class RoundPolicy:
         if b.probe and key != last:  # its bucket was left (module doc): drop it
             b.probe.clear()
             b.probed = None
-        if drain and drain[0] <= 1 and PLAIN in opts:  # no sequence has two tokens to go: a round yields no more
-            return PLAIN
+        if drain and PLAIN in opts and (drain[0] <= 1 or drain[0] < self.warmup + 3 and self._last == PLAIN):
+            return PLAIN  # a round yields no more, or a switch's first rounds (no tree yet) would not pay
         if b.probe:
             stand_in = b.choice if b.choice in opts else PLAIN if self.allow_plain else None
             return b.probe.popleft() if steady or stand_in is None else stand_in
@@ -197,7 +199,7 @@ class RoundPolicy:
             return self._drained(b.choice, batch, b.costs, drain)
         b.hold = 0
         c, first = b.costs, first_option(batch, opts)
-        if (plan := self._first_measurements(b, first, steady, opts, drain)) is not None:
+        if (plan := self._first_measurements(b, first, steady, opts)) is not None:
             return plan
         if c.halves_s is None and HALVES in opts and (half := self._buckets.get(self.key((batch + 1) // 2, context))):
             c.halves_est_s = halves_estimate(half.costs)  # unmeasured: H from half the batch's bucket
@@ -220,7 +222,8 @@ class RoundPolicy:
         self._set_choice(key, b, best, rates)
         b.steps_since_probe += 1
         wait = self.probe_every * b.backoff
-        if len(ranked) > 1 and b.steps_since_probe >= wait and (drain is None or drain[0] >= DRAIN_PROBE_LEFT * wait):
+        need = (DRAIN_PROBE_LEFT if batch > 1 else 1) * wait  # tokens left a draining batch's probe needs
+        if len(ranked) > 1 and b.steps_since_probe >= wait and (drain is None or drain[0] >= need):
             b.steps_since_probe = 0
             if (plan := self._periodic_probe(b, batch, best, ranked, rates)) is not None:
                 return plan
@@ -252,11 +255,10 @@ class RoundPolicy:
         b.probed, b.extended = target, False
         return self._start_probe(b, target)
 
-    def _first_measurements(self, b: _Bucket, first: RoundPlan, steady: bool, opts: list, drain) -> RoundPlan | None:
+    def _first_measurements(self, b: _Bucket, first: RoundPlan, steady: bool, opts: list) -> RoundPlan | None:
         """What the bucket lacks (the largest tree, then c) is measured first, or None. A step of a
         filling batch measures nothing, and as a round would wait for the draft's prefill: plain.
-        Until the batch size stood SETTLE_STEPS steps, the previous bucket's choice stands (not SSD).
-        A drain with fewer tokens left than a first measurement's steps (warmup + 3) runs plain."""
+        Until the batch size stood SETTLE_STEPS steps, the previous bucket's choice stands (not SSD)."""
         c = b.costs
         unmeasured = first.kind == "ssd" and c.samples[("w", first.branches)] < max(self.warmup, _MIN_SAMPLES)
         no_chain = self.allow_sd and c.chain_s is None
@@ -268,8 +270,6 @@ class RoundPolicy:
         came = SD if came == HALVES and HALVES not in opts else came
         if steps < SETTLE_STEPS and came is not None and not came.work_ahead and came in opts:
             return came
-        if drain and drain[0] < self.warmup + 3 and self.allow_plain:
-            return PLAIN
         return first if unmeasured else self._start_probe(b, SD)
 
     def _extend_probe(self, b: _Bucket, batch: int, best: RoundPlan, rates: dict) -> bool:

@@ -939,14 +939,15 @@ def test_a_draining_batch_keeps_the_choice_of_the_bucket_it_left():
     assert [q.choose(b) for b in (15, 12, 9, 8, 7, 5, 3)] == [HALVES] * 4 + [SD] * 3  # 8: a bucket of its own
 
 
-def test_a_drain_measures_no_bucket_in_its_last_steps():
+def test_a_drain_switches_to_no_round_in_its_last_steps():
     """SSD rounds win at batch 16, plain steps at 32. As batch 32 drains, bucket 16 runs plain
     steps instead of its SSD choice (the spread its rounds would add costs more than they
-    return over the few tokens left), and the buckets below, never measured, run plain too
-    while fewer tokens are left than their first measurements take (warmup + 3 steps), rather
-    than measuring the largest tree for a step or two; with more left they measure it. Where no
-    sequence has two tokens to go a round yields no more than a plain step: plain, in a
-    measured bucket too."""
+    return over the few tokens left). With fewer tokens left than warmup + 3, a step after a
+    plain one stays plain: the first rounds after a switch find no tree, and a bucket without
+    measurements would measure the largest tree for a step or two; with more left it measures
+    it. Where no sequence has two tokens to go a round yields no more than a plain step:
+    plain, after rounds too. A measured batch-1 bucket whose choice is SSD keeps it to the
+    end once running, but does not switch to it for the last few tokens."""
     p = _policy(k=4)
     simulate(p, 16, 300, verify_s=0.010, chain_s=0.015, work_s={16: 0.011, 8: 0.010, 4: 0.009},
              hit_rate={16: 0.8, 8: 0.7, 4: 0.6}, tokens=2.2, plain_s=0.008)
@@ -962,7 +963,22 @@ def test_a_drain_measures_no_bucket_in_its_last_steps():
              hit_rate={16: 0.9, 8: 0.8, 4: 0.7})
     best = RoundPlan("ssd", 16, "jit")
     assert q.summary() == {1: best.label()}
-    assert [q.choose(1, drain=(left, 0.0)) for left in (3, 2, 1)] == [best, best, PLAIN]
+    assert [q.choose(1, drain=(left, 0.0)) for left in (3, 2, 1, 5)] == [best, best, PLAIN, PLAIN]
+
+
+def test_a_lone_draining_sequence_still_probes():
+    """A draining batch starts a periodic probe only with DRAIN_PROBE_LEFT times its wait in
+    tokens left: the spread the probe adds, beside its switches. One sequence alone adds no
+    spread: its probes need only their wait in tokens left, or a lone request shorter than four
+    waits would keep its first choice for good."""
+    costs = dict(verify_s=0.005, chain_s=0.006, work_s={16: 0.007, 8: 0.0065, 4: 0.006},
+                 hit_rate={16: 0.7, 8: 0.6, 4: 0.5}, tokens=1.6, plain_s=0.0047)
+    for batch, probed in ((1, True), (2, False)):
+        p = _policy(k=4, probe_every=16)
+        simulate(p, batch, 40, **costs)
+        assert p.summary() == {batch: "plain"}
+        plans = simulate(p, batch, 100, drain=(40, 0.0), **costs)  # 40 tokens left: over 16, under 4 x 16
+        assert any(x.speculate for x in plans) == probed
 
 
 @pytest.mark.parametrize("tokens, faster", [(1.3, "plain"), (3.0, "ssd")])
