@@ -189,7 +189,7 @@ class RoundPolicy:
         if b.probe and key != last:  # its bucket was left (module doc): drop it
             b.probe.clear()
             b.probed = None
-        if drain and PLAIN in opts and (drain[0] <= 1 or drain[0] < self.warmup + 3 and self._last == PLAIN):
+        if drain and (drain[0] <= 1 or drain[0] < self.warmup + 3 and self._last == PLAIN) and PLAIN in opts:
             return PLAIN  # a round yields no more, or a switch's first rounds (no tree yet) would not pay
         if b.probe:
             stand_in = b.choice if b.choice in opts else PLAIN if self.allow_plain else None
