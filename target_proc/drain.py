@@ -104,7 +104,7 @@ def drained_rate(rate: float | None, plan, batch: int, c, k: int, drain: tuple[i
             or c.tokens is None:
         return rate
     left, spread = drain
-    a, v = round_moments(plan.kind, plan.backup, c.tokens, c.hit_rate.get(plan.branches), k)
+    a, v = round_moments(plan.kind, plan.backup, c.tokens, c.long_hit_rate(plan.branches), k)
     extra = spread_z(batch) * (math.sqrt(spread * spread + v * left / a) - spread)
     return left * batch / (left * batch / rate + extra * p)
 

@@ -13,6 +13,7 @@ halves probe yields one sample of H); h and e running means):
          transfer included), the least of its last 8;
   W[n]   the draft's work-ahead at shape n (glue + K tree steps), as it reports it;
   h[n]   the share of look-ups that hit a tree of shape n (smaller n also in larger trees);
+         a plan's expected tokens take it over the last 64 rounds (Costs.long_hit_rate);
   a      tokens per sequence per round with a full speculation (accepted + 1), the
          mean over the last 32 rounds;
   e      what SSD rounds wait beyond the model below (transfer, answer time).
@@ -181,6 +182,12 @@ class Costs:
             h, m = self.hit_sums.get(n, (0, 0))
             self.hit_sums[n] = (h + n_hits - old[0], m + looked_up - old[1])
 
+    def long_hit_rate(self, branches: int) -> float | None:
+        """h[branches] over its last HITS_WINDOW rounds (the running mean below WINDOW of them): what a plan's
+        tokens are expected from, where h's running mean follows the last few rounds' luck."""
+        window, (h, n) = self.hit_window.get(branches, ()), self.hit_sums.get(branches, (0, 0))
+        return h / n if len(window) >= WINDOW and n else self.hit_rate.get(branches)
+
     def add_chain(self, wait_s: float) -> None:
         """One wait for a chain drafted on request. c is the least of the last WINDOW: a
         chain's cost is what it takes undisturbed, and a stall (a kernel built on first
@@ -196,18 +203,14 @@ class Costs:
         self.tokens = sum(t for t, _ in self.tokens_window) / sum(n for _, n in self.tokens_window)
 
     def tokens_per_sequence(self, plan: "RoundPlan", k: int = 0) -> float | None:
-        """Expected tokens per sequence of one step of `plan`: 1 for a plain step, a for
-        SD and for SSD with the jit backup (every sequence verifies a full speculation),
-        the model's mix of hits and misses for `none` and `jit:N`; None for the
-        configured backup (the step's own tokens count) or while a or h is unmeasured."""
-        if plan.kind == "plain":
-            return 1.0
-        if self.tokens is None:
-            return None
+        """Expected tokens per sequence of one step of `plan`: 1 for a plain step, a for SD and SSD with the jit backup
+        (each sequence verifies a full speculation), the model's mix of hits and misses (long_hit_rate) for `none`
+        and `jit:N`; None for the configured backup (the step's own tokens count) or while a or h is unmeasured."""
+        if plan.kind == "plain" or self.tokens is None:
+            return 1.0 if plan.kind == "plain" else None
         if plan.kind in ("sd", "halves") or plan.backup == "jit":
             return self.tokens
-        h = self.hit_rate.get(plan.branches)
-        n = short_jit_len(plan.backup)
+        h, n = self.long_hit_rate(plan.branches), short_jit_len(plan.backup)
         if h is None or not (plan.backup == "none" or (n and k)):
             return None
         missed = 1.0 if plan.backup == "none" else chain_tokens(self.tokens, k, n)
@@ -220,19 +223,17 @@ class Costs:
         that holds up a few steps in a row) is left out: an SSD step over STALL times the
         window's median, as SSD steps wait for the jit chain whenever a sequence misses;
         a step of another plan, whose steps each take about the same time, over
-        STEADY_STALL times. Time, not each step's tokens/s, is what a plan's steps realize:
-        at batch 1 a step's tokens range from 1 to K + 1, and a window of such ratios would
-        rank options by luck.
+        STEADY_STALL times. Time, not each step's tokens/s, is what a plan's steps realize: at batch 1 a step's
+        tokens range from 1 to K + 1, and a window of such ratios would rank options by luck.
 
-        batch: count only steps of about this many sequences (within an eighth). A bucket
-        holds batch sizes up to twice apart, and a rate realized while a batch was filling
-        (9 sequences) says little about the full one (16): the step's fixed costs are
-        spread over fewer tokens.
+        batch: count only steps of about this many sequences (within an eighth). A bucket holds batch sizes up to
+        twice apart, and a rate realized while a batch was filling (9 sequences) says little about the full one
+        (16): the step's fixed costs are spread over fewer tokens.
 
-        An SSD step with a miss waits for the jit chain: 8 steps at a hit rate of 0.84 hold 1.3
-        misses, give or take 1 (7% of their time at batch 1). Where the window holds steps with
-        and without one at one batch size B, and the shape HITS_WINDOW rounds of look-ups, the
-        step time is the two kinds' means weighed by h^B (no sequence misses), h over those."""
+        An SSD step with a miss waits for the jit chain: 8 steps at a hit rate of 0.84 hold 1.3 misses, give or
+        take 1 (7% of their time at batch 1). Where the window holds steps with and without one at one batch size
+        B, and the shape HITS_WINDOW rounds of look-ups, the step time is the two kinds' means weighed by h^B (no
+        sequence misses), h over those."""
         window = self.realized.get(plan)
         if window and batch is not None:
             window = [e for e in window if abs(e[0] - batch) <= batch // 8]
@@ -246,8 +247,7 @@ class Costs:
         hits = self.hit_window.get(plan.branches, ()) if plan.work_ahead and per_seq is not None else ()
         split = [[e[2] for e in kept if e[3] is m] for m in (False, True)] if len(hits) == HITS_WINDOW else ()
         if split and all(split) and len({e[0] for e in kept}) == 1:
-            h, n = self.hit_sums[plan.branches]
-            q = (h / n) ** kept[0][0]
+            q = self.long_hit_rate(plan.branches) ** kept[0][0]
             hit_s, miss_s = (sum(x) / len(x) for x in split)
             return tokens / len(kept) / (q * hit_s + (1 - q) * miss_s)
         return tokens / seconds

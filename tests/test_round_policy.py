@@ -26,7 +26,7 @@ from target_proc.round_policy import (
     predict,
     short_jit_len,
 )
-from target_proc.round_model import HALVES_SLACK, halves_estimate, smaller_work
+from target_proc.round_model import HALVES_SLACK, WINDOW, halves_estimate, smaller_work
 
 LEVELS = [16, 8, 4]
 
@@ -432,10 +432,10 @@ def test_a_realized_rate_weighs_hit_and_miss_steps_by_the_long_run_hit_rate():
     c.add_hits(15, 0, 1)  # 64 rounds: 48 hits
     assert c.realized_rate(ssd) == pytest.approx(3.0 / (0.75 * 0.010 + 0.25 * 0.015))
     assert c.realized_rate(ssd, batch=2) is None  # no step of about 2 sequences
-    only_hits = RoundPlan("ssd", 15, "none")
+    only_hits = RoundPlan("ssd", 7, "none")
     for _ in range(4):
         c.add_realized(only_hits, 1, 3, 0.010, missed=False)
-    c.hit_rate[15] = 1.0
+    c.hit_rate[7] = 1.0
     assert c.realized_rate(only_hits) == pytest.approx(3.0 / 0.010)
     pair = Costs(tokens=3.0)
     for i in range(6):
@@ -444,6 +444,27 @@ def test_a_realized_rate_weighs_hit_and_miss_steps_by_the_long_run_hit_rate():
         pair.add_hits(15, 3, 4)
     q = 0.75 ** 2
     assert pair.realized_rate(ssd) == pytest.approx(6.0 / (q * 0.010 + (1 - q) * 0.015))
+
+
+def test_expected_tokens_take_the_long_run_hit_rate():
+    """A tree whose last rounds happened to miss: a plan's expected tokens take h over the
+    shape's last HITS_WINDOW rounds once WINDOW of them are in, not the running mean that
+    follows the last few rounds (below WINDOW rounds, the running mean)."""
+    none, short = RoundPlan("ssd", 7, "none"), RoundPlan("ssd", 7, "jit:1")
+    c = Costs(tokens=3.0)
+    for _ in range(WINDOW - 2):
+        c.add_hits(7, 2, 2)
+    c.add_hits(7, 0, 2)
+    assert c.long_hit_rate(7) == pytest.approx(c.hit_rate[7])
+    assert c.tokens_per_sequence(none) == pytest.approx(c.hit_rate[7] * 3.0 + (1 - c.hit_rate[7]))
+    for _ in range(40):
+        c.add_hits(7, 2, 2)
+    for _ in range(4):
+        c.add_hits(7, 0, 2)
+    h = (2 * (WINDOW - 2) + 80) / (2 * (WINDOW - 1 + 44))
+    assert c.hit_rate[7] < 0.7 < h == pytest.approx(c.long_hit_rate(7))
+    assert c.tokens_per_sequence(none) == pytest.approx(h * 3.0 + (1 - h))
+    assert c.tokens_per_sequence(short, 4) == pytest.approx(h * 3.0 + (1 - h) * chain_tokens(3.0, 4, 1))
 
 
 def test_a_realized_rate_counts_expected_tokens_not_the_steps_own():
