@@ -10,7 +10,7 @@ halves probe yields one sample of H); h and e running means):
   P      a plain step;
   H      a halves step, scaled to the whole batch;
   c      the wait for a chain drafted on request (SD rounds: the draft's chain step,
-         transfer included), the least of its last 8;
+         transfer included), the least of its last 8; till then any floor known (round_policy.py);
   W[n]   the draft's work-ahead at shape n (glue + K tree steps), as it reports it;
   h[n]   the share of look-ups that hit a tree of shape n (smaller n also in larger trees);
          a plan's expected tokens take it over the last 64 rounds (Costs.long_hit_rate);

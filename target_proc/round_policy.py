@@ -15,7 +15,9 @@ policy predicts each one's tokens/s (target_proc/round_model.py; once an option 
 its realized rate stands in) and runs the fastest.
 
 How it chooses: the largest tree first, until it is measured (from batch 4 with backup none, below with jit:
-round_model.first_option); then one probe of SD rounds (measures c); till then a step that measures nothing (a filling
+round_model.first_option); then one probe of SD rounds (measures c), unless buckets of fewer sequences and no longer
+contexts measured c: the largest of theirs stands in, a floor (a chain over more rows or a longer context takes no
+less), and an option that needs c runs only where it wins at that; till then a step that measures nothing (a filling
 batch) is plain, and until the batch size has stood SETTLE_STEPS steps the bucket runs what the bucket it came from
 chose, unless that was an SSD round (halves as SD rounds where halves are not an option): a drain passes each bucket in
 a few steps, too few for the first measurements to pay. A bucket the batch enters as its context doubles (or halves)
@@ -24,22 +26,21 @@ afresh cost 50-140 ms of speculating steps per bucket at alpha 0.6 (docs/benchma
 prediction (halves, unmeasured, rated from half the batch's bucket: H's estimate in round_model). An option whose
 inputs are not measured yet is probed before it is run: the next smaller tree when the best one overruns the verify;
 plain decoding once its estimate with P taken as S comes within PLAIN_PRIOR_SLACK of the best, a floor: a plain step
-verifies one token per sequence, a speculating one K + 1 (in docs/benchmarks.md's runs a one-token step took 0.57-0.96
-of an SD round's verify). Every `probe_every` steps another option is probed for `probe_len` steps so its measurements
-stay current: first the choice last switched away from (a few slow steps of the host may have caused the switch, and
-its stale rate would keep it), then the one the model predicts fastest when that beats the choice's realized rate (a
-realized rate from a few steps of a transition must not rule an option out), else the runner-up (every fourth probe
-goes to the other options in turn), whose turn is skipped every other time while it rates more than CLOSE below the
-choice. A probe discards the option's earlier realized rate; one that loses by less than CLOSE runs on until it has a
-full window (8 steps), as a few steps of SSD at small batch scatter too widely to decide between options this close. A
-probe's steps wait for steps that can measure (the choice runs meanwhile), and a probe whose bucket the batch left is
-dropped: its first three steps back measure nothing. A probe costs its steps and two switches, so one after which the
-choice stands (or one skipped) doubles the wait for the next (up to 8 x probe_every steps); a change of choice restores
-it. A choice that stood RANK_EVERY rankings in a row is ranked once in RANK_EVERY steps, then twice as far apart at
-each ranking that keeps it, up to MAX_HOLD steps: ranking every option is most of the policy's host time (0.16 ms with
-the caches cold, as between GPU steps). A step measures an option only when the two requests before it named it (its
-wait answers the request one back, from the cache built after the request two back; a plain step queued ahead may name
-the next step's plan, target_proc/ahead.py), and no sequence of the batch is in its first STEADY_AFTER_ROUNDS rounds. A
+verifies one token per sequence, a speculating one K + 1. Every `probe_every` steps another option is probed for
+`probe_len` steps so its measurements stay current: first the choice last switched away from (a few slow steps of the
+host may have caused the switch, and its stale rate would keep it), then the one the model predicts fastest when that
+beats the choice's realized rate (a realized rate from a few steps of a transition must not rule an option out), else
+the runner-up (every fourth probe goes to the other options in turn), whose turn is skipped every other time while it
+rates more than CLOSE below the choice. A probe discards the option's earlier realized rate; one that loses by less
+than CLOSE runs on until it has a full window (8 steps), as a few steps of SSD at small batch scatter too widely to
+decide between options this close. A probe's steps wait for steps that can measure (the choice runs meanwhile), and a
+probe whose bucket the batch left is dropped: its first three steps back measure nothing. A probe costs its steps and
+two switches, so one after which the choice stands (or one skipped) doubles the wait for the next (up to 8 x
+probe_every steps); a change of choice restores it. A choice that stood RANK_EVERY rankings in a row is ranked once in
+RANK_EVERY steps, then twice as far apart at each ranking that keeps it, up to MAX_HOLD steps: ranking every option is
+most of the policy's host time. A step measures an option only when the two requests before it named it (its wait
+answers the request one back, from the cache built after the request two back; a plain step queued ahead may name the
+next step's plan, target_proc/ahead.py), and no sequence of the batch is in its first STEADY_AFTER_ROUNDS rounds. A
 realized rate also needs the request three back: the first chain after SSD rounds feeds the draft the last hit's branch
 (its KV is in the tree's scratch rows), a switch's cost. Where no request waits, the batch drains: a step runs plain
 instead of the choice where the spread the choice adds between the sequences makes it MARGIN slower than plain steps
@@ -106,12 +107,11 @@ class RoundPolicy:
     """Per batch-size bucket, the plan of each step; see the module doc."""
 
     def __init__(self, tree_levels, *, allow_ssd: bool = True, allow_sd: bool = True, allow_plain: bool = True,
-                 allow_halves: bool = True, backup_auto: bool = True,
-                 probe_every: int = 64, probe_len: int = 4, warmup: int = 4, k: int = 0, short_jit: int = 0):
-        """tree_levels(batch) -> the tree shapes SSD may run, largest first (one: pinned, left to the
-        draft as 0). backup_auto: choose each round's backup (jit; from batch 2 also none and, when
-        short_jit > 0, `jit:short_jit`), else keep the configured one. k: the speculation length (the
-        short jit's model). allow_halves: from HALVES_FROM_BATCH (always without SSD and SD rounds)."""
+                 allow_halves: bool = True, backup_auto: bool = True, probe_every: int = 64, probe_len: int = 4,
+                 warmup: int = 4, k: int = 0, short_jit: int = 0):
+        """tree_levels(batch) -> the tree shapes SSD may run, largest first (one: pinned, left to the draft as 0).
+        backup_auto: choose each round's backup (jit; from batch 2 also none and `jit:short_jit` if short_jit > 0),
+        else the configured one; k: the speculation length; allow_halves: from HALVES_FROM_BATCH (any if alone)."""
         if probe_every < 2 or probe_len < 1 or warmup < 1:
             raise ValueError("need probe_every >= 2, probe_len >= 1 and warmup >= 1")
         if short_jit < 0 or (short_jit and not 0 < short_jit < k):
@@ -169,8 +169,8 @@ class RoundPolicy:
     # ---------------------------------------------------------------- choosing
 
     def choose(self, batch: int, context: int = 0, steady: bool = True, drain: tuple | None = None) -> RoundPlan:
-        """The plan of the step over `batch` sequences of `context` tokens on average; steady: as `record`'s; drain:
-        (left, spread) of the sequences' remaining tokens where no request waits (drain.batch_drain), else None."""
+        """The plan of a step over `batch` sequences of `context` tokens on average; steady: as `record`'s; drain:
+        (left, spread) of their remaining tokens where no request waits (drain.batch_drain), else None."""
         t0 = time.perf_counter()
         plan = self._last = self._choose(batch, context, steady, drain)
         self.host_s += time.perf_counter() - t0
@@ -256,10 +256,13 @@ class RoundPolicy:
         return self._start_probe(b, target)
 
     def _first_measurements(self, b: _Bucket, first: RoundPlan, steady: bool, opts: list) -> RoundPlan | None:
-        """What the bucket lacks (the largest tree, then c) is measured first, or None. A step of a
-        filling batch measures nothing, and as a round would wait for the draft's prefill: plain.
-        Until the batch size stood SETTLE_STEPS steps, the previous bucket's choice stands (not SSD)."""
-        c = b.costs
+        """What the bucket lacks (the largest tree, then c) is measured first, or None. A step of a filling batch
+        measures nothing, and as a round would wait for the draft's prefill: plain. Until the batch size stood
+        SETTLE_STEPS steps, the previous bucket's choice stands (not SSD). c may come from a floor (module doc)."""
+        c, (n, ctx) = b.costs, self._visit[0]
+        if c.chain_s is None and self.allow_sd:
+            c.chain_s = max((o.costs.chain_s for (m, x), o in self._buckets.items() if m < n and x <= ctx
+                             and o.costs.chain_window), default=None)
         unmeasured = first.kind == "ssd" and c.samples[("w", first.branches)] < max(self.warmup, _MIN_SAMPLES)
         no_chain = self.allow_sd and c.chain_s is None
         if not (unmeasured or no_chain):
@@ -273,8 +276,7 @@ class RoundPolicy:
         return first if unmeasured else self._start_probe(b, SD)
 
     def _extend_probe(self, b: _Bucket, batch: int, best: RoundPlan, rates: dict) -> bool:
-        """Whether the periodic probe that has just ended runs on, once, until its realized window
-        is full: when it lost to the choice by less than CLOSE (the module doc says why)."""
+        """Whether the periodic probe just ended runs on once till its realized window is full: it lost by < CLOSE."""
         p = b.probed
         if b.extended or p == best or p not in rates or rates[p] < (1 - CLOSE) * rates[best]:
             return False
@@ -303,11 +305,10 @@ class RoundPolicy:
     def record(self, batch: int, plan: RoundPlan, *, context: int = 0, wait_s: float, busy_s: float, num_specs: int = 0,
                num_hits: int = 0, num_drafted: int = 0, drafted_tokens: int = 0, draft_work_s: float = 0.0,
                steady: bool = True, stepped: int = 0, sent: RoundPlan | None = None, hit_ranks=None) -> None:
-        """One step over `batch` sequences ran `plan`: waited wait_s for speculations (num_specs, num_hits
-        from the tree cache, hit_ranks their ranks), spent busy_s on verify and host; num_drafted sequences
-        had drafts, yielding drafted_tokens; draft_work_s: the draft's work-ahead. Not steady (a sequence in
-        its first rounds): measures nothing. stepped: the sequences run, if fewer (halves). sent: its
-        outcomes' request's plan, if not `plan` (target_proc/ahead.py)."""
+        """One step over `batch` sequences ran `plan`: waited wait_s for speculations (num_specs, num_hits from the
+        tree cache, hit_ranks their ranks), spent busy_s on verify and host; num_drafted sequences yielded
+        drafted_tokens; draft_work_s: the draft's work-ahead. Not steady (a sequence in its first rounds): measures
+        nothing. stepped: the sequences run if fewer (halves); sent: its request's plan if not `plan` (ahead.py)."""
         key = self.key(batch, context)
         c = self._bucket(key).costs
         if logger.isEnabledFor(logging.DEBUG):  # the step record (scripts/replay_round_policy.py reads it)

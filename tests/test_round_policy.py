@@ -856,6 +856,34 @@ def test_no_halves_when_a_half_costs_as_much_as_the_whole():
     assert plans[-200:].count(HALVES) <= 12 and p.num_switches <= 1
 
 
+def test_a_chain_measured_at_fewer_sequences_stands_in_for_c():
+    """Batch 4 measures c (8 ms). At batch 32, 2 tokens a sequence per round, a 9 ms verify and a
+    plain step of 5.6 ms: SD rounds would make at most 32 x 2 / (9 + 8) ms = 3.8 tokens per ms,
+    and a chain over 32 sequences takes no less than over 4; plain steps make 5.7. The bucket
+    takes batch 4's c as a floor and runs no SD probe to measure its own; periodic probes still
+    run SD (halves left out here: their estimate without half the batch's is model_rate's)."""
+    p = _policy(allow_halves=False)
+    costs = dict(plain_s=0.0056, tokens=2.0, work_s={16: 0.030, 8: 0.025, 4: 0.02}, hit_rate={16: 0.5, 8: 0.4, 4: 0.3})
+    simulate(p, 4, 60, verify_s=0.007, chain_s=0.008, **costs)
+    assert p.costs(4).chain_s == pytest.approx(0.008)
+    plans = simulate(p, 32, 60, verify_s=0.009, chain_s=0.0095, **costs)
+    c = p.costs(32)
+    assert SD not in plans and c.chain_s == pytest.approx(0.008) and not c.chain_window  # the floor
+    plans += simulate(p, 32, 140, verify_s=0.009, chain_s=0.0095, **costs)
+    assert p.summary()[32] == "plain" and plans[-60:].count(PLAIN) >= 50  # SD in periodic probes only
+
+
+def test_sd_rounds_that_win_at_the_floor_of_c_run_and_measure_it():
+    """As above with a 25 ms verify and 3 ms chains (2 ms at batch 4): SD rounds win at the floor
+    and run, and the bucket's own c replaces the floor."""
+    p = _policy(allow_halves=False)
+    costs = dict(tokens=3.0, work_s={16: 0.080, 8: 0.070, 4: 0.06}, hit_rate={16: 0.5, 8: 0.4, 4: 0.3})
+    simulate(p, 4, 60, verify_s=0.020, chain_s=0.002, **costs)
+    plans = simulate(p, 32, 200, verify_s=0.025, chain_s=0.003, **costs)
+    assert p.summary()[32] == "sd" and plans[-100:].count(SD) >= 80
+    assert p.costs(32).chain_s == pytest.approx(0.003) and p.costs(32).chain_window
+
+
 def test_no_halves_where_half_the_batch_measured_costs_as_much_as_the_whole():
     """As above, with batch 4 run first: its verify (9.8 ms) and chain (5.5 ms) put two
     half-batch steps at about 19.6 ms (HALVES_SLACK of it: 16.7), too slow against SD's
